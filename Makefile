@@ -1,0 +1,47 @@
+# The two commands that matter: `make run` and `make test`. Only Python 3.11+ is needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | cksum | cut -d' ' -f1)
+PORT ?= 8000
+SANDBOX_PORT ?= 8100
+
+.PHONY: run test lint format venv bench-ingest bench-charges clean
+
+$(STAMP): requirements.txt requirements-dev.txt
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "paysync needs Python 3.11 or newer")'
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+	@rm -f $(VENV)/.installed-* && touch $@
+
+venv: $(STAMP)
+
+run: venv
+	@mkdir -p var
+	$(BIN)/python -m payments init-db
+	@echo ""
+	@echo "  gateway  http://127.0.0.1:$(PORT)   (POST /callbacks/sandbox, POST /payments, GET /readyz)"
+	@echo "  sandbox  http://127.0.0.1:$(SANDBOX_PORT)   (the simulated payment platform)"
+	@echo "  database $${DATABASE_URL:-sqlite:///var/paysync.db}   broker $${AMQP_URL:-none (the compensator sweeps every second)}"
+	@echo ""
+	PATH="$(CURDIR)/$(BIN):$$PATH" SANDBOX_PORT=$(SANDBOX_PORT) $(BIN)/honcho start -p $(PORT)
+
+test: venv
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench-ingest: venv
+	$(BIN)/python bench/ingest.py $(BENCH_ARGS)
+
+bench-charges: venv
+	$(BIN)/python bench/charges.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .ruff_cache

@@ -1,0 +1,103 @@
+"""``python -m compensator`` runs the scheduler; ``python -m compensator JOB --once`` runs one job once.
+
+Jobs: compensate (compensate_callbacks), evaluate_alerts. Each is registered
+with ``max_instances=1`` and coalescing, so a slow sweep is never run twice at
+once in one process and missed runs collapse into one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from payments.errors import ConfigError
+from payments.logs import setup_logging
+from payments.runtime import Runtime, build_runtime
+from payments.settings import load_settings
+
+log = logging.getLogger("paysync.compensator")
+
+
+def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], float]]]:
+    """Job name -> (run_once, interval in seconds for these settings)."""
+    from compensator import compensate_callbacks, evaluate_alerts
+
+    return {
+        "compensate_callbacks": (compensate_callbacks.run_once, lambda rt: rt.settings.effective_interval_seconds),
+        "evaluate_alerts": (evaluate_alerts.run_once, lambda rt: 15.0),
+    }
+
+
+ALIASES = {"compensate": "compensate_callbacks"}
+
+
+def run_job(runtime: Runtime, name: str) -> int:
+    """Run one job once and return its count; exceptions are logged, not raised (a scheduler must live on)."""
+    run_once, _ = _jobs()[name]
+    try:
+        return run_once(runtime)
+    except Exception:  # noqa: BLE001
+        log.exception("job %s failed", name)
+        return -1
+
+
+def serve(runtime: Runtime) -> None:
+    """Run every job on its interval until SIGTERM/SIGINT."""
+    from apscheduler.schedulers.blocking import BlockingScheduler
+
+    scheduler = BlockingScheduler(
+        job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": 30}, timezone="UTC"
+    )
+    for name, (_, interval) in _jobs().items():
+        scheduler.add_job(
+            run_job,
+            "interval",
+            args=(runtime, name),
+            seconds=interval(runtime),
+            id=name,
+            name=name,
+            next_run_time=datetime.now(UTC),  # first run at start, not one interval later
+        )
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %s: stopping after running jobs finish", signum)
+        scheduler.shutdown(wait=False)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("compensator started", extra={"jobs": sorted(_jobs()), "broker": runtime.settings.has_broker})
+    scheduler.start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    parser = argparse.ArgumentParser(prog="python -m compensator")
+    parser.add_argument("job", nargs="?", help="one job to run: " + ", ".join(sorted([*_jobs(), *ALIASES])))
+    parser.add_argument("--once", action="store_true", help="run the job once and exit (for cron)")
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        print(f"compensator: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level, "compensator")
+    runtime = build_runtime(settings)
+    if args.job:
+        name = ALIASES.get(args.job, args.job)
+        if name not in _jobs():
+            parser.error(f"unknown job {args.job!r}")
+        if not args.once:
+            parser.error("a job name needs --once (the scheduler runs every job)")
+        count = run_job(runtime, name)
+        print(f"{name}: {count}")
+        return 0 if count >= 0 else 1
+    serve(runtime)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

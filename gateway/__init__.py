@@ -1,0 +1,71 @@
+"""The HTTP gateway: a Flask app factory with one blueprint per surface."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from flask import Flask, jsonify
+from werkzeug.exceptions import HTTPException
+
+from payments.db import make_engine
+from payments.providers import build_providers
+from payments.settings import Settings, load_settings
+
+log = logging.getLogger("paysync.gateway")
+
+
+def error_response(code: str, message: str, status: int, headers: dict[str, str] | None = None) -> Any:
+    """The JSON error shape of DESIGN.md section 5."""
+    response = jsonify({"error": {"code": code, "message": message}})
+    response.status_code = status
+    for key, value in (headers or {}).items():
+        response.headers[key] = value
+    return response
+
+
+def create_app(settings: Settings | None = None, *, engine: Any = None, publisher: Any = None) -> Flask:
+    """Build the gateway. Tests pass their own engine or publisher; gunicorn uses the defaults."""
+    from gateway.publisher import CallbackPublisher
+
+    settings = settings or load_settings()
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.callback_max_body_bytes
+    app.extensions["paysync"] = {
+        "settings": settings,
+        "engine": engine or make_engine(settings.database_url),
+        "providers": build_providers(settings),
+        "publisher": publisher
+        or CallbackPublisher(
+            settings.amqp_url,
+            settings.amqp_queue,
+            quorum=settings.amqp_quorum_queue,
+            timeout=settings.publish_timeout_seconds,
+        ),
+    }
+
+    from gateway.callbacks import bp as callbacks_bp
+    from gateway.health import bp as health_bp
+
+    app.register_blueprint(callbacks_bp)
+    app.register_blueprint(health_bp)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException) -> Any:
+        code = (exc.name or "error").lower().replace(" ", "_")
+        headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else None
+        return error_response(code, exc.description or exc.name, exc.code or 500, headers)
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception) -> Any:
+        log.error("unhandled error", exc_info=exc)
+        return error_response("internal_error", "internal error", 500)
+
+    return app
+
+
+def ext(name: str) -> Any:
+    """One of the objects create_app put on the current app."""
+    from flask import current_app
+
+    return current_app.extensions["paysync"][name]

@@ -1,0 +1,62 @@
+"""``POST /callbacks/<provider>``: store first, verify second, publish third, acknowledge last."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from flask import Blueprint, Response, request
+from sqlalchemy.exc import SQLAlchemyError
+
+from gateway import error_response, ext
+from payments.callbacks import reject_callback, store_callback
+from payments.errors import CallbackRejected
+
+bp = Blueprint("callbacks", __name__)
+log = logging.getLogger("paysync.gateway.callbacks")
+
+
+@bp.post("/callbacks/<provider_name>")
+def receive(provider_name: str) -> Any:
+    """Receive one provider notification (see DESIGN.md section 1 for the order of work)."""
+    provider = ext("providers").get(provider_name)
+    if provider is None:
+        return error_response("unknown_provider", f"no provider named {provider_name[:32]!r}", 404)
+    body = request.get_data(cache=False)  # raises 413 past MAX_CONTENT_LENGTH, before anything is stored
+    headers = {name: request.headers[name] for name in provider.callback_headers if name in request.headers}
+
+    # 1. The raw delivery is committed before anything else may fail.
+    engine = ext("engine")
+    try:
+        log_id = store_callback(
+            engine,
+            provider=provider_name,
+            body=body,
+            headers=headers,
+            remote_addr=request.remote_addr,
+            index=provider.peek_callback(body),
+        )
+    except SQLAlchemyError as exc:
+        log.error("callback not stored, answering 503: %s", type(exc).__name__)
+        return error_response("storage_unavailable", "callback not stored; retry later", 503, {"Retry-After": "5"})
+
+    # 2. Verify. A rejected row stays for audit (status 3).
+    try:
+        provider.parse_callback(body, headers, now=time.time())
+    except CallbackRejected as exc:
+        log.info("callback %s rejected: %s", log_id, exc.code)
+        try:
+            reject_callback(engine, log_id, f"{exc.code}: {exc}")
+        except SQLAlchemyError:
+            # The row stays status 0; the sweep re-verifies it and rejects it then.
+            log.warning("callback %s rejected but not marked; the sweep will", log_id)
+        answer = provider.reject(exc)
+        return Response(answer.body, answer.status, content_type=answer.content_type)
+
+    # 3. Fast path to the consumer; never waits on the broker.
+    ext("publisher").publish(log_id)
+
+    # 4. Acknowledge in the provider's dialect.
+    answer = provider.ack()
+    return Response(answer.body, answer.status, content_type=answer.content_type)

@@ -1,0 +1,13 @@
+"""gunicorn settings for the gateway, taken from paysync's settings."""
+
+from payments.settings import load_settings
+
+_settings = load_settings()
+
+bind = f"0.0.0.0:{_settings.port}"
+workers = _settings.web_workers
+worker_class = "sync"
+timeout = 30
+graceful_timeout = 20
+keepalive = 5
+accesslog = None  # the gateway logs what matters; a line per request costs throughput

@@ -1,0 +1,417 @@
+"""Inbound callbacks: store the raw delivery first, then process it idempotently.
+
+``store_callback`` is the gateway's step 1 (the row is the truth; nothing is
+acknowledged before it commits). ``process_callback`` is shared by the
+consumer and the compensator: one transaction that locks the row, dedupes the
+provider event, applies the state machine with a guarded UPDATE, appends to
+the ledger and marks the row processed. Anything it raises is rolled back and
+recorded on the row (retry count, backoff), and after ``max_retries`` the row
+gives up into the manual queue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import Connection, Engine, insert, select, update
+
+from payments import alerts, ledger, outbox
+from payments.backoff import RetryPolicy
+from payments.db import insert_ignore, utcnow
+from payments.errors import CallbackRejected, PaysyncError, StaleTransition, TargetNotFound
+from payments.providers import get_provider
+from payments.providers.base import CallbackEvent, Provider
+from payments.review import open_review
+from payments.schema import (
+    CB_FAILED,
+    CB_GAVE_UP,
+    CB_PENDING,
+    CB_PROCESSED,
+    CB_REJECTED,
+    CB_RETRYABLE,
+    payment,
+    payment_callback_log,
+    processed_event,
+    refund,
+)
+from payments.states import PaymentStatus, Verdict, decide
+
+log = logging.getLogger("paysync.callbacks")
+
+
+class Outcome(StrEnum):
+    """What one ``process_callback`` call did."""
+
+    APPLIED = "applied"
+    NOOP = "noop"
+    DUPLICATE = "duplicate"
+    CONFLICT = "conflict"
+    REJECTED = "rejected"
+    RETRY = "retry"
+    GAVE_UP = "gave_up"
+    SKIPPED = "skipped"
+    """Row already processed, rejected or given up (or taken by someone else)."""
+    MISSING = "missing"
+    """No row with that id."""
+
+
+def store_callback(
+    engine: Engine,
+    *,
+    provider: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    remote_addr: str | None,
+    index: Mapping[str, str | None] | None = None,
+    now: datetime | None = None,
+) -> int:
+    """INSERT the raw delivery with status 0 and COMMIT; return its id. Raises if the database is unavailable."""
+    now = now or utcnow()
+    index = index or {}
+    with engine.begin() as conn:
+        result = conn.execute(
+            insert(payment_callback_log).values(
+                provider=provider,
+                callback_data=body,
+                headers=json.dumps(dict(headers), sort_keys=True),
+                remote_addr=(remote_addr or "")[:64] or None,
+                order_no=index.get("order_no"),
+                payment_order_no=index.get("payment_order_no"),
+                provider_event_id=index.get("provider_event_id"),
+                event_type=index.get("event_type"),
+                status=CB_PENDING,
+                retry_count=0,
+                next_retry_at=now,
+                create_time=now,
+                update_time=now,
+            )
+        )
+        return int(result.inserted_primary_key[0])
+
+
+def reject_callback(engine: Engine, log_id: int, reason: str, now: datetime | None = None) -> bool:
+    """Mark a stored row as rejected (status 3) with the reason; True if it was still pending."""
+    now = now or utcnow()
+    with engine.begin() as conn:
+        result = conn.execute(
+            update(payment_callback_log)
+            .where(payment_callback_log.c.id == log_id, payment_callback_log.c.status == CB_PENDING)
+            .values(status=CB_REJECTED, result=f"rejected: {reason}"[:500], update_time=now)
+        )
+        return result.rowcount == 1
+
+
+@dataclass(frozen=True)
+class _Target:
+    table: Any
+    key: Any
+    provider_ref: Any
+    confirmed: str
+    failed: str
+
+
+_TARGETS = {
+    "payment": _Target(
+        payment, payment.c.payment_id, payment.c.provider_transaction_id, "PaymentConfirmed", "PaymentFailed"
+    ),
+    "refund": _Target(refund, refund.c.refund_id, refund.c.provider_refund_id, "RefundConfirmed", "RefundFailed"),
+}
+
+_DOMAIN_EVENTS = {
+    ("payment", PaymentStatus.SUCCEEDED): "PaymentSucceeded",
+    ("payment", PaymentStatus.FAILED): "PaymentFailed",
+    ("payment", PaymentStatus.UNKNOWN): "PaymentUnknown",
+    ("refund", PaymentStatus.SUCCEEDED): "RefundSucceeded",
+    ("refund", PaymentStatus.FAILED): "RefundFailed",
+    ("refund", PaymentStatus.UNKNOWN): "RefundUnknown",
+}
+
+
+def process_callback(
+    engine: Engine,
+    providers: dict[str, Provider],
+    log_id: int,
+    policy: RetryPolicy,
+    *,
+    now: datetime | None = None,
+    rng: random.Random | None = None,
+) -> Outcome:
+    """Process one stored callback in ONE transaction; on any error record a retry (or give up).
+
+    Only rows with status 0 or 2 proceed; calling it again for a processed row
+    is a no-op, so redeliveries and concurrent workers are harmless. Raises
+    only when even recording the failure is impossible (database down).
+    """
+    now = now or utcnow()
+    try:
+        with engine.begin() as conn:
+            return _process_locked(conn, providers, log_id, now)
+    except Exception as exc:  # noqa: BLE001 - every failure is recorded on the row, then retried
+        return _record_failure(engine, log_id, exc, policy, now, rng)
+
+
+def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: int, now: datetime) -> Outcome:
+    row = conn.execute(
+        select(payment_callback_log).where(payment_callback_log.c.id == log_id).with_for_update()
+    ).first()
+    if row is None:
+        return Outcome.MISSING
+    if row.status not in CB_RETRYABLE:
+        return Outcome.SKIPPED
+    try:
+        provider = get_provider(providers, row.provider)
+        # Verified against the time it was received, so a row retried hours later still verifies.
+        received = (row.create_time - datetime(1970, 1, 1)).total_seconds()
+        event = provider.parse_callback(bytes(row.callback_data), json.loads(row.headers), now=received)
+    except (CallbackRejected, PaysyncError) as exc:
+        if not exc.permanent:
+            raise
+        _finish(conn, log_id, CB_REJECTED, f"rejected: {exc.code}: {exc}", now)
+        return Outcome.REJECTED
+
+    indexed = {
+        "order_no": event.merchant_reference,
+        "payment_order_no": event.provider_reference,
+        "provider_event_id": event.event_id,
+        "event_type": event.event_type,
+    }
+    fresh = conn.execute(
+        insert_ignore(processed_event).values(
+            provider=event.provider, provider_event_id=event.event_id, callback_log_id=log_id, processed_at=now
+        )
+    ).rowcount
+    if not fresh:
+        first = conn.execute(
+            select(processed_event.c.callback_log_id).where(
+                processed_event.c.provider == event.provider, processed_event.c.provider_event_id == event.event_id
+            )
+        ).scalar()
+        _finish(
+            conn, log_id, CB_PROCESSED, f"duplicate: event {event.event_id} applied by callback {first}", now, indexed
+        )
+        return Outcome.DUPLICATE
+
+    outcome, result = _apply_event(conn, event, log_id, now)
+    _finish(conn, log_id, CB_PROCESSED, result, now, indexed)
+    return outcome
+
+
+def _apply_event(conn: Connection, event: CallbackEvent, log_id: int, now: datetime) -> tuple[Outcome, str]:
+    spec = _TARGETS[event.target]
+    table = spec.table
+    current = conn.execute(select(table).where(spec.key == event.merchant_reference).with_for_update()).first()
+    if current is None:
+        raise TargetNotFound(f"no {event.target} {event.merchant_reference!r} (yet)")
+    current = current._mapping
+    source = f"callback:{log_id}"
+
+    mismatch = _mismatch(event, current, spec)
+    decision = decide(PaymentStatus(current["status"]), event.report)
+    if mismatch or decision.verdict == Verdict.CONFLICT:
+        reason = mismatch or decision.reason
+        _open_conflict(conn, event, current, log_id, reason, now)
+        return Outcome.CONFLICT, f"conflict: {reason}; manual review opened"
+    if decision.verdict == Verdict.NOOP:
+        return Outcome.NOOP, f"noop: {decision.reason}"
+
+    target = decision.target
+    values: dict[str, Any] = {"status": target.value, "status_source": source, "updated_at": now, "next_query_at": None}
+    if event.provider_reference and current[spec.provider_ref.name] is None:
+        values[spec.provider_ref.name] = event.provider_reference
+    if target == PaymentStatus.FAILED:
+        values["error_code"] = event.failure_code or "declined"
+    changed = conn.execute(
+        update(table).where(table.c.id == current["id"], table.c.status == current["status"]).values(**values)
+    ).rowcount
+    if changed != 1:
+        raise StaleTransition(f"{event.target} {event.merchant_reference} left {current['status']} under us")
+
+    reference = event.merchant_reference
+    payment_id = current["payment_id"]
+    refund_id = reference if event.target == "refund" else None
+    details = {"from": current["status"], "path": [s.value for s in decision.path], "event_id": event.event_id}
+    provider_acct = ledger.provider_account(current["provider"])
+    amount = int(current["amount_minor"])
+    if target == PaymentStatus.SUCCEEDED:
+        if event.target == "payment":
+            entries = [(provider_acct, amount), (ledger.INCOME_PAYMENTS, -amount)]
+        else:
+            entries = [(ledger.INCOME_REFUNDS, amount), (provider_acct, -amount)]
+        ledger_type = spec.confirmed
+    else:
+        entries = []
+        ledger_type = spec.failed
+    ledger.append(
+        conn,
+        event_type=ledger_type,
+        dedupe_key=f"{ledger_type}:{reference}",
+        amount_minor=amount,
+        currency=current["currency"],
+        source_type="callback",
+        source_id=str(log_id),
+        now=now,
+        entries=entries,
+        payment_id=payment_id,
+        refund_id=refund_id,
+        details=details,
+    )
+    domain_type = _DOMAIN_EVENTS.get((event.target, target))
+    if domain_type:
+        outbox.enqueue(
+            conn,
+            event_type=domain_type,
+            aggregate_id=reference,
+            now=now,
+            payload={
+                "type": domain_type,
+                "payment_id": payment_id,
+                "refund_id": refund_id,
+                "order_no": current.get("order_no"),
+                "amount": amount,
+                "currency": current["currency"],
+                "status": target.value,
+                "provider": current["provider"],
+                "provider_transaction_id": values.get(spec.provider_ref.name) or current[spec.provider_ref.name],
+                "failure_code": values.get("error_code"),
+                "source": source,
+                "occurred_at": now.isoformat() + "Z",
+            },
+        )
+    return Outcome.APPLIED, f"applied: {decision.reason}"
+
+
+def _mismatch(event: CallbackEvent, current: Mapping[str, Any], spec: _Target) -> str | None:
+    """Why a report cannot be about this row at all, or None."""
+    if event.provider != current["provider"]:
+        return f"callback from {event.provider} for a {current['provider']} {event.target}"
+    if event.amount_minor != current["amount_minor"] or event.currency != current["currency"]:
+        return (
+            f"provider reports {event.amount_minor} {event.currency}, "
+            f"we have {current['amount_minor']} {current['currency']}"
+        )
+    known = current[spec.provider_ref.name]
+    if event.provider_reference and known and event.provider_reference != known:
+        return f"provider reference {event.provider_reference} differs from ours {known}"
+    if event.target == "refund" and event.payment_reference and event.payment_reference != current["payment_id"]:
+        return f"refund names payment {event.payment_reference}, ours belongs to {current['payment_id']}"
+    return None
+
+
+def _open_conflict(
+    conn: Connection, event: CallbackEvent, current: Mapping[str, Any], log_id: int, reason: str, now: datetime
+) -> None:
+    review_id = open_review(
+        conn,
+        kind="conflicting_report",
+        reason=reason,
+        now=now,
+        payment_id=current["payment_id"],
+        refund_id=event.merchant_reference if event.target == "refund" else None,
+        callback_log_id=log_id,
+        details={"event_id": event.event_id, "event_type": event.event_type, "our_status": current["status"]},
+    )
+    alerts.observe(
+        conn,
+        rule="conflicting_report",
+        key=f"conflicting_report:{event.target}:{event.merchant_reference}",
+        message=f"conflicting report for {event.target} {event.merchant_reference}: {reason}",
+        now=now,
+        severity="critical",
+        details={"callback_log_id": log_id, "manual_review_id": review_id},
+    )
+    log.warning(
+        "conflicting report, manual review opened",
+        extra={"callback_log_id": log_id, "reference": event.merchant_reference, "reason": reason},
+    )
+
+
+def _finish(
+    conn: Connection,
+    log_id: int,
+    status: int,
+    result: str,
+    now: datetime,
+    indexed: Mapping[str, str | None] | None = None,
+) -> None:
+    conn.execute(
+        update(payment_callback_log)
+        .where(payment_callback_log.c.id == log_id)
+        .values(status=status, result=result[:500], update_time=now, **(indexed or {}))
+    )
+
+
+def _record_failure(
+    engine: Engine,
+    log_id: int,
+    exc: Exception,
+    policy: RetryPolicy,
+    now: datetime,
+    rng: random.Random | None,
+) -> Outcome:
+    """Count one failed attempt in its own transaction: back off, or give up into the manual queue."""
+    reason = f"{getattr(exc, 'code', type(exc).__name__)}: {exc}"[:480]
+    if isinstance(exc, PaysyncError):
+        log.info("callback %s not processed: %s", log_id, reason)
+    else:
+        log.error("callback %s failed", log_id, exc_info=exc)
+    with engine.begin() as conn:
+        row = conn.execute(
+            select(payment_callback_log.c.status, payment_callback_log.c.retry_count, payment_callback_log.c.order_no)
+            .where(payment_callback_log.c.id == log_id)
+            .with_for_update()
+        ).first()
+        if row is None or row.status not in CB_RETRYABLE:
+            return Outcome.SKIPPED
+        attempts = row.retry_count + 1
+        guard = (payment_callback_log.c.id == log_id, payment_callback_log.c.status.in_(CB_RETRYABLE))
+        if policy.exhausted(attempts):
+            conn.execute(
+                update(payment_callback_log)
+                .where(*guard)
+                .values(
+                    status=CB_GAVE_UP,
+                    result=f"gave up after {attempts} attempts: {reason}"[:500],
+                    retry_count=attempts,
+                    last_retry_time=now,
+                    update_time=now,
+                )
+            )
+            review_id = open_review(
+                conn,
+                kind="callback_gave_up",
+                reason=f"callback {log_id} gave up after {attempts} attempts: {reason}",
+                now=now,
+                payment_id=row.order_no if row.order_no and row.order_no.startswith("pay_") else None,
+                callback_log_id=log_id,
+            )
+            alerts.observe(
+                conn,
+                rule="callback_gave_up",
+                key=f"callback_gave_up:{log_id}",
+                message=f"callback {log_id} gave up after {attempts} attempts: {reason}",
+                now=now,
+                details={"callback_log_id": log_id, "manual_review_id": review_id},
+            )
+            log.warning("callback %s gave up after %s attempts", log_id, attempts)
+            return Outcome.GAVE_UP
+        delay = policy.delay(attempts, rng)
+        conn.execute(
+            update(payment_callback_log)
+            .where(*guard)
+            .values(
+                status=CB_FAILED,
+                result=reason,
+                retry_count=attempts,
+                last_retry_time=now,
+                next_retry_at=now + timedelta(seconds=delay),
+                update_time=now,
+            )
+        )
+        return Outcome.RETRY

@@ -1,0 +1,117 @@
+"""Database access: the engine, schema creation, and the few dialect differences.
+
+MariaDB/MySQL: PyMySQL, utf8mb4, READ COMMITTED (no gap locks between
+sweepers), pre-ping so a worker survives a database restart, short connect
+timeout so a dead database turns into a quick 503 rather than a hung request.
+
+SQLite (embedded default): WAL so readers never block the writer, a busy
+timeout so gunicorn workers and the compensator wait for each other instead of
+failing, and ``BEGIN IMMEDIATE`` so a transaction takes the write lock up
+front: a deferred transaction that reads and then writes can fail with
+"database is locked" no matter how long the busy timeout is.
+"""
+
+from __future__ import annotations
+
+import io
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, insert
+from sqlalchemy.engine import make_url
+from sqlalchemy.schema import CreateIndex, CreateTable
+
+from payments.schema import metadata, trigger_ddl
+
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+
+def utcnow() -> datetime:
+    """Naive UTC now: the one clock every timestamp column is written with."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def is_sqlite(engine: Engine) -> bool:
+    """True for the embedded SQLite database."""
+    return engine.dialect.name == "sqlite"
+
+
+def make_engine(url: str, *, pool_size: int = 5, **kwargs: Any) -> Engine:
+    """Create the engine for ``url`` with the settings described in this module's docstring."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_engine(url, **kwargs)
+    query = dict(parsed.query)
+    query.setdefault("charset", "utf8mb4")
+    parsed = parsed.set(query=query)
+    connect_args = {"connect_timeout": 3, "read_timeout": 30, "write_timeout": 30}
+    connect_args.update(kwargs.pop("connect_args", {}))
+    return create_engine(
+        parsed,
+        pool_pre_ping=True,
+        pool_recycle=1800,
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_timeout=5,
+        isolation_level="READ COMMITTED",
+        hide_parameters=True,  # error texts end up in logs and result columns: no bodies, no secrets
+        connect_args=connect_args,
+        **kwargs,
+    )
+
+
+def _sqlite_engine(url: str, **kwargs: Any) -> Engine:
+    database = make_url(url).database
+    if database and database != ":memory:":
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, hide_parameters=True, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):  # noqa: ANN001
+        # Let SQLAlchemy's "begin" event issue BEGIN itself (pysqlite's own is deferred).
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):  # noqa: ANN001
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def init_db(engine: Engine) -> None:
+    """Create every table, index and trigger that is missing; safe to run again."""
+    metadata.create_all(engine, checkfirst=True)
+    with engine.begin() as conn:
+        for statement in trigger_ddl(engine.dialect.name):
+            conn.exec_driver_sql(statement)
+
+
+def schema_sql() -> str:
+    """The MySQL/MariaDB DDL for the whole schema, as written to schema.sql."""
+    from sqlalchemy.dialects import mysql
+
+    dialect = mysql.dialect()
+    out = io.StringIO()
+    out.write("-- paysync schema for MySQL 8 / MariaDB 10.6+ (InnoDB, utf8mb4).\n")
+    out.write("-- Generated from payments/schema.py by `python -m payments schema-sql`; do not edit by hand.\n")
+    out.write("-- tests/test_schema.py checks that this file, applied to MariaDB, matches init-db.\n\n")
+    for table in metadata.sorted_tables:
+        ddl = str(CreateTable(table).compile(dialect=dialect)).strip()
+        out.write("\n".join(line.rstrip() for line in ddl.splitlines()) + ";\n\n")
+        for index in sorted(table.indexes, key=lambda i: i.name or ""):
+            out.write(str(CreateIndex(index).compile(dialect=dialect)).strip() + ";\n\n")
+    for statement in trigger_ddl("mysql"):
+        out.write(statement + ";\n\n")
+    return out.getvalue()
+
+
+def insert_ignore(table):  # noqa: ANN001, ANN201
+    """``INSERT IGNORE`` on MySQL, ``INSERT OR IGNORE`` on SQLite: rowcount 0 means the key existed."""
+    return insert(table).prefix_with("IGNORE", dialect=("mysql", "mariadb")).prefix_with("OR IGNORE", dialect="sqlite")

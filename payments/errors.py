@@ -1,0 +1,69 @@
+"""The errors paysync raises on purpose.
+
+Each carries ``permanent``: a permanent error will fail the same way on every
+retry (a bad signature, a malformed body), so retry loops stop at once; a
+transient one (an order not committed yet, a lost race) is worth retrying.
+"""
+
+from __future__ import annotations
+
+
+class PaysyncError(Exception):
+    """Base class; ``code`` is the stable machine-readable name used in JSON errors."""
+
+    code = "internal_error"
+    permanent = False
+
+
+class ConfigError(PaysyncError):
+    """A setting is missing or malformed; the process must not start."""
+
+    code = "bad_configuration"
+    permanent = True
+
+
+class CallbackRejected(PaysyncError):
+    """A callback failed verification or parsing; it is kept with status 3, never retried."""
+
+    code = "callback_rejected"
+    permanent = True
+    http_status = 400
+
+
+class SignatureInvalid(CallbackRejected):
+    """The signature is missing, malformed or does not match the body."""
+
+    code = "invalid_signature"
+    http_status = 401
+
+
+class TimestampOutOfTolerance(SignatureInvalid):
+    """The signed timestamp is too old or too far in the future (replay protection)."""
+
+    code = "stale_timestamp"
+
+
+class MalformedCallback(CallbackRejected):
+    """The body is signed correctly but is not an event we can read."""
+
+    code = "malformed_callback"
+    http_status = 400
+
+
+class UnknownProvider(PaysyncError):
+    """No adapter is registered under this provider name."""
+
+    code = "unknown_provider"
+    permanent = True
+
+
+class TargetNotFound(PaysyncError):
+    """A callback names a payment or refund we have no row for (yet): the order may commit later."""
+
+    code = "target_not_found"
+
+
+class StaleTransition(PaysyncError):
+    """A guarded UPDATE matched no row: somebody else changed the status first."""
+
+    code = "stale_transition"

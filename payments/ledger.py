@@ -1,0 +1,111 @@
+"""The append-only double-entry ledger.
+
+Each business event is one ``ledger_event`` row plus zero or more
+``ledger_entry`` lines whose signed amounts (debit > 0, credit < 0) sum to
+zero. Rows are never updated or deleted (triggers refuse it); a correction is
+a new event. ``dedupe_key`` is UNIQUE, so one business effect can be recorded
+once only, whatever races above it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, insert, select
+
+from payments.schema import ledger_entry, ledger_event
+
+INCOME_PAYMENTS = "income:payments"
+"""Credited when a payment is confirmed."""
+INCOME_REFUNDS = "income:refunds"
+"""Debited when a refund is confirmed (contra-income)."""
+EXPENSE_FEES = "expenses:provider_fees"
+"""Debited with the provider's fees found by reconciliation."""
+
+
+def provider_account(provider: str) -> str:
+    """The asset account for money held by a provider on our behalf."""
+    return f"assets:provider:{provider}"
+
+
+class UnbalancedEntries(ValueError):
+    """The lines of one ledger event do not sum to zero."""
+
+
+def append(
+    conn: Connection,
+    *,
+    event_type: str,
+    dedupe_key: str,
+    amount_minor: int,
+    currency: str,
+    source_type: str,
+    source_id: str | None,
+    now: datetime,
+    entries: Sequence[tuple[str, int]] = (),
+    payment_id: str | None = None,
+    refund_id: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> int:
+    """Append one event and its lines in the caller's transaction; return the event id.
+
+    Raises UnbalancedEntries before writing anything if the lines do not sum to
+    zero, and IntegrityError (rolling back the caller) if ``dedupe_key`` exists.
+    """
+    if any(not isinstance(amount, int) or isinstance(amount, bool) for _, amount in entries):
+        raise UnbalancedEntries("ledger amounts must be integer minor units")
+    if sum(amount for _, amount in entries) != 0:
+        raise UnbalancedEntries(f"{event_type} lines sum to {sum(a for _, a in entries)}, not 0")
+    result = conn.execute(
+        insert(ledger_event).values(
+            event_type=event_type,
+            payment_id=payment_id,
+            refund_id=refund_id,
+            amount_minor=amount_minor,
+            currency=currency,
+            source_type=source_type,
+            source_id=source_id,
+            dedupe_key=dedupe_key,
+            details=json.dumps(details, sort_keys=True) if details else None,
+            created_at=now,
+        )
+    )
+    event_id = result.inserted_primary_key[0]
+    if entries:
+        conn.execute(
+            insert(ledger_entry),
+            [
+                {"ledger_event_id": event_id, "account": account, "amount_minor": amount, "currency": currency}
+                for account, amount in entries
+            ],
+        )
+    return event_id
+
+
+def history(conn: Connection, payment_id: str) -> list[dict[str, Any]]:
+    """Ledger events of a payment (and its refunds), oldest first, each with its lines."""
+    events = conn.execute(
+        select(ledger_event).where(ledger_event.c.payment_id == payment_id).order_by(ledger_event.c.id)
+    ).mappings()
+    out = []
+    for ev in events:
+        lines = conn.execute(
+            select(ledger_entry.c.account, ledger_entry.c.amount_minor)
+            .where(ledger_entry.c.ledger_event_id == ev["id"])
+            .order_by(ledger_entry.c.id)
+        ).all()
+        out.append(
+            {
+                "event_type": ev["event_type"],
+                "amount": ev["amount_minor"],
+                "currency": ev["currency"],
+                "refund_id": ev["refund_id"],
+                "source": f"{ev['source_type']}:{ev['source_id']}" if ev["source_id"] else ev["source_type"],
+                "created_at": ev["created_at"].isoformat() + "Z",
+                "entries": [{"account": a, "amount": m} for a, m in lines],
+            }
+        )
+    return out

@@ -1,0 +1,52 @@
+"""The transactional outbox: work to send, written in the caller's transaction.
+
+Relays (``compensator/relay_outbox.py`` and friends) claim due rows and mark
+them done in the same transaction as the effect of sending them, so a crash
+anywhere means the row is simply claimed again.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, insert
+
+from payments.ids import new_id
+from payments.schema import outbox
+
+PENDING = 0
+"""Due at next_attempt_at."""
+DONE = 1
+"""Sent and its effect recorded."""
+DEAD = 2
+"""Given up: in the manual queue."""
+
+
+def enqueue(
+    conn: Connection,
+    *,
+    event_type: str,
+    aggregate_id: str,
+    payload: dict[str, Any],
+    now: datetime,
+    delay_seconds: float = 0,
+    event_id: str | None = None,
+) -> str:
+    """Add one outbox row in the caller's transaction; return its event id."""
+    event_id = event_id or new_id("evt")
+    conn.execute(
+        insert(outbox).values(
+            event_id=event_id,
+            event_type=event_type,
+            aggregate_id=aggregate_id,
+            payload=json.dumps(payload, sort_keys=True, default=str),
+            status=PENDING,
+            attempts=0,
+            next_attempt_at=now + timedelta(seconds=delay_seconds),
+            created_at=now,
+            updated_at=now,
+        )
+    )
+    return event_id

@@ -1,0 +1,23 @@
+"""Provider adapters, by the name used in URLs and the ``provider`` columns."""
+
+from __future__ import annotations
+
+from payments.errors import UnknownProvider
+from payments.providers.base import Provider
+from payments.providers.sandbox import SandboxProvider
+from payments.settings import Settings
+
+
+def build_providers(settings: Settings) -> dict[str, Provider]:
+    """Every configured adapter, keyed by provider name."""
+    return {
+        "sandbox": SandboxProvider(settings.sandbox_webhook_secret, settings.callback_tolerance_seconds),
+    }
+
+
+def get_provider(providers: dict[str, Provider], name: str) -> Provider:
+    """The adapter for ``name``, or UnknownProvider."""
+    try:
+        return providers[name]
+    except KeyError:
+        raise UnknownProvider(f"unknown provider {name[:32]!r}") from None

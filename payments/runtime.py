@@ -1,0 +1,37 @@
+"""What every long-running process needs, built once at start from the settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+
+from payments.backoff import RetryPolicy
+from payments.db import make_engine
+from payments.providers import build_providers
+from payments.providers.base import Provider
+from payments.settings import Settings
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Settings plus the objects derived from them: engine, provider adapters, retry policy."""
+
+    settings: Settings
+    engine: Engine
+    providers: dict[str, Provider]
+    callback_policy: RetryPolicy
+
+
+def build_runtime(settings: Settings, engine: Engine | None = None) -> Runtime:
+    """Create the engine and adapters for ``settings`` (tests may pass their own engine)."""
+    return Runtime(
+        settings=settings,
+        engine=engine or make_engine(settings.database_url),
+        providers=build_providers(settings),
+        callback_policy=RetryPolicy(
+            max_retries=settings.compensator_max_retries,
+            base_seconds=settings.retry_base_seconds,
+            max_seconds=settings.retry_max_seconds,
+        ),
+    )

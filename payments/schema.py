@@ -1,0 +1,290 @@
+"""The tables, as SQLAlchemy Core metadata: the one definition of the schema.
+
+``schema.sql`` is generated from this (``python -m payments schema-sql``) and a
+test checks that the file, applied to MariaDB, gives what ``init_db`` gives.
+
+All timestamps are naive UTC with microseconds, written by paysync itself
+(never by the database clock), so SQLite and MariaDB agree on every comparison.
+Money is BIGINT minor units.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects import mysql
+
+metadata = MetaData()
+
+ID = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements INTEGER PRIMARY KEY only
+TS = DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
+BLOB = LargeBinary().with_variant(mysql.MEDIUMBLOB(), "mysql", "mariadb")
+LONGTEXT = Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
+MYSQL = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4", "mysql_collate": "utf8mb4_bin"}
+
+# Callback row statuses (payment_callback_log.status).
+CB_PENDING = 0
+"""Stored, not processed yet."""
+CB_PROCESSED = 1
+"""Applied (or recognised as a duplicate or a conflict for review)."""
+CB_FAILED = 2
+"""Processing raised; will be retried at next_retry_at."""
+CB_REJECTED = 3
+"""Signature or parse failure: kept for audit, never retried automatically."""
+CB_GAVE_UP = 4
+"""Retries exhausted: in the manual queue."""
+CB_RETRYABLE = (CB_PENDING, CB_FAILED)
+
+
+payment_callback_log = Table(
+    "payment_callback_log",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("provider", String(32), nullable=False, comment="provider name from the URL"),
+    Column("callback_data", BLOB, nullable=False, comment="raw request body, byte for byte"),
+    Column("headers", Text, nullable=False, comment="JSON object of the selected request headers"),
+    Column("remote_addr", String(64), nullable=True),
+    Column("order_no", String(64), nullable=True, comment="our payment_id (or refund_id) named by the callback"),
+    Column("payment_order_no", String(128), nullable=True, comment="the provider's transaction id"),
+    Column("provider_event_id", String(128), nullable=True),
+    Column("event_type", String(64), nullable=True),
+    Column(
+        "status",
+        SmallInteger,
+        nullable=False,
+        default=CB_PENDING,
+        comment="0 pending 1 processed 2 failed 3 rejected 4 gave up",
+    ),
+    Column("result", String(500), nullable=True, comment="what processing did, or why it failed"),
+    Column("retry_count", Integer, nullable=False, default=0),
+    Column("last_retry_time", TS, nullable=True),
+    Column("next_retry_at", TS, nullable=False, comment="earliest time a sweep may take the row"),
+    Column("create_time", TS, nullable=False),
+    Column("update_time", TS, nullable=False),
+    CheckConstraint("status IN (0, 1, 2, 3, 4)", name="ck_callback_status"),
+    Index("idx_callback_sweep", "status", "next_retry_at"),
+    Index("idx_callback_order_no", "order_no"),
+    Index("idx_callback_event", "provider", "provider_event_id"),
+    Index("idx_callback_create_time", "create_time"),
+    comment="Every callback delivery exactly as received; the truth the consumer and compensator work from.",
+    **MYSQL,
+)
+
+payment = Table(
+    "payment",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("payment_id", String(40), nullable=False, comment="business number, fixed for life (pay_<ULID>)"),
+    Column("order_no", String(64), nullable=False, comment="the merchant's order number"),
+    Column("amount_minor", BigInteger, nullable=False, comment="integer minor units"),
+    Column("currency", String(3), nullable=False),
+    Column("provider", String(32), nullable=False),
+    Column("provider_transaction_id", String(128), nullable=True),
+    Column("status", String(16), nullable=False),
+    Column("idempotency_key", String(255), nullable=True, comment="the merchant's key; also sent to the provider"),
+    Column("request_digest", String(64), nullable=True, comment="sha256 of the canonical create request"),
+    Column("description", String(500), nullable=True),
+    Column("error_code", String(64), nullable=True),
+    Column(
+        "status_source",
+        String(128),
+        nullable=True,
+        comment="what caused the last status change: callback:<id>, call:<id>, query:<id>",
+    ),
+    Column("next_query_at", TS, nullable=True),
+    Column("query_attempts", Integer, nullable=False, default=0),
+    Column("deadline_at", TS, nullable=True, comment="after this an unresolved payment goes to manual review"),
+    Column("created_at", TS, nullable=False),
+    Column("updated_at", TS, nullable=False),
+    UniqueConstraint("payment_id", name="uq_payment_payment_id"),
+    UniqueConstraint("provider_transaction_id", name="uq_payment_provider_txn"),
+    UniqueConstraint("idempotency_key", name="uq_payment_idempotency_key"),
+    CheckConstraint("amount_minor > 0", name="ck_payment_amount_positive"),
+    CheckConstraint("status IN ('Created', 'Pending', 'Succeeded', 'Failed', 'Unknown')", name="ck_payment_status"),
+    Index("idx_payment_status_query", "status", "next_query_at"),
+    Index("idx_payment_order_no", "order_no"),
+    comment="One row per payment; status changes only through the state machine's guarded UPDATEs.",
+    **MYSQL,
+)
+
+refund = Table(
+    "refund",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("refund_id", String(40), nullable=False, comment="business number, fixed for life (re_<ULID>)"),
+    Column("payment_id", String(40), nullable=False),
+    Column("amount_minor", BigInteger, nullable=False),
+    Column("currency", String(3), nullable=False),
+    Column("provider", String(32), nullable=False),
+    Column("provider_refund_id", String(128), nullable=True),
+    Column("status", String(16), nullable=False),
+    Column("idempotency_key", String(255), nullable=True),
+    Column("request_digest", String(64), nullable=True),
+    Column("error_code", String(64), nullable=True),
+    Column("status_source", String(128), nullable=True),
+    Column("next_query_at", TS, nullable=True),
+    Column("query_attempts", Integer, nullable=False, default=0),
+    Column("deadline_at", TS, nullable=True),
+    Column("created_at", TS, nullable=False),
+    Column("updated_at", TS, nullable=False),
+    UniqueConstraint("refund_id", name="uq_refund_refund_id"),
+    UniqueConstraint("provider_refund_id", name="uq_refund_provider_refund_id"),
+    UniqueConstraint("idempotency_key", name="uq_refund_idempotency_key"),
+    CheckConstraint("amount_minor > 0", name="ck_refund_amount_positive"),
+    CheckConstraint("status IN ('Created', 'Pending', 'Succeeded', 'Failed', 'Unknown')", name="ck_refund_status"),
+    Index("idx_refund_payment", "payment_id"),
+    Index("idx_refund_status_query", "status", "next_query_at"),
+    comment="One row per refund; same state machine as payments.",
+    **MYSQL,
+)
+
+processed_event = Table(
+    "processed_event",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("provider", String(32), nullable=False),
+    Column("provider_event_id", String(128), nullable=False),
+    Column("callback_log_id", BigInteger, nullable=False, comment="the delivery that was applied"),
+    Column("processed_at", TS, nullable=False),
+    UniqueConstraint("provider", "provider_event_id", name="uq_processed_event"),
+    comment="The inbox: one row per provider event ever applied; makes processing idempotent.",
+    **MYSQL,
+)
+
+outbox = Table(
+    "outbox",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("event_id", String(40), nullable=False, comment="unique id receivers dedupe on (evt_<ULID>)"),
+    Column("event_type", String(64), nullable=False, comment="ChargeRequested, RefundRequested, PaymentSucceeded, …"),
+    Column("aggregate_id", String(40), nullable=False, comment="payment_id or refund_id"),
+    Column("payload", Text, nullable=False, comment="JSON"),
+    Column("status", SmallInteger, nullable=False, default=0, comment="0 pending 1 done 2 dead (manual)"),
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("next_attempt_at", TS, nullable=False),
+    Column("last_error", String(500), nullable=True),
+    Column("created_at", TS, nullable=False),
+    Column("updated_at", TS, nullable=False),
+    UniqueConstraint("event_id", name="uq_outbox_event_id"),
+    Index("idx_outbox_due", "status", "next_attempt_at"),
+    Index("idx_outbox_aggregate", "aggregate_id"),
+    comment="Work to send, written in the same transaction as the change that caused it.",
+    **MYSQL,
+)
+
+ledger_event = Table(
+    "ledger_event",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column(
+        "event_type",
+        String(40),
+        nullable=False,
+        comment="PaymentRequested, PaymentConfirmed, PaymentFailed, Refund…, ReconciliationAdjusted",
+    ),
+    Column("payment_id", String(40), nullable=True),
+    Column("refund_id", String(40), nullable=True),
+    Column("amount_minor", BigInteger, nullable=False),
+    Column("currency", String(3), nullable=False),
+    Column("source_type", String(32), nullable=False, comment="api, callback, provider_call, query, reconciliation"),
+    Column("source_id", String(64), nullable=True),
+    Column(
+        "dedupe_key", String(191), nullable=False, comment="one business effect, one row: e.g. PaymentConfirmed:pay_…"
+    ),
+    Column("details", Text, nullable=True, comment="JSON: the path walked, the previous status, …"),
+    Column("created_at", TS, nullable=False),
+    UniqueConstraint("dedupe_key", name="uq_ledger_event_dedupe"),
+    Index("idx_ledger_event_payment", "payment_id"),
+    comment="Append-only business events; UPDATE and DELETE are refused by triggers.",
+    **MYSQL,
+)
+
+ledger_entry = Table(
+    "ledger_entry",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("ledger_event_id", BigInteger, nullable=False),
+    Column("account", String(64), nullable=False),
+    Column(
+        "amount_minor", BigInteger, nullable=False, comment="signed: debit > 0, credit < 0; an event's lines sum to 0"
+    ),
+    Column("currency", String(3), nullable=False),
+    Index("idx_ledger_entry_event", "ledger_event_id"),
+    Index("idx_ledger_entry_account", "account"),
+    comment="Double-entry lines of ledger events; append-only like ledger_event.",
+    **MYSQL,
+)
+
+manual_review = Table(
+    "manual_review",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("kind", String(40), nullable=False, comment="callback_gave_up, conflicting_report, unresolved_payment, …"),
+    Column("payment_id", String(40), nullable=True),
+    Column("refund_id", String(40), nullable=True),
+    Column("callback_log_id", BigInteger, nullable=True),
+    Column("reason", String(500), nullable=False),
+    Column("details", Text, nullable=True, comment="JSON"),
+    Column("status", String(16), nullable=False, default="open", comment="open, resolved"),
+    Column("resolution", String(500), nullable=True),
+    Column("resolved_by", String(64), nullable=True),
+    Column("created_at", TS, nullable=False),
+    Column("resolved_at", TS, nullable=True),
+    Index("idx_manual_review_status", "status", "created_at"),
+    Index("idx_manual_review_payment", "payment_id"),
+    comment="The manual queue: what automation refused to decide.",
+    **MYSQL,
+)
+
+alert = Table(
+    "alert",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("rule", String(64), nullable=False, comment="callback_backlog, callback_failure_rate, callback_gave_up, …"),
+    Column("dedupe_key", String(191), nullable=False),
+    Column("open_key", String(191), nullable=True, comment="= dedupe_key while pending/firing, NULL once resolved"),
+    Column("severity", String(16), nullable=False, default="warning"),
+    Column("status", String(16), nullable=False, comment="pending (condition seen, not long enough), firing, resolved"),
+    Column("message", String(500), nullable=False),
+    Column("details", Text, nullable=True, comment="JSON"),
+    Column("first_seen_at", TS, nullable=False),
+    Column("last_seen_at", TS, nullable=False),
+    Column("fired_at", TS, nullable=True),
+    Column("resolved_at", TS, nullable=True),
+    Column("notified_at", TS, nullable=True, comment="when channels were last told"),
+    UniqueConstraint("open_key", name="uq_alert_open_key"),
+    Index("idx_alert_status", "status"),
+    comment="Alerts: at most one open row per dedupe key; resolved rows stay as history.",
+    **MYSQL,
+)
+
+
+# The ledger is append-only and the database itself refuses changes (invariant 8).
+APPEND_ONLY_TABLES = ("ledger_event", "ledger_entry")
+
+
+def trigger_ddl(dialect_name: str) -> list[str]:
+    """CREATE TRIGGER statements that make the ledger tables refuse UPDATE and DELETE."""
+    statements = []
+    for table_name in APPEND_ONLY_TABLES:
+        for op in ("UPDATE", "DELETE"):
+            head = f"CREATE TRIGGER IF NOT EXISTS {table_name}_no_{op.lower()} BEFORE {op} ON {table_name} FOR EACH ROW"
+            message = f"{table_name} is append-only"
+            if dialect_name == "sqlite":
+                statements.append(f"{head} BEGIN SELECT RAISE(ABORT, '{message}'); END")
+            else:
+                statements.append(f"{head} SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = '{message}'")
+    return statements

@@ -1,0 +1,202 @@
+"""Settings: read once from the environment into one frozen object.
+
+Nothing else in paysync reads ``os.environ``. Every setting has a default that
+works on one machine (SQLite in ``var/``, no broker, the sandbox platform on
+localhost), and a bad value stops the process at start with a message that
+names the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from payments.errors import ConfigError
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATABASE_URL = f"sqlite:///{PROJECT_ROOT / 'var' / 'paysync.db'}"
+
+
+def _int(name: str, raw: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be a whole number, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def _float(name: str, raw: str, minimum: float | None = None, maximum: float | None = None) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {raw!r}") from None
+    if value != value:  # NaN
+        raise ConfigError(f"{name} must be a number, got {raw!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def _bool(name: str, raw: str) -> bool:
+    # Strict on purpose: "yes", "1" or a typo must not silently mean False.
+    value = raw.strip().lower()
+    if value == "true":
+        return True
+    if value == "false":
+        return False
+    raise ConfigError(f"{name} must be 'true' or 'false', got {raw!r}")
+
+
+def _url(name: str, raw: str, schemes: tuple[str, ...]) -> str:
+    value = raw.strip()
+    if value and not value.startswith(schemes):
+        raise ConfigError(f"{name} must start with one of {', '.join(schemes)}, got {value.split(':')[0]!r}:…")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting paysync reads, with its default. See README "Settings"."""
+
+    database_url: str = DEFAULT_DATABASE_URL
+    """SQLAlchemy URL; mysql+pymysql://… in production, SQLite file by default."""
+    amqp_url: str = ""
+    """RabbitMQ URL; empty means no broker (the compensator alone converges)."""
+    amqp_queue: str = "payment_callbacks"
+    """Queue that carries {log_id} from the gateway to the consumer."""
+    amqp_quorum_queue: bool = False
+    """Declare the queue as a quorum queue (for a RabbitMQ cluster)."""
+    port: int = 8000
+    """Port the gateway listens on."""
+    web_workers: int = 2
+    """gunicorn worker processes for the gateway."""
+    merchant_api_token: str = "dev-merchant-token"
+    """Bearer token for the merchant API (POST /payments)."""
+    ops_token: str = "dev-ops-token"
+    """Bearer token for /ops/…."""
+    sandbox_webhook_secret: str = "whsec_dev_sandbox"
+    """Shared secret that signs the sandbox platform's notifications."""
+    sandbox_api_url: str = "http://127.0.0.1:8100"
+    """Where paysync calls the sandbox payment platform."""
+    sandbox_port: int = 8100
+    """Port the sandbox platform listens on."""
+    sandbox_callback_url: str = "http://127.0.0.1:8000/callbacks/sandbox"
+    """Where the sandbox platform sends its notifications."""
+    callback_max_body_bytes: int = 256 * 1024
+    """Callback bodies larger than this are refused with 413 and not stored."""
+    callback_tolerance_seconds: int = 300
+    """How old a signed callback timestamp may be (replay protection)."""
+    publish_timeout_seconds: float = 0.5
+    """Upper bound on any broker connect or publish attempt from the gateway."""
+    consumer_prefetch: int = 50
+    """Unacknowledged messages the consumer holds at once."""
+    compensator_interval_seconds: float = 10.0
+    """How often the callback sweep runs (1 s when there is no broker)."""
+    compensator_grace_seconds: float = 60.0
+    """Rows younger than this are left to the consumer (0 when there is no broker)."""
+    compensator_batch_size: int = 100
+    """Rows claimed per sweep batch."""
+    compensator_max_retries: int = 10
+    """Failed attempts before a callback row gives up into the manual queue (status 4)."""
+    compensator_rate_limit: float = 1000.0
+    """Upper bound on callback rows processed per second by one compensator."""
+    retry_base_seconds: float = 2.0
+    """First retry delay; doubles each attempt, with jitter."""
+    retry_max_seconds: float = 3600.0
+    """Cap on one retry delay."""
+    alert_backlog_threshold: int = 100
+    """Backlog alert: more than this many rows with status 0/2 …"""
+    alert_backlog_seconds: int = 300
+    """… continuously for this long."""
+    alert_failure_rate: float = 0.05
+    """Failure-rate alert: more than this share of recent callbacks failed …"""
+    alert_failure_window_seconds: int = 600
+    """… over this window."""
+    alert_failure_min_sample: int = 20
+    """No failure-rate alert on fewer callbacks than this in the window."""
+    log_level: str = "INFO"
+    """Python logging level name."""
+
+    @property
+    def has_broker(self) -> bool:
+        """True when a RabbitMQ URL is configured."""
+        return bool(self.amqp_url)
+
+    @property
+    def effective_grace_seconds(self) -> float:
+        """The sweep's grace period: none without a broker, since nobody else will process."""
+        return self.compensator_grace_seconds if self.has_broker else 0.0
+
+    @property
+    def effective_interval_seconds(self) -> float:
+        """The sweep interval: short without a broker so callbacks still apply within seconds."""
+        if self.has_broker:
+            return self.compensator_interval_seconds
+        return min(self.compensator_interval_seconds, 1.0)
+
+
+_PARSERS = {
+    "database_url": lambda n, v: _url(n, v, ("sqlite", "mysql", "mariadb")) or DEFAULT_DATABASE_URL,
+    "amqp_url": lambda n, v: _url(n, v, ("amqp://", "amqps://")),
+    "amqp_queue": lambda n, v: v.strip() or "payment_callbacks",
+    "amqp_quorum_queue": _bool,
+    "port": lambda n, v: _int(n, v, 1, 65535),
+    "web_workers": lambda n, v: _int(n, v, 1, 64),
+    "merchant_api_token": lambda n, v: v,
+    "ops_token": lambda n, v: v,
+    "sandbox_webhook_secret": lambda n, v: v,
+    "sandbox_api_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "sandbox_port": lambda n, v: _int(n, v, 1, 65535),
+    "sandbox_callback_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "callback_max_body_bytes": lambda n, v: _int(n, v, 1024, 16 * 1024 * 1024),
+    "callback_tolerance_seconds": lambda n, v: _int(n, v, 1, 86400),
+    "publish_timeout_seconds": lambda n, v: _float(n, v, 0.01, 30),
+    "consumer_prefetch": lambda n, v: _int(n, v, 1, 10000),
+    "compensator_interval_seconds": lambda n, v: _float(n, v, 0.1, 86400),
+    "compensator_grace_seconds": lambda n, v: _float(n, v, 0, 86400),
+    "compensator_batch_size": lambda n, v: _int(n, v, 1, 10000),
+    "compensator_max_retries": lambda n, v: _int(n, v, 1, 1000),
+    "compensator_rate_limit": lambda n, v: _float(n, v, 0.1, 1_000_000),
+    "retry_base_seconds": lambda n, v: _float(n, v, 0.001, 86400),
+    "retry_max_seconds": lambda n, v: _float(n, v, 0.001, 7 * 86400),
+    "alert_backlog_threshold": lambda n, v: _int(n, v, 0),
+    "alert_backlog_seconds": lambda n, v: _int(n, v, 0),
+    "alert_failure_rate": lambda n, v: _float(n, v, 0, 1),
+    "alert_failure_window_seconds": lambda n, v: _int(n, v, 1),
+    "alert_failure_min_sample": lambda n, v: _int(n, v, 1),
+    "log_level": lambda n, v: _log_level(n, v),
+}
+
+
+def _log_level(name: str, raw: str) -> str:
+    value = raw.strip().upper()
+    if value not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+        raise ConfigError(f"{name} must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {raw!r}")
+    return value
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable that sets a field: its name in upper case."""
+    return field_name.upper()
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Build Settings from the environment; raise ConfigError naming the bad variable."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for f in fields(Settings):
+        name = env_name(f.name)
+        if name in environ:
+            values[f.name] = _PARSERS[f.name](name, environ[name])
+    settings = Settings(**values)
+    if settings.retry_max_seconds < settings.retry_base_seconds:
+        raise ConfigError("RETRY_MAX_SECONDS must be >= RETRY_BASE_SECONDS")
+    return settings

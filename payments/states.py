@@ -1,0 +1,103 @@
+"""The payment (and refund) state machine: one transition table, pure functions.
+
+    Created ──▶ Pending ──▶ Succeeded
+                   │   ╲
+                   │    ▶ Failed
+                   ▼        ▲
+                Unknown ────┘──▶ Succeeded
+
+Succeeded and Failed are terminal. Every status change in paysync is
+``decide(current, report)`` followed by a guarded ``UPDATE … WHERE status =
+current``; nothing else writes the status column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class PaymentStatus(StrEnum):
+    """Status of a payment or a refund."""
+
+    CREATED = "Created"
+    """Row written, not yet sent to the provider."""
+    PENDING = "Pending"
+    """Sent (or about to be); the provider has not given a final answer."""
+    SUCCEEDED = "Succeeded"
+    """The provider said definitively that the money moved."""
+    FAILED = "Failed"
+    """The provider said definitively that it did not and will not."""
+    UNKNOWN = "Unknown"
+    """Timeout, dropped connection or unreadable answer: must be queried, never assumed."""
+
+
+TERMINAL = frozenset({PaymentStatus.SUCCEEDED, PaymentStatus.FAILED})
+"""States nothing may leave."""
+
+TRANSITIONS: dict[PaymentStatus, frozenset[PaymentStatus]] = {
+    PaymentStatus.CREATED: frozenset({PaymentStatus.PENDING}),
+    PaymentStatus.PENDING: frozenset({PaymentStatus.SUCCEEDED, PaymentStatus.FAILED, PaymentStatus.UNKNOWN}),
+    PaymentStatus.UNKNOWN: frozenset({PaymentStatus.SUCCEEDED, PaymentStatus.FAILED}),
+    PaymentStatus.SUCCEEDED: frozenset(),
+    PaymentStatus.FAILED: frozenset(),
+}
+"""The only allowed single steps (DESIGN.md section 4, invariant 4)."""
+
+
+class Verdict(StrEnum):
+    """What to do with a report."""
+
+    APPLY = "apply"
+    NOOP = "noop"
+    CONFLICT = "conflict"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of ``decide``: a verdict, the states to walk, and why."""
+
+    verdict: Verdict
+    path: tuple[PaymentStatus, ...]
+    reason: str
+
+    @property
+    def target(self) -> PaymentStatus | None:
+        """The final state when applied, else None."""
+        return self.path[-1] if self.path else None
+
+
+def is_allowed(source: PaymentStatus, target: PaymentStatus) -> bool:
+    """True when ``source → target`` is one allowed step."""
+    return target in TRANSITIONS[source]
+
+
+def decide(current: PaymentStatus, report: PaymentStatus) -> Decision:
+    """Decide what a report (from a callback, a call or a query) does to a payment in ``current``.
+
+    A report never skips a state: a success for a Created payment walks
+    Created → Pending → Succeeded. A terminal state is never left; a report
+    that contradicts it is a CONFLICT for a human, a stale one is a NOOP.
+    """
+    current = PaymentStatus(current)
+    report = PaymentStatus(report)
+    if report == current:
+        return Decision(Verdict.NOOP, (), f"already {current.value}")
+    if current in TERMINAL:
+        if report in TERMINAL:
+            return Decision(Verdict.CONFLICT, (), f"provider reports {report.value} but payment is {current.value}")
+        return Decision(Verdict.NOOP, (), f"stale report {report.value}: payment is already {current.value}")
+    if report == PaymentStatus.CREATED:
+        return Decision(Verdict.NOOP, (), f"report {report.value} carries no news for {current.value}")
+    path: list[PaymentStatus] = []
+    state = current
+    if state == PaymentStatus.CREATED:
+        path.append(PaymentStatus.PENDING)
+        state = PaymentStatus.PENDING
+    if state == report:
+        return Decision(Verdict.APPLY, tuple(path), f"{current.value} -> {report.value}")
+    if not is_allowed(state, report):
+        # Unknown -> Pending: the provider is still working, which we already treat as unresolved.
+        return Decision(Verdict.NOOP, (), f"{state.value} does not move on report {report.value}")
+    path.append(report)
+    return Decision(Verdict.APPLY, tuple(path), f"{current.value} -> {' -> '.join(s.value for s in path)}")

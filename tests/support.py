@@ -1,0 +1,258 @@
+"""Test helpers: settings, rows, signed events, Procfile processes and a TCP proxy that can be cut."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import insert
+
+from payments.db import utcnow
+from payments.schema import payment
+from payments.settings import Settings
+from sandbox import signing
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRET = "whsec_test_secret"
+
+
+def make_settings(**overrides: Any) -> Settings:
+    """Settings for tests: the test secret, fast retries, then ``overrides``."""
+    base = Settings(sandbox_webhook_secret=SECRET, retry_base_seconds=0.01, retry_max_seconds=0.05)
+    return replace(base, **overrides)
+
+
+def env_for(settings_env: dict[str, str]) -> dict[str, str]:
+    """A process environment: this one, the venv's bin first on PATH, plus the given settings."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(ROOT)
+    env.setdefault("SANDBOX_WEBHOOK_SECRET", SECRET)
+    env.update(settings_env)
+    return env
+
+
+def create_payment(
+    engine,
+    *,
+    payment_id: str | None = None,
+    amount: int = 1000,
+    currency: str = "CNY",
+    status: str = "Pending",
+    provider: str = "sandbox",
+    provider_transaction_id: str | None = None,
+) -> str:
+    """Insert a payment row directly (as the merchant API would have); return its payment_id."""
+    payment_id = payment_id or f"pay_{uuid.uuid4().hex[:20]}"
+    now = utcnow()
+    with engine.begin() as conn:
+        conn.execute(
+            insert(payment).values(
+                payment_id=payment_id,
+                order_no=f"order-{payment_id[-8:]}",
+                amount_minor=amount,
+                currency=currency,
+                provider=provider,
+                provider_transaction_id=provider_transaction_id,
+                status=status,
+                idempotency_key=f"key-{payment_id}",
+                created_at=now,
+                updated_at=now,
+            )
+        )
+    return payment_id
+
+
+def sandbox_event(
+    payment_id: str,
+    *,
+    event_type: str = "charge.succeeded",
+    amount: int = 1000,
+    currency: str = "CNY",
+    event_id: str | None = None,
+    provider_transaction_id: str | None = None,
+    failure_code: str | None = None,
+    **data: Any,
+) -> dict[str, Any]:
+    """A sandbox notification as the platform sends it."""
+    return {
+        "id": event_id or f"evt_{uuid.uuid4().hex[:20]}",
+        "type": event_type,
+        "created": int(time.time()),
+        "data": {
+            "merchant_transaction_id": payment_id,
+            "provider_transaction_id": provider_transaction_id or f"ch_{uuid.uuid4().hex[:20]}",
+            "amount": amount,
+            "currency": currency,
+            "failure_code": failure_code,
+            **data,
+        },
+    }
+
+
+def signed(event: dict[str, Any] | bytes, secret: str = SECRET, timestamp: int | None = None) -> tuple[bytes, dict]:
+    """(body, headers) for a signed sandbox delivery."""
+    body = event if isinstance(event, bytes) else json.dumps(event).encode()
+    return body, {signing.HEADER: signing.sign(secret, body, timestamp), "Content-Type": "application/json"}
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 20.0) -> None:
+    """Block until something accepts connections on ``port``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on port {port} after {timeout} s")
+
+
+def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05, message: str = "condition"):  # noqa: ANN001
+    """Poll ``predicate`` until it returns something truthy; return that, or fail."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {message}")
+
+
+def procfile_command(name: str) -> list[str]:
+    """The command line of one Procfile entry, exactly as honcho would run it."""
+    for line in (ROOT / "Procfile").read_text().splitlines():
+        key, sep, command = line.partition(":")
+        if sep and key.strip() == name:
+            return shlex.split(command.strip())
+    raise KeyError(f"no {name!r} line in the Procfile")
+
+
+class Proc:
+    """A Procfile process started for a test; stopped (SIGTERM, then SIGKILL) by ``stop``."""
+
+    def __init__(self, name: str, env: dict[str, str], log_path: Path | None = None) -> None:
+        self.name = name
+        self.log_path = log_path
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.popen = subprocess.Popen(
+            procfile_command(name), cwd=ROOT, env=env_for(env), stdout=out, stderr=subprocess.STDOUT
+        )
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the process (and, for gunicorn, its master forwards it)."""
+        self.popen.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, wait, SIGKILL if needed; return the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                return self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        return self.popen.wait(10)
+
+    def output(self) -> str:
+        """What the process printed so far (when started with a log path)."""
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+
+class TcpProxy:
+    """A TCP forwarder to ``target`` that a test can cut and restore, to make a service unreachable.
+
+    ``cut()`` closes every open connection and refuses new ones (like a stopped
+    server); ``restore()`` accepts again.
+    """
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(128)
+        self.port = self.listener.getsockname()[1]
+        self._up = True
+        self._closed = False
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self._up:
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        """Drop every connection and refuse new ones."""
+        self._up = False
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+    def restore(self) -> None:
+        """Accept connections again."""
+        self._up = True
+
+    def close(self) -> None:
+        """Stop listening and drop everything."""
+        self._closed = True
+        self.cut()
+        self.listener.close()
