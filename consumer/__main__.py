@@ -20,6 +20,7 @@ import pika.exceptions
 
 from consumer.handler import Action, handle
 from consumer.topology import declare
+from payments import failpoints
 from payments.errors import ConfigError
 from payments.logs import setup_logging
 from payments.runtime import Runtime, build_runtime
@@ -87,6 +88,7 @@ class Consumer:
             return
         action, _outcome = handle(self.runtime, body)
         if action is Action.ACK:
+            failpoints.hit("consumer.after_commit")
             channel.basic_ack(method.delivery_tag)
             self.processed += 1
         elif action is Action.DEAD_LETTER:

@@ -114,4 +114,9 @@ def schema_sql() -> str:
 
 def insert_ignore(table):  # noqa: ANN001, ANN201
     """``INSERT IGNORE`` on MySQL, ``INSERT OR IGNORE`` on SQLite: rowcount 0 means the key existed."""
-    return insert(table).prefix_with("IGNORE", dialect=("mysql", "mariadb")).prefix_with("OR IGNORE", dialect="sqlite")
+    return (
+        insert(table)
+        .prefix_with("IGNORE", dialect="mysql")
+        .prefix_with("IGNORE", dialect="mariadb")
+        .prefix_with("OR IGNORE", dialect="sqlite")
+    )

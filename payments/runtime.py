@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
+from payments import failpoints
 from payments.backoff import RetryPolicy
 from payments.db import make_engine
 from payments.providers import build_providers
@@ -25,6 +26,7 @@ class Runtime:
 
 def build_runtime(settings: Settings, engine: Engine | None = None) -> Runtime:
     """Create the engine and adapters for ``settings`` (tests may pass their own engine)."""
+    failpoints.arm(settings.failpoints)
     return Runtime(
         settings=settings,
         engine=engine or make_engine(settings.database_url),

@@ -124,6 +124,8 @@ class Settings:
     """No failure-rate alert on fewer callbacks than this in the window."""
     log_level: str = "INFO"
     """Python logging level name."""
+    failpoints: str = ""
+    """Test-only: comma-separated failpoint names at which the process SIGKILLs itself (payments/failpoints.py)."""
 
     @property
     def has_broker(self) -> bool:
@@ -173,6 +175,7 @@ _PARSERS = {
     "alert_failure_window_seconds": lambda n, v: _int(n, v, 1),
     "alert_failure_min_sample": lambda n, v: _int(n, v, 1),
     "log_level": lambda n, v: _log_level(n, v),
+    "failpoints": lambda n, v: v.strip(),
 }
 
 

@@ -35,6 +35,7 @@ def mariadb_engine():
     """An engine on the test MariaDB with the schema created once per session."""
     engine = make_engine(TEST_DATABASE_URL, pool_size=10)
     try:
+        _create_database(engine)
         with engine.connect() as conn:
             conn.execute(text("SELECT 1"))
     except Exception as exc:  # noqa: BLE001
@@ -42,6 +43,16 @@ def mariadb_engine():
     init_db(engine)
     yield engine
     engine.dispose()
+
+
+def _create_database(engine) -> None:
+    """CREATE DATABASE IF NOT EXISTS for the URL's database, so each checkout can use its own."""
+    server = make_engine(engine.url.set(database="").render_as_string(hide_password=False))
+    try:
+        with server.begin() as conn:
+            conn.execute(text(f"CREATE DATABASE IF NOT EXISTS `{engine.url.database}` CHARACTER SET utf8mb4"))
+    finally:
+        server.dispose()
 
 
 def truncate_all(engine) -> None:
