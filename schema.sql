@@ -22,6 +22,40 @@ CREATE TABLE alert (
 
 CREATE INDEX idx_alert_status ON alert (status);
 
+CREATE TABLE event_delivery (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	event_id VARCHAR(40) NOT NULL COMMENT 'outbox.event_id of a domain event',
+	destination VARCHAR(16) NOT NULL COMMENT 'amqp (the paysync.events exchange) or webhook',
+	status SMALLINT NOT NULL COMMENT '0 pending 1 delivered 2 gave up (manual)',
+	attempts INTEGER NOT NULL COMMENT 'failed attempts so far',
+	next_attempt_at DATETIME(6) NOT NULL,
+	last_error VARCHAR(500),
+	last_http_status SMALLINT COMMENT 'webhook: the merchant''s last answer',
+	delivered_at DATETIME(6),
+	created_at DATETIME(6) NOT NULL,
+	updated_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (id),
+	CONSTRAINT uq_event_delivery UNIQUE (event_id, destination),
+	CONSTRAINT ck_event_delivery_status CHECK (status IN (0, 1, 2))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Per-destination delivery state of domain events, so one destination''s outage never re-sends the other.' COLLATE utf8mb4_bin;
+
+CREATE TABLE idempotency_request (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	scope VARCHAR(32) NOT NULL COMMENT 'the endpoint family, e.g. payments',
+	idempotency_key VARCHAR(255) NOT NULL,
+	request_digest VARCHAR(64) NOT NULL COMMENT 'sha256 of the canonical request',
+	status VARCHAR(16) NOT NULL COMMENT 'started (in flight), done',
+	response_status SMALLINT,
+	response_body TEXT COMMENT 'the first answer, replayed verbatim',
+	payment_id VARCHAR(40),
+	locked_at DATETIME(6) NOT NULL COMMENT 'a started request older than the lock timeout may be taken over',
+	created_at DATETIME(6) NOT NULL,
+	updated_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (id),
+	CONSTRAINT uq_idempotency_request_key UNIQUE (scope, idempotency_key),
+	CONSTRAINT ck_idempotency_request_status CHECK (status IN ('started', 'done'))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Merchant Idempotency-Key records: in-flight detection (409) and replay of the first answer.' COLLATE utf8mb4_bin;
+
 CREATE TABLE ledger_entry (
 	id BIGINT NOT NULL AUTO_INCREMENT,
 	ledger_event_id BIGINT NOT NULL,
@@ -162,6 +196,42 @@ CREATE TABLE processed_event (
 	PRIMARY KEY (id),
 	CONSTRAINT uq_processed_event UNIQUE (provider, provider_event_id)
 )ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='The inbox: one row per provider event ever applied; makes processing idempotent.' COLLATE utf8mb4_bin;
+
+CREATE TABLE provider_breaker (
+	provider VARCHAR(32) NOT NULL,
+	state VARCHAR(16) NOT NULL COMMENT 'closed, open',
+	consecutive_failures INTEGER NOT NULL,
+	open_count INTEGER NOT NULL COMMENT 'opens since it last closed: drives the backoff',
+	opened_at DATETIME(6),
+	retry_at DATETIME(6) COMMENT 'while open: when the next probe may go out',
+	updated_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (provider),
+	CONSTRAINT ck_provider_breaker_state CHECK (state IN ('closed', 'open'))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Circuit breaker per provider, shared by every compensator process.' COLLATE utf8mb4_bin;
+
+CREATE TABLE provider_call (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	payment_id VARCHAR(40),
+	refund_id VARCHAR(40),
+	provider VARCHAR(32) NOT NULL,
+	operation VARCHAR(16) NOT NULL COMMENT 'charge, query, refund, settlement',
+	idempotency_key VARCHAR(255) COMMENT 'the key sent with the call, if any',
+	request_digest VARCHAR(64) NOT NULL COMMENT 'sha256 of the canonical request parameters',
+	http_status SMALLINT COMMENT 'NULL: no HTTP answer (timeout, reset)',
+	response TEXT COMMENT 'raw answer, scrubbed of secrets and truncated',
+	error_code VARCHAR(64) COMMENT 'decline code or why the answer was Unknown',
+	latency_ms INTEGER,
+	outcome VARCHAR(16) COMMENT 'Succeeded, Failed, Pending, Unknown, NotFound; NULL: sent, no outcome recorded (crash)',
+	started_at DATETIME(6) NOT NULL COMMENT 'written and committed before the request goes out',
+	finished_at DATETIME(6),
+	PRIMARY KEY (id)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Evidence of every outbound call; payment.status_source names the call:<id> or query:<id> that moved it.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_provider_call_payment ON provider_call (payment_id);
+
+CREATE INDEX idx_provider_call_refund ON provider_call (refund_id);
+
+CREATE INDEX idx_provider_call_started ON provider_call (started_at);
 
 CREATE TABLE refund (
 	id BIGINT NOT NULL AUTO_INCREMENT,

@@ -15,17 +15,16 @@ import json
 import logging
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import Connection, Engine, insert, select, update
 
-from payments import alerts, ledger, outbox
+from payments import alerts
 from payments.backoff import RetryPolicy
 from payments.db import insert_ignore, utcnow
-from payments.errors import CallbackRejected, PaysyncError, StaleTransition, TargetNotFound
+from payments.errors import CallbackRejected, PaysyncError, TargetNotFound
 from payments.providers import get_provider
 from payments.providers.base import CallbackEvent, Provider
 from payments.review import open_review
@@ -36,12 +35,11 @@ from payments.schema import (
     CB_PROCESSED,
     CB_REJECTED,
     CB_RETRYABLE,
-    payment,
     payment_callback_log,
     processed_event,
-    refund,
 )
 from payments.states import PaymentStatus, Verdict, decide
+from payments.transitions import TARGETS, Target, apply_decision
 
 log = logging.getLogger("paysync.callbacks")
 
@@ -106,32 +104,6 @@ def reject_callback(engine: Engine, log_id: int, reason: str, now: datetime | No
             .values(status=CB_REJECTED, result=f"rejected: {reason}"[:500], update_time=now)
         )
         return result.rowcount == 1
-
-
-@dataclass(frozen=True)
-class _Target:
-    table: Any
-    key: Any
-    provider_ref: Any
-    confirmed: str
-    failed: str
-
-
-_TARGETS = {
-    "payment": _Target(
-        payment, payment.c.payment_id, payment.c.provider_transaction_id, "PaymentConfirmed", "PaymentFailed"
-    ),
-    "refund": _Target(refund, refund.c.refund_id, refund.c.provider_refund_id, "RefundConfirmed", "RefundFailed"),
-}
-
-_DOMAIN_EVENTS = {
-    ("payment", PaymentStatus.SUCCEEDED): "PaymentSucceeded",
-    ("payment", PaymentStatus.FAILED): "PaymentFailed",
-    ("payment", PaymentStatus.UNKNOWN): "PaymentUnknown",
-    ("refund", PaymentStatus.SUCCEEDED): "RefundSucceeded",
-    ("refund", PaymentStatus.FAILED): "RefundFailed",
-    ("refund", PaymentStatus.UNKNOWN): "RefundUnknown",
-}
 
 
 def process_callback(
@@ -204,7 +176,7 @@ def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: in
 
 
 def _apply_event(conn: Connection, event: CallbackEvent, log_id: int, now: datetime) -> tuple[Outcome, str]:
-    spec = _TARGETS[event.target]
+    spec = TARGETS[event.target]
     table = spec.table
     current = conn.execute(select(table).where(spec.key == event.merchant_reference).with_for_update()).first()
     if current is None:
@@ -221,73 +193,21 @@ def _apply_event(conn: Connection, event: CallbackEvent, log_id: int, now: datet
     if decision.verdict == Verdict.NOOP:
         return Outcome.NOOP, f"noop: {decision.reason}"
 
-    target = decision.target
-    values: dict[str, Any] = {"status": target.value, "status_source": source, "updated_at": now, "next_query_at": None}
-    if event.provider_reference and current[spec.provider_ref.name] is None:
-        values[spec.provider_ref.name] = event.provider_reference
-    if target == PaymentStatus.FAILED:
-        values["error_code"] = event.failure_code or "declined"
-    changed = conn.execute(
-        update(table).where(table.c.id == current["id"], table.c.status == current["status"]).values(**values)
-    ).rowcount
-    if changed != 1:
-        raise StaleTransition(f"{event.target} {event.merchant_reference} left {current['status']} under us")
-
-    reference = event.merchant_reference
-    payment_id = current["payment_id"]
-    refund_id = reference if event.target == "refund" else None
-    details = {"from": current["status"], "path": [s.value for s in decision.path], "event_id": event.event_id}
-    provider_acct = ledger.provider_account(current["provider"])
-    amount = int(current["amount_minor"])
-    if target == PaymentStatus.SUCCEEDED:
-        if event.target == "payment":
-            entries = [(provider_acct, amount), (ledger.INCOME_PAYMENTS, -amount)]
-        else:
-            entries = [(ledger.INCOME_REFUNDS, amount), (provider_acct, -amount)]
-        ledger_type = spec.confirmed
-    else:
-        entries = []
-        ledger_type = spec.failed
-    ledger.append(
+    apply_decision(
         conn,
-        event_type=ledger_type,
-        dedupe_key=f"{ledger_type}:{reference}",
-        amount_minor=amount,
-        currency=current["currency"],
-        source_type="callback",
-        source_id=str(log_id),
+        event.target,
+        current,
+        decision,
+        source=source,
         now=now,
-        entries=entries,
-        payment_id=payment_id,
-        refund_id=refund_id,
-        details=details,
+        provider_reference=event.provider_reference,
+        failure_code=event.failure_code,
+        details={"event_id": event.event_id},
     )
-    domain_type = _DOMAIN_EVENTS.get((event.target, target))
-    if domain_type:
-        outbox.enqueue(
-            conn,
-            event_type=domain_type,
-            aggregate_id=reference,
-            now=now,
-            payload={
-                "type": domain_type,
-                "payment_id": payment_id,
-                "refund_id": refund_id,
-                "order_no": current.get("order_no"),
-                "amount": amount,
-                "currency": current["currency"],
-                "status": target.value,
-                "provider": current["provider"],
-                "provider_transaction_id": values.get(spec.provider_ref.name) or current[spec.provider_ref.name],
-                "failure_code": values.get("error_code"),
-                "source": source,
-                "occurred_at": now.isoformat() + "Z",
-            },
-        )
     return Outcome.APPLIED, f"applied: {decision.reason}"
 
 
-def _mismatch(event: CallbackEvent, current: Mapping[str, Any], spec: _Target) -> str | None:
+def _mismatch(event: CallbackEvent, current: Mapping[str, Any], spec: Target) -> str | None:
     """Why a report cannot be about this row at all, or None."""
     if event.provider != current["provider"]:
         return f"callback from {event.provider} for a {current['provider']} {event.target}"

@@ -122,6 +122,52 @@ class Settings:
     """… over this window."""
     alert_failure_min_sample: int = 20
     """No failure-rate alert on fewer callbacks than this in the window."""
+    merchant_max_amount: int = 100_000_000
+    """Largest amount POST /payments accepts, in minor units."""
+    idempotency_lock_seconds: float = 60.0
+    """A POST /payments still in flight after this long may be taken over by a retry with the same key."""
+    provider_timeout_seconds: float = 10.0
+    """Read timeout of one outbound provider call; past it the outcome is Unknown."""
+    provider_rate_limit: float = 50.0
+    """Outbound calls per second to one provider, per compensator process."""
+    relay_interval_seconds: float = 0.2
+    """How often relay_outbox polls for ChargeRequested rows (keeps creation-to-provider latency low)."""
+    relay_concurrency: int = 8
+    """Provider calls relay_outbox keeps in flight at once (a hanging call holds one slot, not the queue)."""
+    relay_max_seconds: float = 30.0
+    """One relay_outbox run stops claiming after this long (the scheduler starts the next one)."""
+    query_interval_seconds: float = 1.0
+    """How often query_unresolved looks for payments to query."""
+    query_pending_after_seconds: float = 60.0
+    """A payment Pending (provider said processing) this long is queried."""
+    query_base_seconds: float = 2.0
+    """First delay before querying an Unknown payment; doubles per attempt, with jitter."""
+    query_max_seconds: float = 600.0
+    """Cap on one query delay."""
+    payment_deadline_seconds: int = 86400
+    """A payment unresolved this long after creation goes to manual review with an alert."""
+    breaker_failure_threshold: int = 5
+    """Consecutive timeouts/5xx from one provider that open its circuit breaker."""
+    breaker_open_seconds: float = 5.0
+    """First pause once the breaker opens; doubles on every failed probe, with jitter."""
+    breaker_max_open_seconds: float = 300.0
+    """Cap on one breaker pause."""
+    breaker_query_budget: int = 5
+    """Queries one query_unresolved run may send to a provider whose breaker is open."""
+    sandbox_legacy_enabled: bool = False
+    """Register "sandbox_legacy": the sandbox called without idempotency keys or queries (tests, demos)."""
+    merchant_webhook_url: str = ""
+    """Where publish_events POSTs domain events (Standard Webhooks); empty: no webhook."""
+    merchant_webhook_secret: str = ""
+    """whsec_<base64> secret that signs those webhooks; required when MERCHANT_WEBHOOK_URL is set."""
+    merchant_webhook_timeout_seconds: float = 15.0
+    """Timeout of one webhook POST; a timeout counts as a failed attempt."""
+    events_exchange: str = "paysync.events"
+    """RabbitMQ topic exchange domain events are published to (routing key = event type)."""
+    event_delivery_max_attempts: int = 25
+    """Failed attempts at one destination before an event gives up into the manual queue."""
+    event_delivery_deadline_seconds: int = 3 * 86400
+    """An event not delivered this long after it was written gives up into the manual queue."""
     log_level: str = "INFO"
     """Python logging level name."""
     failpoints: str = ""
@@ -174,9 +220,44 @@ _PARSERS = {
     "alert_failure_rate": lambda n, v: _float(n, v, 0, 1),
     "alert_failure_window_seconds": lambda n, v: _int(n, v, 1),
     "alert_failure_min_sample": lambda n, v: _int(n, v, 1),
+    "merchant_max_amount": lambda n, v: _int(n, v, 1, 2**62),
+    "idempotency_lock_seconds": lambda n, v: _float(n, v, 1, 86400),
+    "provider_timeout_seconds": lambda n, v: _float(n, v, 0.05, 300),
+    "provider_rate_limit": lambda n, v: _float(n, v, 0.1, 1_000_000),
+    "relay_interval_seconds": lambda n, v: _float(n, v, 0.01, 3600),
+    "relay_concurrency": lambda n, v: _int(n, v, 1, 256),
+    "relay_max_seconds": lambda n, v: _float(n, v, 0.1, 3600),
+    "query_interval_seconds": lambda n, v: _float(n, v, 0.05, 3600),
+    "query_pending_after_seconds": lambda n, v: _float(n, v, 0, 86400),
+    "query_base_seconds": lambda n, v: _float(n, v, 0.001, 86400),
+    "query_max_seconds": lambda n, v: _float(n, v, 0.001, 7 * 86400),
+    "payment_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),
+    "breaker_failure_threshold": lambda n, v: _int(n, v, 1, 100_000),
+    "breaker_open_seconds": lambda n, v: _float(n, v, 0.01, 86400),
+    "breaker_max_open_seconds": lambda n, v: _float(n, v, 0.01, 7 * 86400),
+    "breaker_query_budget": lambda n, v: _int(n, v, 0, 100_000),
+    "sandbox_legacy_enabled": _bool,
+    "merchant_webhook_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "merchant_webhook_secret": lambda n, v: _webhook_secret(n, v),
+    "merchant_webhook_timeout_seconds": lambda n, v: _float(n, v, 0.1, 120),
+    "events_exchange": lambda n, v: v.strip() or "paysync.events",
+    "event_delivery_max_attempts": lambda n, v: _int(n, v, 1, 1000),
+    "event_delivery_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),
     "log_level": lambda n, v: _log_level(n, v),
     "failpoints": lambda n, v: v.strip(),
 }
+
+
+def _webhook_secret(name: str, raw: str) -> str:
+    value = raw.strip()
+    if value:
+        from payments.webhook_signing import MIN_SECRET_BYTES, decode_secret
+
+        try:
+            decode_secret(value, min_bytes=MIN_SECRET_BYTES)
+        except ConfigError as exc:  # name the variable, never echo the secret
+            raise ConfigError(f"{name}: {exc}") from None
+    return value
 
 
 def _log_level(name: str, raw: str) -> str:
@@ -202,4 +283,10 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     settings = Settings(**values)
     if settings.retry_max_seconds < settings.retry_base_seconds:
         raise ConfigError("RETRY_MAX_SECONDS must be >= RETRY_BASE_SECONDS")
+    if settings.query_max_seconds < settings.query_base_seconds:
+        raise ConfigError("QUERY_MAX_SECONDS must be >= QUERY_BASE_SECONDS")
+    if settings.breaker_max_open_seconds < settings.breaker_open_seconds:
+        raise ConfigError("BREAKER_MAX_OPEN_SECONDS must be >= BREAKER_OPEN_SECONDS")
+    if settings.merchant_webhook_url and not settings.merchant_webhook_secret:
+        raise ConfigError("MERCHANT_WEBHOOK_SECRET (whsec_…) is required when MERCHANT_WEBHOOK_URL is set")
     return settings
