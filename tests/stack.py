@@ -1,0 +1,218 @@
+"""Helpers for tests that run the real processes: a group of Procfile processes, HTTP posts, broker and DB peeks.
+
+``Stack`` is a context manager: every process and proxy it started is stopped
+on exit, whatever the test did, so a failing test leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pika
+import requests
+from sqlalchemy import func, select
+from sqlalchemy.engine import make_url
+
+from payments.schema import ledger_event, payment, payment_callback_log, processed_event
+from tests.support import SECRET, Proc, TcpProxy, env_for, free_port, wait_for_port, wait_until
+
+
+def url_via(url: str, port: int) -> str:
+    """``url`` (database or broker) rewritten to reach its server through a local proxy on ``port``."""
+    if url.startswith("amqp"):
+        scheme, rest = url.split("://", 1)
+        creds, _, hostpath = rest.rpartition("@")
+        path = hostpath.split("/", 1)[1] if "/" in hostpath else ""
+        return f"{scheme}://{creds + '@' if creds else ''}127.0.0.1:{port}/{path}"
+    return make_url(url).set(host="127.0.0.1", port=port).render_as_string(hide_password=False)
+
+
+def target_of(url: str) -> tuple[str, int]:
+    """(host, port) a database or broker URL points at."""
+    if url.startswith("amqp"):
+        hostport = url.split("://", 1)[1].rpartition("@")[2].split("/", 1)[0]
+        host, _, port = hostport.partition(":")
+        return host or "127.0.0.1", int(port or 5672)
+    parsed = make_url(url)
+    return parsed.host or "127.0.0.1", parsed.port or 3306
+
+
+def db_url(engine) -> str:  # noqa: ANN001
+    """The full URL of a test engine, password included (child processes need it)."""
+    return engine.url.render_as_string(hide_password=False)
+
+
+class Stack:
+    """Processes and proxies started by one test; all stopped on ``__exit__``."""
+
+    def __init__(self, tmp_path: Path, **env: str) -> None:
+        self.tmp_path = tmp_path
+        self.env = {"AMQP_URL": "", "SANDBOX_WEBHOOK_SECRET": SECRET, "LOG_LEVEL": "INFO", **env}
+        self.procs: list[Proc] = []
+        self.proxies: list[TcpProxy] = []
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for proc in reversed(self.procs):
+            try:
+                proc.stop(timeout=10)
+            except Exception:  # noqa: BLE001 - cleanup must reach every process
+                proc.kill()
+        for proxy in self.proxies:
+            proxy.close()
+
+    def proxy(self, url: str) -> TcpProxy:
+        """A cuttable proxy in front of the server ``url`` names."""
+        proxy = TcpProxy(*target_of(url))
+        self.proxies.append(proxy)
+        return proxy
+
+    def start(self, name: str, label: str | None = None, **env: str) -> Proc:
+        """Start a Procfile line with the stack's settings plus ``env``; output goes to tmp_path/<label>.log."""
+        label = label or name
+        proc = Proc(name, {**self.env, **env}, log_path=self.tmp_path / f"{label}.log")
+        self.procs.append(proc)
+        return proc
+
+    def start_web(self, label: str = "web", workers: int = 2, **env: str) -> tuple[Proc, int]:
+        """Start the gateway under gunicorn on a free port; return it and the port once it answers."""
+        port = free_port()
+        proc = self.start("web", label, PORT=str(port), WEB_WORKERS=str(workers), **env)
+        try:
+            wait_for_port(port, timeout=20)
+            wait_until(lambda: len(worker_pids(proc.popen.pid)) >= workers, timeout=20, message="gunicorn workers")
+        except Exception:
+            raise AssertionError(f"gateway did not start:\n{proc.output()[-3000:]}") from None
+        return proc, port
+
+    def run(self, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+        """Run ``python -m …`` to completion with the stack's settings (cron-style commands)."""
+        return subprocess.run(
+            ["python", *args],
+            cwd=Path(__file__).resolve().parent.parent,
+            env=env_for({**self.env, **env}),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def output(self) -> str:
+        """Everything every process printed so far."""
+        return "\n".join(p.output() for p in self.procs)
+
+
+def worker_pids(master_pid: int) -> set[int]:
+    """The gunicorn worker processes (children) of ``master_pid``, read from /proc."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == master_pid:
+            pids.add(int(entry))
+    return pids
+
+
+def post(port: int, body: bytes, headers: dict[str, str], path: str = "/callbacks/sandbox") -> requests.Response:
+    """POST one delivery to a running gateway (a fresh connection each time, like a provider)."""
+    return requests.post(f"http://127.0.0.1:{port}{path}", data=body, headers=headers, timeout=15)
+
+
+def median_ms(values: Iterable[float]) -> float:
+    """Median of seconds, in milliseconds."""
+    return statistics.median(values) * 1000
+
+
+# --- broker peeks --------------------------------------------------------------------------------------------
+
+
+def amqp_channel(amqp_url: str):  # noqa: ANN201
+    """A fresh (connection, channel) pair for peeking and publishing."""
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    return conn, conn.channel()
+
+
+def ready_count(amqp_url: str, queue: str) -> int:
+    """Messages ready (not held unacked by a consumer) in ``queue``; 0 if it does not exist yet."""
+    conn, ch = amqp_channel(amqp_url)
+    try:
+        return ch.queue_declare(queue, passive=True).method.message_count
+    except pika.exceptions.ChannelClosedByBroker:
+        return 0
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
+def publish_raw(amqp_url: str, queue: str, bodies: Iterable[bytes]) -> None:
+    """Publish raw message bodies to ``queue`` (declared with paysync's topology), persistent."""
+    from consumer.topology import declare
+
+    conn, ch = amqp_channel(amqp_url)
+    try:
+        declare(ch, queue)
+        ch.confirm_delivery()
+        for body in bodies:
+            ch.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2))
+    finally:
+        conn.close()
+
+
+def publish_ids(amqp_url: str, queue: str, log_ids: Iterable[int]) -> None:
+    """Publish ``{"log_id": …}`` messages as the gateway does."""
+    publish_raw(amqp_url, queue, (json.dumps({"log_id": i}).encode() for i in log_ids))
+
+
+# --- database peeks ------------------------------------------------------------------------------------------
+
+
+def callback_rows(engine) -> list[Any]:  # noqa: ANN001
+    """Every payment_callback_log row, oldest first."""
+    with engine.connect() as conn:
+        return list(conn.execute(select(payment_callback_log).order_by(payment_callback_log.c.id)))
+
+
+def status_counts(engine) -> dict[int, int]:  # noqa: ANN001
+    """{callback status: rows}."""
+    t = payment_callback_log
+    with engine.connect() as conn:
+        return dict(conn.execute(select(t.c.status, func.count()).group_by(t.c.status)).all())
+
+
+def payment_status(engine, payment_id: str) -> str:  # noqa: ANN001
+    """The status column of one payment."""
+    with engine.connect() as conn:
+        return conn.execute(select(payment.c.status).where(payment.c.payment_id == payment_id)).scalar_one()
+
+
+def effect_counts(engine, payment_id: str | None = None) -> dict[str, int]:  # noqa: ANN001
+    """How many ledger events and processed events exist (for one payment, or in total)."""
+    with engine.connect() as conn:
+        ledger_q = select(func.count()).select_from(ledger_event)
+        if payment_id:
+            ledger_q = ledger_q.where(ledger_event.c.payment_id == payment_id)
+        return {
+            "ledger_events": conn.execute(ledger_q).scalar_one(),
+            "processed_events": conn.execute(select(func.count()).select_from(processed_event)).scalar_one(),
+        }
+
+
+def timed(fn, *args: Any, **kwargs: Any) -> tuple[Any, float]:  # noqa: ANN001
+    """(fn(*args), seconds it took)."""
+    started = time.perf_counter()
+    value = fn(*args, **kwargs)
+    return value, time.perf_counter() - started
