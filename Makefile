@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | 
 PORT ?= 8000
 SANDBOX_PORT ?= 8100
 
-.PHONY: run test lint format venv bench-ingest bench-charges clean
+.PHONY: run test lint format venv bench-ingest bench-drain bench-charges clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "paysync needs Python 3.11 or newer")'
@@ -37,8 +37,14 @@ format: venv
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# Needs MariaDB, RabbitMQ and wrk (sudo apt-get install -y wrk). E.g. BENCH_ARGS="--duration 5 --repeats 1".
 bench-ingest: venv
+	@command -v wrk >/dev/null || { echo "bench-ingest needs wrk: sudo apt-get install -y wrk"; exit 2; }
 	$(BIN)/python bench/ingest.py $(BENCH_ARGS)
+
+# Needs MariaDB and RabbitMQ. A quick run: BENCH_ARGS="--rows 2000".
+bench-drain: venv
+	$(BIN)/python bench/drain.py $(BENCH_ARGS)
 
 bench-charges: venv
 	$(BIN)/python bench/charges.py $(BENCH_ARGS)

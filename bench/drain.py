@@ -1,0 +1,283 @@
+"""Drain benchmark: how fast a backlog of pending callback rows is processed, by consumers and by the compensator.
+
+    make bench-drain BENCH_ARGS="--rows 20000 --consumers 1,2"
+
+For each phase the bench database (``paysync_bench``) is rebuilt with
+``--rows`` Pending payments and, for each, one stored ``charge.succeeded``
+callback row (status 0, a valid signed body, as the gateway stores it). Then:
+
+- consumer path, with 1 and 2 ``python -m consumer`` processes (the Procfile
+  line) on a queue of the bench's own: once they are consuming, one
+  ``{log_id}`` message per row is published and the clock runs from the first
+  publish to the last row's commit (its ``update_time``);
+- compensator path: one ``python -m compensator compensate --once`` with
+  COMPENSATOR_GRACE_SECONDS=0 and a rate limit far above what it can do; the
+  clock runs from launching the process (Python start-up included) to the
+  last row's commit.
+
+Every phase checks the result, not just the speed: all rows status 1, every
+payment Succeeded, exactly one ledger event, one outbox domain event and one
+processed_event per row. The original cron design drains 100 rows a minute;
+the table shows each rate against that too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+from datetime import datetime
+
+from common import (  # the bench directory is on sys.path when run as a script
+    DEFAULT_AMQP_URL,
+    DEFAULT_DATABASE_URL,
+    RESULTS,
+    ROOT,
+    Process,
+    chunks,
+    delete_queue,
+    loadavg,
+    median,
+    prepare_database,
+    process_env,
+    procfile_command,
+    sandbox_event,
+    signed_body,
+)
+from sqlalchemy import Engine, func, insert, select, text
+
+from payments.db import utcnow
+from payments.schema import outbox, payment, payment_callback_log, processed_event
+from sandbox import signing
+
+CRON_ROWS_PER_SECOND = 100 / 60
+"""The original design: a cron job every minute, 100 rows each."""
+TARGET_CONSUMER = 1000.0
+TARGET_COMPENSATOR = 500.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench/drain.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=20_000, help="backlog size (default 20000)")
+    parser.add_argument("--consumers", default="1,2", help="consumer process counts to try (default 1,2)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per phase; medians shown (default 1)")
+    parser.add_argument("--skip-compensator", action="store_true")
+    parser.add_argument("--skip-consumer", action="store_true")
+    parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL)
+    parser.add_argument("--amqp-url", default=DEFAULT_AMQP_URL)
+    parser.add_argument("--timeout", type=float, default=600.0, help="give up on a phase after this many seconds")
+    return parser.parse_args(argv)
+
+
+def build_backlog(engine: Engine, rows: int) -> list[int]:
+    """``rows`` Pending payments, each with one pending signed success callback; return the log ids."""
+    now = utcnow()
+    signed_at = int(time.time())
+    payments, logs = [], []
+    for n in range(rows):
+        payment_id = f"pay_drain{uuid.uuid4().hex[:20]}"
+        amount = 1000 + n % 5000
+        payments.append(
+            {
+                "payment_id": payment_id,
+                "order_no": f"order-{n}",
+                "amount_minor": amount,
+                "currency": "CNY",
+                "provider": "sandbox",
+                "status": "Pending",
+                "idempotency_key": f"key-{payment_id}",
+                "query_attempts": 0,
+                "created_at": now,
+                "updated_at": now,
+            }
+        )
+        event = sandbox_event(payment_id, amount=amount, created=signed_at)
+        body, signature = signed_body(event, signed_at)
+        headers = {"Content-Type": "application/json", signing.HEADER: signature, "User-Agent": "paysync-bench"}
+        logs.append(
+            {
+                "provider": "sandbox",
+                "callback_data": body,
+                "headers": json.dumps(headers, sort_keys=True),
+                "remote_addr": "127.0.0.1",
+                "order_no": payment_id,
+                "payment_order_no": event["data"]["provider_transaction_id"],
+                "provider_event_id": event["id"],
+                "event_type": event["type"],
+                "status": 0,
+                "retry_count": 0,
+                "next_retry_at": now,
+                "create_time": now,
+                "update_time": now,
+            }
+        )
+    with engine.begin() as conn:
+        for part in chunks(payments, 1000):
+            conn.execute(insert(payment), part)
+        for part in chunks(logs, 1000):
+            conn.execute(insert(payment_callback_log), part)
+        return list(conn.execute(select(payment_callback_log.c.id).order_by(payment_callback_log.c.id)).scalars())
+
+
+def status_counts(engine: Engine) -> dict[int, int]:
+    """Callback rows per status."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(payment_callback_log.c.status, func.count()).group_by(payment_callback_log.c.status)
+        ).all()
+    return {status: count for status, count in rows}
+
+
+def wait_drained(engine: Engine, rows: int, timeout: float, procs: list[Process]) -> None:
+    """Poll until every row left status 0; fail if any ended anywhere but status 1."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = status_counts(engine)
+        if counts.get(0, 0) == 0:
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit(f"FAIL: backlog not drained after {timeout:g} s: {counts}")
+        for proc in procs:
+            if not proc.alive() and proc.label.startswith("drain_consumer"):
+                raise SystemExit(f"FAIL: {proc.label} died:\n{proc.tail()}")
+        time.sleep(0.2)
+    if counts.get(1, 0) != rows or len(counts) != 1:
+        raise SystemExit(f"FAIL: expected {rows} rows processed (status 1), got {counts}")
+
+
+def last_commit(engine: Engine) -> datetime:
+    """The update_time of the last processed row (naive UTC, the clock paysync writes with)."""
+    with engine.connect() as conn:
+        return conn.execute(select(func.max(payment_callback_log.c.update_time))).scalar()
+
+
+def check_effects(engine: Engine, rows: int) -> None:
+    """Exactly one effect per row: payment Succeeded, one ledger event, one domain event, one inbox row."""
+    with engine.connect() as conn:
+        succeeded = conn.execute(select(func.count()).where(payment.c.status == "Succeeded")).scalar()
+        ledger = conn.execute(text("SELECT COUNT(*) FROM ledger_event WHERE event_type = 'PaymentConfirmed'")).scalar()
+        events = conn.execute(select(func.count()).where(outbox.c.event_type == "PaymentSucceeded")).scalar()
+        inbox = conn.execute(select(func.count()).select_from(processed_event)).scalar()
+    got = {"succeeded": succeeded, "ledger": ledger, "outbox": events, "processed_event": inbox}
+    if any(value != rows for value in got.values()):
+        raise SystemExit(f"FAIL: expected {rows} of each effect, got {got}")
+
+
+def consumer_phase(args: argparse.Namespace, consumers: int) -> dict:
+    """Drain the backlog through ``consumers`` consumer processes fed one message per row."""
+    import pika
+
+    from consumer.topology import declare
+
+    engine = prepare_database(args.database_url)
+    ids = build_backlog(engine, args.rows)
+    queue = f"bench_drain_{uuid.uuid4().hex[:8]}"
+    env = process_env(DATABASE_URL=args.database_url, AMQP_URL=args.amqp_url, AMQP_QUEUE=queue)
+    conn = pika.BlockingConnection(pika.URLParameters(args.amqp_url))
+    procs: list[Process] = []
+    try:
+        channel = conn.channel()
+        declare(channel, queue)
+        procs = [Process(procfile_command("consumer"), env, f"drain_consumer{i}") for i in range(consumers)]
+        deadline = time.monotonic() + 30
+        while channel.queue_declare(queue, passive=True).method.consumer_count < consumers:
+            if time.monotonic() > deadline:
+                raise SystemExit("FAIL: consumers did not start:\n" + "\n".join(p.tail() for p in procs))
+            time.sleep(0.1)
+        props = pika.BasicProperties(delivery_mode=2, content_type="application/json")
+        started = utcnow()
+        for log_id in ids:
+            channel.basic_publish("", queue, json.dumps({"log_id": log_id}).encode(), props)
+        conn.process_data_events(0)
+        published = (utcnow() - started).total_seconds()
+        wait_drained(engine, args.rows, args.timeout, procs)
+        seconds = (last_commit(engine) - started).total_seconds()
+        check_effects(engine, args.rows)
+    finally:
+        for proc in procs:
+            proc.stop()
+        if conn.is_open:
+            conn.close()
+        delete_queue(args.amqp_url, queue)
+        engine.dispose()
+    return {"seconds": seconds, "rows_per_s": args.rows / seconds, "publish_seconds": published, "load": loadavg()}
+
+
+def compensator_phase(args: argparse.Namespace) -> dict:
+    """Drain the backlog with one ``python -m compensator compensate --once``."""
+    engine = prepare_database(args.database_url)
+    build_backlog(engine, args.rows)
+    env = process_env(
+        DATABASE_URL=args.database_url,
+        # A broker URL keeps the production timing rules; the sweep itself never touches the broker.
+        AMQP_URL=args.amqp_url,
+        AMQP_QUEUE=f"bench_drain_unused_{uuid.uuid4().hex[:8]}",
+        COMPENSATOR_GRACE_SECONDS="0",
+        COMPENSATOR_RATE_LIMIT="1000000",
+        # run_once's time budget is 5 intervals: make it long enough for the whole backlog.
+        COMPENSATOR_INTERVAL_SECONDS="3600",
+    )
+    started = utcnow()
+    clock = time.monotonic()
+    proc = Process([sys.executable, "-m", "compensator", "compensate", "--once"], env, "drain_compensator")
+    try:
+        code = proc.popen.wait(args.timeout)
+    finally:
+        proc.stop()
+    wall = time.monotonic() - clock
+    if code != 0:
+        raise SystemExit(f"FAIL: compensator exited {code}:\n{proc.tail()}")
+    wait_drained(engine, args.rows, 1.0, [])
+    seconds = (last_commit(engine) - started).total_seconds()
+    check_effects(engine, args.rows)
+    engine.dispose()
+    return {"seconds": seconds, "rows_per_s": args.rows / seconds, "process_wall_seconds": wall, "load": loadavg()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    phases: dict[str, list[dict]] = {}
+    print(f"drain bench: backlog {args.rows} rows, {args.repeats} run(s) per phase; load before: {loadavg()}")
+    for _ in range(args.repeats):
+        if not args.skip_consumer:
+            for consumers in [int(c) for c in args.consumers.split(",") if c]:
+                name = f"consumer x{consumers}"
+                result = consumer_phase(args, consumers)
+                phases.setdefault(name, []).append(result)
+                print(
+                    f"  {name:<16} {result['rows_per_s']:8.0f} rows/s  ({result['seconds']:.1f} s; "
+                    f"publishing took {result['publish_seconds']:.1f} s; load {result['load']})",
+                    flush=True,
+                )
+        if not args.skip_compensator:
+            result = compensator_phase(args)
+            phases.setdefault("compensator x1", []).append(result)
+            print(
+                f"  {'compensator x1':<16} {result['rows_per_s']:8.0f} rows/s  ({result['seconds']:.1f} s; "
+                f"process wall {result['process_wall_seconds']:.1f} s; load {result['load']})",
+                flush=True,
+            )
+
+    print()
+    print(f"{'path':<16} | {'rows/s':>8} | {'vs cron 100/min':>15} | target")
+    print("-" * 60)
+    summary = {}
+    for name, runs in phases.items():
+        rate = median([r["rows_per_s"] for r in runs])
+        target = TARGET_COMPENSATOR if name.startswith("compensator") else TARGET_CONSUMER
+        verdict = "met" if rate >= target else "MISSED"
+        summary[name] = {"rows_per_s": rate, "runs": len(runs)}
+        print(f"{name:<16} | {rate:8.0f} | {rate / CRON_ROWS_PER_SECOND:14.0f}x | >= {target:.0f}: {verdict}")
+    print(f"load after: {loadavg()}")
+    out = RESULTS / f"drain-{stamp}.json"
+    out.write_text(json.dumps({"args": vars(args), "summary": summary, "runs": phases}, indent=2, default=str))
+    print(f"raw results: {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Ingest benchmark: signed sandbox callbacks into the real gateway, beside two baselines in the same run.
+
+    make bench-ingest BENCH_ARGS="--duration 10 --concurrency 1,8,32 --repeats 3"
+
+Starts three gunicorn servers with the Procfile's ``web`` settings
+(``gateway/gunicorn_conf.py``: sync workers, WEB_WORKERS=2):
+
+- ``gateway``: the real gateway (``gateway.wsgi:app``) on MariaDB (database
+  ``paysync_bench``, emptied first) and RabbitMQ (a queue of its own, deleted
+  at the end);
+- ``bare``: a Flask app that answers 200 (``bench/baseline_apps.py``);
+- ``insert``: a Flask app that INSERTs the body into one table and commits.
+
+and drives each with wrk (``apt-get install -y wrk``) and ``bench/replay.lua``,
+which replays distinct ``charge.succeeded`` events signed just before each run
+with the bench's fixed secret (signatures stay inside the 300 s tolerance).
+Runs are interleaved (for each repeat, each concurrency, each app) so machine
+noise hits all three alike; the table shows medians of the repeats and the
+ratio gateway / insert-only at each concurrency. Any non-2xx answer or socket
+error from the gateway fails the run. Results also go to ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+from common import (  # the bench directory is on sys.path when run as a script
+    DEFAULT_AMQP_URL,
+    DEFAULT_DATABASE_URL,
+    RESULTS,
+    ROOT,
+    Process,
+    delete_queue,
+    free_port,
+    loadavg,
+    median,
+    prepare_database,
+    process_env,
+    procfile_command,
+    sandbox_event,
+    signed_body,
+    wait_for_http,
+)
+from sqlalchemy import text
+
+APPS = ("bare", "insert", "gateway")
+GUNICORN_APP = {"bare": "bench.baseline_apps:bare_app", "insert": "bench.baseline_apps:insert_app"}
+LUA = ROOT / "bench" / "replay.lua"
+TARGET_RATIO = 0.70
+TARGET_P99_MS_AT_8 = 20.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench/ingest.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run (default 10)")
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated wrk connections (default 1,8,32)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per app and concurrency; medians shown")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds of unmeasured load per app first")
+    parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL)
+    parser.add_argument("--amqp-url", default=DEFAULT_AMQP_URL)
+    parser.add_argument("--workers", type=int, default=2, help="WEB_WORKERS for all three servers (default 2)")
+    parser.add_argument("--bodies-per-second", type=int, default=3000, help="distinct events signed per second of run")
+    parser.add_argument("--apps", default=",".join(APPS), help="which of bare,insert,gateway to run")
+    return parser.parse_args(argv)
+
+
+def write_requests(path: Path, count: int) -> None:
+    """``count`` distinct signed events, one "<signature>\\t<body>" line each, signed now."""
+    now = int(time.time())
+    with path.open("w") as out:
+        for n in range(count):
+            body, signature = signed_body(sandbox_event(f"pay_bench{n:012d}", amount=1000 + n % 5000, created=now), now)
+            out.write(f"{signature}\t{body.decode()}\n")
+
+
+def run_wrk(port: int, connections: int, duration: float, requests_file: Path) -> dict:
+    """One wrk run; return the numbers its Lua ``done`` printed."""
+    threads = min(2, connections)
+    command = [
+        "wrk",
+        f"-t{threads}",
+        f"-c{connections}",
+        f"-d{max(1, round(duration))}s",
+        "--timeout",
+        "5s",
+        "-s",
+        str(LUA),
+        f"http://127.0.0.1:{port}/callbacks/sandbox",
+        "--",
+        str(requests_file),
+        str(threads),
+    ]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=duration + 60, check=False)
+    for line in out.stdout.splitlines():
+        if line.startswith("BENCH_JSON "):
+            result = json.loads(line[len("BENCH_JSON ") :])
+            result["rps"] = result["requests"] / (result["duration_us"] / 1e6)
+            return result
+    raise RuntimeError(f"wrk printed no result (exit {out.returncode}):\n{out.stdout}\n{out.stderr}")
+
+
+def check_clean(app: str, result: dict, connections: int) -> None:
+    """Fail loudly if the gateway answered anything but 2xx, or sockets failed."""
+    errors = {k: result[k] for k in ("non2xx", "connect", "read", "write", "timeout") if result[k]}
+    if errors:
+        raise SystemExit(f"FAIL: {app} at {connections} connections had errors {errors}")
+
+
+def queue_depth(amqp_url: str, queue: str) -> int:
+    """Messages ready in ``queue`` (the gateway's fast path, nobody consuming)."""
+    import pika
+
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        return conn.channel().queue_declare(queue, passive=True).method.message_count
+    finally:
+        conn.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if shutil.which("wrk") is None:
+        print("bench-ingest needs wrk: sudo apt-get install -y wrk", file=sys.stderr)
+        return 2
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    apps = [a for a in args.apps.split(",") if a]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    requests_file = Path(f"/tmp/paysync_bench_requests_{stamp}.txt")
+
+    engine = prepare_database(args.database_url)
+    queue = f"bench_ingest_{uuid.uuid4().hex[:8]}"
+    ports = {app: free_port() for app in apps}
+    common_env = {
+        "DATABASE_URL": args.database_url,
+        "WEB_WORKERS": str(args.workers),
+        "LOG_LEVEL": "WARNING",
+    }
+    servers: dict[str, Process] = {}
+    results: dict[tuple[str, int], list[dict]] = {}
+    published = None
+    try:
+        for app in apps:
+            env = process_env(**common_env, PORT=str(ports[app]))
+            if app == "gateway":
+                env.update(AMQP_URL=args.amqp_url, AMQP_QUEUE=queue)
+                command = procfile_command("web")
+            else:
+                command = [sys.executable, "-m", "gunicorn", "-c", "gateway/gunicorn_conf.py", GUNICORN_APP[app]]
+            servers[app] = Process(command, env, f"ingest_{app}")
+        for app in apps:
+            try:
+                wait_for_http(ports[app])
+            except TimeoutError:
+                raise SystemExit(f"{app} did not start:\n{servers[app].tail()}") from None
+
+        print(
+            f"ingest bench: {args.workers} sync gunicorn workers each, wrk {args.duration:g} s x {args.repeats} runs, "
+            f"concurrency {concurrencies}; load before: {loadavg()}",
+            flush=True,
+        )
+        if args.warmup > 0:
+            write_requests(requests_file, int(args.bodies_per_second * args.warmup) + 100)
+            for app in apps:
+                check_clean(app, run_wrk(ports[app], 8, args.warmup, requests_file), 8)
+
+        for repeat in range(args.repeats):
+            for c in concurrencies:
+                for app in apps:
+                    # Signed right before each run: always well inside the 300 s tolerance.
+                    write_requests(requests_file, int(args.bodies_per_second * args.duration))
+                    result = run_wrk(ports[app], c, args.duration, requests_file)
+                    check_clean(app, result, c)
+                    result["load"] = loadavg()
+                    results.setdefault((app, c), []).append(result)
+                    print(
+                        f"  run {repeat + 1} c={c:<3} {app:<8} {result['rps']:8.0f}/s  "
+                        f"p50 {result['p50_us'] / 1000:6.2f} ms  p99 {result['p99_us'] / 1000:6.2f} ms  "
+                        f"wraps {result['wraps']}  load {result['load']}",
+                        flush=True,
+                    )
+                    if not servers[app].alive():
+                        raise SystemExit(f"{app} died:\n{servers[app].tail()}")
+
+        if "gateway" in apps:
+            time.sleep(1.0)  # let the publisher threads finish their queues
+            with engine.connect() as conn:
+                stored = conn.execute(text("SELECT COUNT(*) FROM payment_callback_log")).scalar()
+                rejected = conn.execute(text("SELECT COUNT(*) FROM payment_callback_log WHERE status = 3")).scalar()
+            published = queue_depth(args.amqp_url, queue)
+            if rejected:
+                raise SystemExit(f"FAIL: the gateway rejected {rejected} of the bench's signed callbacks")
+    finally:
+        for server in servers.values():
+            server.stop()
+        if "gateway" in apps:
+            delete_queue(args.amqp_url, queue)
+        requests_file.unlink(missing_ok=True)
+        engine.dispose()
+
+    summary = print_table(apps, concurrencies, results)
+    if published is not None:
+        print(
+            f"gateway: {stored} rows stored, {published} ids published to RabbitMQ "
+            f"({published / max(stored, 1):.1%}), 0 rejected"
+        )
+    print(f"load after: {loadavg()}")
+    out = RESULTS / f"ingest-{stamp}.json"
+    out.write_text(
+        json.dumps(
+            {"args": vars(args), "summary": summary, "runs": {f"{a}@{c}": r for (a, c), r in results.items()}}, indent=2
+        )
+    )
+    print(f"raw results: {out.relative_to(ROOT)}")
+    return 0
+
+
+def print_table(apps: list[str], concurrencies: list[int], results: dict) -> list[dict]:
+    """Medians per app and concurrency, ratios against the insert-only baseline, and the targets."""
+    rows = []
+    print()
+    header = f"{'conn':>4} |" + "".join(f" {app + ' req/s':>14} {'p50 ms':>7} {'p99 ms':>7} |" for app in apps)
+    if "gateway" in apps and "insert" in apps:
+        header += " gw/insert  gw/bare"
+    print(header)
+    print("-" * len(header))
+    for c in concurrencies:
+        row = {"concurrency": c}
+        line = f"{c:>4} |"
+        for app in apps:
+            runs = results[(app, c)]
+            rps = median([r["rps"] for r in runs])
+            p50 = median([r["p50_us"] for r in runs]) / 1000
+            p99 = median([r["p99_us"] for r in runs]) / 1000
+            row[app] = {"rps": rps, "p50_ms": p50, "p99_ms": p99, "runs": len(runs)}
+            line += f" {rps:14.0f} {p50:7.2f} {p99:7.2f} |"
+        if "gateway" in apps and "insert" in apps:
+            # Ratio of medians; each run of the three apps is interleaved, so they share the noise.
+            row["ratio_insert"] = row["gateway"]["rps"] / row["insert"]["rps"]
+            line += f" {row['ratio_insert']:9.2f}"
+            if "bare" in apps:
+                row["ratio_bare"] = row["gateway"]["rps"] / row["bare"]["rps"]
+                line += f" {row['ratio_bare']:8.2f}"
+        print(line)
+        rows.append(row)
+    if "gateway" in apps and "insert" in apps:
+        print()
+        for row in rows:
+            ok = row["ratio_insert"] >= TARGET_RATIO
+            print(
+                f"target gateway >= {TARGET_RATIO:.0%} of insert-only at c={row['concurrency']}: "
+                f"{row['ratio_insert']:.0%} {'met' if ok else 'MISSED'}"
+            )
+        at8 = [row for row in rows if row["concurrency"] == 8]
+        if at8:
+            p99 = at8[0]["gateway"]["p99_ms"]
+            print(
+                f"target gateway p99 < {TARGET_P99_MS_AT_8:g} ms at c=8: {p99:.2f} ms "
+                f"{'met' if p99 < TARGET_P99_MS_AT_8 else 'MISSED'}"
+            )
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
