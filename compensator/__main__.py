@@ -1,6 +1,7 @@
 """``python -m compensator`` runs the scheduler; ``python -m compensator JOB --once`` runs one job once.
 
-Jobs: compensate (compensate_callbacks), evaluate_alerts. Each is registered
+Jobs: compensate (compensate_callbacks), evaluate_alerts, publish_events (domain events
+to RabbitMQ and the merchant's webhook). Each is registered
 with ``max_instances=1`` and coalescing, so a slow sweep is never run twice at
 once in one process and missed runs collapse into one.
 """
@@ -24,11 +25,12 @@ log = logging.getLogger("paysync.compensator")
 
 def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], float]]]:
     """Job name -> (run_once, interval in seconds for these settings)."""
-    from compensator import compensate_callbacks, evaluate_alerts
+    from compensator import compensate_callbacks, evaluate_alerts, publish_events
 
     return {
         "compensate_callbacks": (compensate_callbacks.run_once, lambda rt: rt.settings.effective_interval_seconds),
         "evaluate_alerts": (evaluate_alerts.run_once, lambda rt: 15.0),
+        "publish_events": (publish_events.run_once, lambda rt: publish_events.INTERVAL_SECONDS),
     }
 
 

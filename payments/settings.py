@@ -239,7 +239,7 @@ _PARSERS = {
     "sandbox_legacy_enabled": _bool,
     "merchant_webhook_url": lambda n, v: _url(n, v, ("http://", "https://")),
     "merchant_webhook_secret": lambda n, v: _webhook_secret(n, v),
-    "merchant_webhook_timeout_seconds": lambda n, v: _float(n, v, 0.1, 120),
+    "merchant_webhook_timeout_seconds": lambda n, v: _float(n, v, 0.1, 60),
     "events_exchange": lambda n, v: v.strip() or "paysync.events",
     "event_delivery_max_attempts": lambda n, v: _int(n, v, 1, 1000),
     "event_delivery_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),

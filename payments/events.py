@@ -1,0 +1,378 @@
+"""Domain events for the merchant's own systems: what they look like and where each one has got to.
+
+Every payment and refund state change writes a domain event (``PaymentSucceeded``,
+``RefundFailed``, …) to the ``outbox`` in the same transaction as the change
+(``payments/transitions.py``). The ``publish_events`` compensator job delivers
+them to up to two destinations:
+
+- ``amqp``: the RabbitMQ topic exchange ``EVENTS_EXCHANGE`` (routing key = event type);
+- ``webhook``: ``MERCHANT_WEBHOOK_URL``, signed in the Standard Webhooks format.
+
+Delivery state lives in its own small table, ``event_delivery``, one row per
+(event, destination), rather than in more ``outbox`` columns: each destination
+keeps its own attempt count, backoff and give-up, so a broker outage never
+re-sends a webhook that already got its 2xx (and a failing merchant endpoint
+never re-publishes to the broker), and adding a destination later means rows,
+not columns. The ``outbox`` row stays the unit that is claimed: it is
+``PENDING`` while any configured destination is pending, its
+``next_attempt_at`` is the earliest pending destination's, and it becomes
+``DONE`` once every configured destination has the event (``DEAD`` if one of
+them gave up into the manual queue).
+
+Destinations that are not configured are skipped. With none configured (the
+embedded default: no broker, no webhook URL) rows are marked ``DONE`` without
+delivery rows: nobody is listening, and keeping them pending would only grow a
+backlog; switching a destination on later delivers new events, not history.
+Every compensator must therefore run with the same destinations configured.
+
+Delivery is at least once: a relay that dies after a 2xx but before its
+commit sends that event again. Receivers dedupe on the event id.
+
+Only the types in ``DOMAIN_EVENT_TYPES`` are taken; commands such as
+``ChargeRequested`` and ``RefundRequested`` belong to ``relay_outbox``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Engine, select, update
+
+from payments import alerts, outbox
+from payments.backoff import RetryPolicy
+from payments.db import insert_ignore, is_sqlite
+from payments.review import open_review
+from payments.schema import event_delivery
+from payments.schema import outbox as outbox_table
+from payments.transitions import DOMAIN_EVENTS
+
+log = logging.getLogger("paysync.events")
+
+DOMAIN_EVENT_TYPES = frozenset(DOMAIN_EVENTS.values())
+"""Outbox event types that are news for the merchant (every other type is a command for relay_outbox).
+
+Taken from ``payments.transitions.DOMAIN_EVENTS``, the one place status changes write them."""
+
+AMQP = "amqp"
+"""Destination: the RabbitMQ topic exchange."""
+WEBHOOK = "webhook"
+"""Destination: the merchant's webhook URL."""
+
+PENDING = 0
+"""Delivery not done yet; due at next_attempt_at."""
+DELIVERED = 1
+"""The destination has the event (broker confirm, or a 2xx)."""
+GAVE_UP = 2
+"""Retries exhausted or deadline passed (or a permanent refusal): in the manual queue."""
+
+LEASE_SECONDS = 120
+"""A claimed outbox row is invisible to other relays this long; a relay that crashes gives it back after."""
+
+
+def envelope(event_id: str, event_type: str, payload: str, created_at: datetime) -> bytes:
+    """The JSON body both destinations receive: ``{"id", "type", "timestamp", "data"}``, compact and sorted.
+
+    The shape follows the Standard Webhooks payload recommendation; ``data``
+    is the outbox payload (payment_id, refund_id, order_no, amount, currency,
+    status, provider, provider_transaction_id, failure_code, source, occurred_at).
+    """
+    data = json.loads(payload)
+    data.pop("type", None)  # it is the envelope's
+    body = {"id": event_id, "type": event_type, "timestamp": created_at.isoformat() + "Z", "data": data}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+@dataclass
+class Delivery:
+    """One destination's state for one claimed event."""
+
+    status: int = PENDING
+    attempts: int = 0
+    next_attempt_at: datetime | None = None
+
+
+@dataclass
+class ClaimedEvent:
+    """An outbox row this relay holds a lease on, with its per-destination state."""
+
+    outbox_id: int
+    event_id: str
+    event_type: str
+    aggregate_id: str
+    payload: str
+    created_at: datetime
+    lease_until: datetime
+    deliveries: dict[str, Delivery] = field(default_factory=dict)
+
+    def due(self, destination: str, now: datetime) -> bool:
+        """True when ``destination`` still needs this event and its backoff has passed."""
+        d = self.deliveries.get(destination)
+        return d is not None and d.status == PENDING and (d.next_attempt_at is None or d.next_attempt_at <= now)
+
+    def body(self) -> bytes:
+        """The envelope sent to every destination."""
+        return envelope(self.event_id, self.event_type, self.payload, self.created_at)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """The result of one delivery attempt to one destination."""
+
+    destination: str
+    ok: bool
+    error: str | None = None
+    http_status: int | None = None
+    permanent: bool = False
+    """The destination refused for good (HTTP 410 Gone): give up now, do not retry."""
+    retry_after: float | None = None
+    """Seconds the destination asked us to wait (Retry-After), if any."""
+
+
+def claim(
+    engine: Engine, now: datetime, batch_size: int, destinations: Sequence[str]
+) -> tuple[list[ClaimedEvent], int]:
+    """Claim up to ``batch_size`` due domain-event rows; return (leased events, rows finished at once).
+
+    ``SELECT … FOR UPDATE SKIP LOCKED`` plus a lease (``next_attempt_at``
+    pushed out to a value that is also this claim's token), in one short
+    transaction, so concurrent relays never hold the same row. With no
+    destination configured the rows are marked done here and nothing is leased.
+    """
+    t = outbox_table
+    query = (
+        select(t.c.id, t.c.event_id, t.c.event_type, t.c.aggregate_id, t.c.payload, t.c.created_at)
+        .where(t.c.status == outbox.PENDING, t.c.event_type.in_(sorted(DOMAIN_EVENT_TYPES)), t.c.next_attempt_at <= now)
+        .order_by(t.c.id)
+        .limit(batch_size)
+    )
+    if not is_sqlite(engine):  # SQLite has one writer at a time; BEGIN IMMEDIATE already serialises us
+        query = query.with_for_update(skip_locked=True)
+    lease_until = now + timedelta(seconds=LEASE_SECONDS)
+    with engine.begin() as conn:
+        rows = conn.execute(query).all()
+        if not rows:
+            return [], 0
+        ids = [r.id for r in rows]
+        if not destinations:
+            conn.execute(update(t).where(t.c.id.in_(ids)).values(status=outbox.DONE, updated_at=now))
+            return [], len(ids)
+        conn.execute(update(t).where(t.c.id.in_(ids)).values(next_attempt_at=lease_until, updated_at=now))
+        event_ids = [r.event_id for r in rows]
+        for r in rows:
+            for destination in destinations:
+                conn.execute(
+                    insert_ignore(event_delivery).values(
+                        event_id=r.event_id,
+                        destination=destination,
+                        status=PENDING,
+                        attempts=0,
+                        next_attempt_at=now,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                )
+        states: dict[str, dict[str, Delivery]] = {}
+        for d in conn.execute(
+            select(
+                event_delivery.c.event_id,
+                event_delivery.c.destination,
+                event_delivery.c.status,
+                event_delivery.c.attempts,
+                event_delivery.c.next_attempt_at,
+            ).where(event_delivery.c.event_id.in_(event_ids))
+        ):
+            states.setdefault(d.event_id, {})[d.destination] = Delivery(d.status, d.attempts, d.next_attempt_at)
+    claimed = [
+        ClaimedEvent(
+            outbox_id=r.id,
+            event_id=r.event_id,
+            event_type=r.event_type,
+            aggregate_id=r.aggregate_id,
+            payload=r.payload,
+            created_at=r.created_at,
+            lease_until=lease_until,
+            deliveries={k: v for k, v in states.get(r.event_id, {}).items() if k in destinations},
+        )
+        for r in rows
+    ]
+    return claimed, 0
+
+
+def release(engine: Engine, events: Iterable[ClaimedEvent], now: datetime) -> int:
+    """Give back leased rows this relay will not get to, so another relay can take them at once."""
+    released = 0
+    with engine.begin() as conn:
+        for ev in events:
+            released += conn.execute(
+                update(outbox_table)
+                .where(
+                    outbox_table.c.id == ev.outbox_id,
+                    outbox_table.c.status == outbox.PENDING,
+                    outbox_table.c.next_attempt_at == ev.lease_until,  # still ours
+                )
+                .values(next_attempt_at=now, updated_at=now)
+            ).rowcount
+    return released
+
+
+def record(
+    engine: Engine,
+    ev: ClaimedEvent,
+    attempts: Sequence[Attempt],
+    now: datetime,
+    policy: RetryPolicy,
+    deadline_seconds: float,
+    destinations: Sequence[str],
+) -> int:
+    """Record this pass over one event in ONE transaction; return the outbox status it leaves.
+
+    Delivered destinations are marked; failed ones back off (exponential with
+    jitter, at least any Retry-After) or, past ``policy.max_retries`` failures,
+    the deadline, or on a permanent refusal, give up into the manual queue with
+    an alert. The outbox row then becomes DONE/DEAD when no configured
+    destination is pending, else is rescheduled at the earliest pending one.
+    The outbox UPDATE is guarded by the lease token; if the lease was lost
+    (this pass took longer than LEASE_SECONDS) the delivery facts are still
+    written and the row is left to whoever holds it now.
+    """
+    deadline = ev.created_at + timedelta(seconds=deadline_seconds)
+    with engine.begin() as conn:
+        for a in attempts:
+            state = ev.deliveries[a.destination]
+            guard = (
+                event_delivery.c.event_id == ev.event_id,
+                event_delivery.c.destination == a.destination,
+                event_delivery.c.status == PENDING,
+            )
+            if a.ok:
+                conn.execute(
+                    update(event_delivery)
+                    .where(*guard)
+                    .values(
+                        status=DELIVERED,
+                        delivered_at=now,
+                        last_error=None,
+                        last_http_status=a.http_status,
+                        updated_at=now,
+                    )
+                )
+                state.status = DELIVERED
+                continue
+            failures = state.attempts + 1
+            error = (a.error or "failed")[:480]
+            if a.permanent or policy.exhausted(failures) or now >= deadline:
+                if a.permanent:
+                    why = "refused for good"
+                else:
+                    why = "deadline passed" if now >= deadline else "retries exhausted"
+                conn.execute(
+                    update(event_delivery)
+                    .where(*guard)
+                    .values(
+                        status=GAVE_UP,
+                        attempts=failures,
+                        last_error=f"gave up ({why}) after {failures} attempts: {error}"[:500],
+                        last_http_status=a.http_status,
+                        updated_at=now,
+                    )
+                )
+                _give_up(conn, ev, a.destination, failures, why, error, now)
+                state.status, state.attempts = GAVE_UP, failures
+                continue
+            delay = policy.delay(failures)
+            if a.retry_after:
+                delay = max(delay, min(a.retry_after, policy.max_seconds))
+            next_at = now + timedelta(seconds=delay)
+            conn.execute(
+                update(event_delivery)
+                .where(*guard)
+                .values(
+                    attempts=failures,
+                    next_attempt_at=next_at,
+                    last_error=error,
+                    last_http_status=a.http_status,
+                    updated_at=now,
+                )
+            )
+            state.attempts, state.next_attempt_at = failures, next_at
+
+        configured = {d: s for d, s in ev.deliveries.items() if d in destinations}
+        pending = [s for s in configured.values() if s.status == PENDING]
+        lease_guard = (
+            outbox_table.c.id == ev.outbox_id,
+            outbox_table.c.status == outbox.PENDING,
+            outbox_table.c.next_attempt_at == ev.lease_until,
+        )
+        errors = "; ".join(f"{a.destination}: {a.error}" for a in attempts if not a.ok)[:500] or None
+        if pending:
+            status = outbox.PENDING
+            next_at = min(s.next_attempt_at or now for s in pending)
+            values: dict[str, Any] = {"next_attempt_at": next_at, "last_error": errors}
+        else:
+            status = outbox.DEAD if any(s.status == GAVE_UP for s in configured.values()) else outbox.DONE
+            values = {"status": status, "last_error": errors}
+        values.update(attempts=outbox_table.c.attempts + 1, updated_at=now)
+        if conn.execute(update(outbox_table).where(*lease_guard).values(**values)).rowcount != 1:
+            log.warning("event %s: lease lost before recording; another relay holds it now", ev.event_id)
+    return status
+
+
+def _give_up(conn: Any, ev: ClaimedEvent, destination: str, failures: int, why: str, error: str, now: datetime) -> None:
+    data = json.loads(ev.payload)
+    reason = f"event {ev.event_id} ({ev.event_type}) not delivered to {destination}: {why} after {failures} attempts"
+    review_id = open_review(
+        conn,
+        kind="event_delivery_gave_up",
+        reason=reason,
+        now=now,
+        payment_id=data.get("payment_id"),
+        refund_id=data.get("refund_id"),
+        details={
+            "event_id": ev.event_id,
+            "event_type": ev.event_type,
+            "destination": destination,
+            "attempts": failures,
+            "last_error": error,
+        },
+    )
+    alerts.observe(
+        conn,
+        rule="event_delivery_gave_up",
+        key=f"event_delivery_gave_up:{destination}",
+        message=reason,
+        now=now,
+        details={"event_id": ev.event_id, "manual_review_id": review_id},
+    )
+    log.warning("event delivery gave up", extra={"event_id": ev.event_id, "destination": destination, "why": why})
+
+
+def note_health(engine: Engine, outcomes: dict[str, tuple[int, int]], now: datetime, sustain_seconds: float) -> None:
+    """Keep one ``event_delivery_failing:<destination>`` alert per destination in step with this run.
+
+    ``outcomes`` maps destination -> (delivered, failed) in this run. Failures
+    with no success open (then, after ``sustain_seconds``, fire) the alert; any
+    success resolves it: the destination is reachable again.
+    """
+    if not outcomes:
+        return
+    with engine.begin() as conn:
+        for destination, (ok, failed) in outcomes.items():
+            key = f"event_delivery_failing:{destination}"
+            if ok:
+                if alerts.clear(conn, key=key, now=now):
+                    log.info("event delivery to %s recovered", destination)
+            elif failed:
+                alerts.observe(
+                    conn,
+                    rule="event_delivery_failing",
+                    key=key,
+                    message=f"domain events cannot be delivered to {destination} ({failed} failed attempts)",
+                    now=now,
+                    sustain_seconds=sustain_seconds,
+                    details={"failed": failed},
+                )
