@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from payments.errors import ConfigError
@@ -90,6 +91,22 @@ class Settings:
     """Port the sandbox platform listens on."""
     sandbox_callback_url: str = "http://127.0.0.1:8000/callbacks/sandbox"
     """Where the sandbox platform sends its notifications."""
+    sandbox_host: str = "127.0.0.1"
+    """Address the sandbox platform binds (0.0.0.0 to reach it from other hosts)."""
+    sandbox_db_path: str = str(PROJECT_ROOT / "var" / "sandbox.db")
+    """The sandbox platform's own SQLite file (":memory:" keeps its state in memory)."""
+    sandbox_fee_rate: Decimal = Decimal("0.006")
+    """Fee the sandbox takes on a succeeded charge (settlement files), as a fraction."""
+    sandbox_seed: int | None = None
+    """Seed of the sandbox's fault dice for repeatable runs; empty draws from the OS."""
+    sandbox_faults: str = ""
+    """JSON object of sandbox fault knobs (sandbox/faults.py), e.g. {"decline_rate": 0.1}; validated at start."""
+    sandbox_webhook_max_attempts: int = 8
+    """Delivery attempts of one sandbox notification before the platform gives up."""
+    sandbox_webhook_backoff_seconds: float = 1.0
+    """First retry delay of a sandbox notification; doubles each attempt, with jitter."""
+    sandbox_threads: int = 256
+    """Request threads of the sandbox's one gunicorn gthread worker (hanging faults park threads)."""
     callback_max_body_bytes: int = 256 * 1024
     """Callback bodies larger than this are refused with 413 and not stored."""
     callback_tolerance_seconds: int = 300
@@ -204,6 +221,14 @@ _PARSERS = {
     "sandbox_api_url": lambda n, v: _url(n, v, ("http://", "https://")),
     "sandbox_port": lambda n, v: _int(n, v, 1, 65535),
     "sandbox_callback_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "sandbox_host": lambda n, v: v.strip() or "127.0.0.1",
+    "sandbox_db_path": lambda n, v: v.strip() or str(PROJECT_ROOT / "var" / "sandbox.db"),
+    "sandbox_fee_rate": lambda n, v: _rate(n, v),
+    "sandbox_seed": lambda n, v: _int(n, v) if v.strip() else None,
+    "sandbox_faults": lambda n, v: _sandbox_faults(n, v),
+    "sandbox_webhook_max_attempts": lambda n, v: _int(n, v, 1, 100),
+    "sandbox_webhook_backoff_seconds": lambda n, v: _float(n, v, 0.001, 3600),
+    "sandbox_threads": lambda n, v: _int(n, v, 1, 2048),
     "callback_max_body_bytes": lambda n, v: _int(n, v, 1024, 16 * 1024 * 1024),
     "callback_tolerance_seconds": lambda n, v: _int(n, v, 1, 86400),
     "publish_timeout_seconds": lambda n, v: _float(n, v, 0.01, 30),
@@ -258,6 +283,27 @@ def _webhook_secret(name: str, raw: str) -> str:
         except ConfigError as exc:  # name the variable, never echo the secret
             raise ConfigError(f"{name}: {exc}") from None
     return value
+
+
+def _rate(name: str, raw: str) -> Decimal:
+    # Decimal, not float: the rate multiplies money.
+    try:
+        value = Decimal(raw.strip())
+    except InvalidOperation:
+        raise ConfigError(f"{name} must be a decimal fraction such as 0.006, got {raw!r}") from None
+    if not value.is_finite() or not 0 <= value < 1:
+        raise ConfigError(f"{name} must be >= 0 and < 1, got {raw!r}")
+    return value
+
+
+def _sandbox_faults(name: str, raw: str) -> str:
+    from sandbox.faults import parse_faults  # the knobs are the sandbox's; it is standard library only
+
+    try:
+        parse_faults(raw.strip())
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    return raw.strip()
 
 
 def _log_level(name: str, raw: str) -> str:
