@@ -25,12 +25,14 @@ log = logging.getLogger("paysync.compensator")
 
 def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], float]]]:
     """Job name -> (run_once, interval in seconds for these settings)."""
-    from compensator import compensate_callbacks, evaluate_alerts, publish_events
+    from compensator import compensate_callbacks, evaluate_alerts, publish_events, query_unresolved, relay_outbox
 
     return {
         "compensate_callbacks": (compensate_callbacks.run_once, lambda rt: rt.settings.effective_interval_seconds),
         "evaluate_alerts": (evaluate_alerts.run_once, lambda rt: 15.0),
         "publish_events": (publish_events.run_once, lambda rt: publish_events.INTERVAL_SECONDS),
+        "relay_outbox": (relay_outbox.run_once, lambda rt: rt.settings.relay_interval_seconds),
+        "query_unresolved": (query_unresolved.run_once, lambda rt: rt.settings.query_interval_seconds),
     }
 
 

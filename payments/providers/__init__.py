@@ -4,15 +4,22 @@ from __future__ import annotations
 
 from payments.errors import UnknownProvider
 from payments.providers.base import Provider
-from payments.providers.sandbox import SandboxProvider
+from payments.providers.sandbox import LegacySandboxProvider, SandboxProvider
 from payments.settings import Settings
 
 
 def build_providers(settings: Settings) -> dict[str, Provider]:
     """Every configured adapter, keyed by provider name."""
-    return {
-        "sandbox": SandboxProvider(settings.sandbox_webhook_secret, settings.callback_tolerance_seconds),
+    providers: dict[str, Provider] = {
+        "sandbox": SandboxProvider(
+            settings.sandbox_webhook_secret, settings.callback_tolerance_seconds, settings.sandbox_api_url
+        ),
     }
+    if settings.sandbox_legacy_enabled:
+        providers["sandbox_legacy"] = LegacySandboxProvider(
+            settings.sandbox_webhook_secret, settings.callback_tolerance_seconds, settings.sandbox_api_url
+        )
+    return providers
 
 
 def get_provider(providers: dict[str, Provider], name: str) -> Provider:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from payments.errors import CallbackRejected
+from payments.errors import CallbackRejected, PaysyncError
 from payments.states import PaymentStatus
 
 
@@ -55,11 +55,23 @@ class CallbackEvent:
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """What one HTTP exchange looked like, for the provider_call row (no secrets: see ``payments.logs.scrub``)."""
+
+    http_status: int | None = None
+    """None when no answer arrived (timeout, reset)."""
+    response: str | None = None
+    """The raw answer, scrubbed and truncated."""
+    latency_ms: int | None = None
+
+
+@dataclass(frozen=True)
 class Succeeded:
     """The provider says the money moved."""
 
     provider_transaction_id: str
     raw: Mapping[str, Any] = field(default_factory=dict)
+    evidence: Evidence | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,7 @@ class Failed:
     code: str
     definitive: bool = True
     raw: Mapping[str, Any] = field(default_factory=dict)
+    evidence: Evidence | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,7 @@ class Pending:
 
     provider_transaction_id: str | None = None
     raw: Mapping[str, Any] = field(default_factory=dict)
+    evidence: Evidence | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,7 @@ class Unknown:
 
     reason: str
     raw: Mapping[str, Any] = field(default_factory=dict)
+    evidence: Evidence | None = None
 
 
 @dataclass(frozen=True)
@@ -92,10 +107,37 @@ class NotFound:
     """A query found no such transaction at the provider."""
 
     raw: Mapping[str, Any] = field(default_factory=dict)
+    evidence: Evidence | None = None
 
 
 Outcome = Succeeded | Failed | Pending | Unknown
 QueryOutcome = Succeeded | Failed | Pending | Unknown | NotFound
+
+
+@dataclass(frozen=True)
+class ChargeRequest:
+    """What a charge sends: our business number and the money."""
+
+    payment_id: str
+    amount_minor: int
+    currency: str
+
+
+@dataclass(frozen=True)
+class RefundRequest:
+    """What a refund sends: our refund number, the provider's charge id and the amount."""
+
+    refund_id: str
+    payment_id: str
+    provider_transaction_id: str
+    amount_minor: int
+    currency: str
+
+
+class ProviderUnavailable(PaysyncError):
+    """A provider call that returns data (a settlement file) got no usable answer; try again later."""
+
+    code = "provider_unavailable"
 
 
 @dataclass(frozen=True)
@@ -117,6 +159,22 @@ class Provider:
 
     def parse_callback(self, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
         """Verify and read one notification; raise CallbackRejected (status 3) if it is not genuine or not readable."""
+        raise NotImplementedError
+
+    def charge(self, payment: ChargeRequest, idempotency_key: str | None, timeout: float) -> Outcome:
+        """Ask the provider to charge; never raises for network trouble (that is Unknown)."""
+        raise NotImplementedError
+
+    def query(self, payment_id: str, timeout: float) -> QueryOutcome:
+        """Look a charge up by our business number; NotFound if the provider never saw it."""
+        raise NotImplementedError
+
+    def refund(self, request: RefundRequest, idempotency_key: str | None, timeout: float) -> Outcome:
+        """Ask the provider to refund (part of) a charge."""
+        raise NotImplementedError
+
+    def settlement(self, day: str, timeout: float) -> list[dict[str, str]]:
+        """The settlement file for ``day`` (YYYY-MM-DD) as rows; raises ProviderUnavailable."""
         raise NotImplementedError
 
     def peek_callback(self, body: bytes) -> dict[str, str | None]:

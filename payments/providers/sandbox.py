@@ -5,16 +5,46 @@ Notification format: ``{"id": "evt_…", "type": "charge.succeeded" | "charge.fa
 {"merchant_transaction_id", "provider_transaction_id", "amount", "currency",
 "failure_code"}}``; refund events add ``merchant_refund_id`` (our refund_id)
 and name the charge's merchant_transaction_id.
+
+Outbound (``charge``, ``query``, ``refund``, ``settlement``) is plain HTTP with
+``requests`` against SANDBOX_API_URL. ``read_charge_answer`` is the one pure
+function that turns an HTTP answer into an outcome: only a 200 whose body says
+"failed" (or a 4xx that refuses the request outright) is Failed; a timeout, a
+reset, a 5xx, a 429 or a body we cannot read is Unknown (invariant 5).
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
-from collections.abc import Mapping
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
+import requests
+
 from payments.errors import MalformedCallback, SignatureInvalid, TimestampOutOfTolerance
-from payments.providers.base import CallbackEvent, Capabilities, Provider
+from payments.logs import scrub
+from payments.providers.base import (
+    CallbackEvent,
+    Capabilities,
+    ChargeRequest,
+    Evidence,
+    Failed,
+    NotFound,
+    Outcome,
+    Pending,
+    Provider,
+    ProviderUnavailable,
+    QueryOutcome,
+    RefundRequest,
+    Succeeded,
+    Unknown,
+)
 from payments.states import PaymentStatus
 from sandbox import signing
 
@@ -88,9 +118,84 @@ class SandboxProvider(Provider):
     capabilities = Capabilities(idempotency_keys=True, query_by_merchant_id=True)
     callback_headers = (signing.HEADER, "Content-Type", "User-Agent")
 
-    def __init__(self, webhook_secret: str, tolerance_seconds: int = signing.DEFAULT_TOLERANCE_SECONDS) -> None:
+    def __init__(
+        self,
+        webhook_secret: str,
+        tolerance_seconds: int = signing.DEFAULT_TOLERANCE_SECONDS,
+        api_url: str = "http://127.0.0.1:8100",
+    ) -> None:
         self._secret = webhook_secret
         self._tolerance = tolerance_seconds
+        self._api_url = api_url.rstrip("/")
+        self._local = threading.local()  # one requests.Session (connection pool) per thread
+
+    def _session(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+        return session
+
+    def _exchange(
+        self, method: str, path: str, timeout: float, **kwargs: Any
+    ) -> tuple[requests.Response | None, str | None, int]:
+        """One HTTP exchange: (response or None, network error name or None, latency ms). Never raises."""
+        started = time.monotonic()
+        try:
+            response = self._session().request(
+                method, self._api_url + path, timeout=(min(timeout, 3.0), timeout), allow_redirects=False, **kwargs
+            )
+            _ = response.content  # read the body inside the timing and the try
+            return response, None, _ms(started)
+        except requests.Timeout:
+            return None, "timeout", _ms(started)
+        except requests.ConnectionError:
+            return None, "connection_error", _ms(started)
+        except requests.RequestException as exc:
+            return None, type(exc).__name__, _ms(started)
+
+    def _charge_headers(self, idempotency_key: str | None) -> dict[str, str]:
+        return {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+
+    def charge(self, payment: ChargeRequest, idempotency_key: str | None, timeout: float) -> Outcome:
+        """POST /v1/charges with the payment's fixed idempotency key."""
+        body = {
+            "merchant_transaction_id": payment.payment_id,
+            "amount": payment.amount_minor,
+            "currency": payment.currency,
+        }
+        response, error, latency = self._exchange(
+            "POST", "/v1/charges", timeout, json=body, headers=self._charge_headers(idempotency_key)
+        )
+        return _read(response, error, latency, lambda data: read_charge(data, payment.payment_id, payment))
+
+    def query(self, payment_id: str, timeout: float) -> QueryOutcome:
+        """GET /v1/charges?merchant_transaction_id=…: the charge, or NotFound on 404."""
+        response, error, latency = self._exchange(
+            "GET", "/v1/charges", timeout, params={"merchant_transaction_id": payment_id}
+        )
+        if response is not None and response.status_code == 404:
+            return NotFound(evidence=_evidence(response, latency))
+        return _read(response, error, latency, lambda data: read_charge(data, payment_id, None))
+
+    def refund(self, request: RefundRequest, idempotency_key: str | None, timeout: float) -> Outcome:
+        """POST /v1/refunds with the refund's fixed idempotency key."""
+        body = {
+            "charge": request.provider_transaction_id,
+            "amount": request.amount_minor,
+            "merchant_refund_id": request.refund_id,
+        }
+        response, error, latency = self._exchange(
+            "POST", "/v1/refunds", timeout, json=body, headers=self._charge_headers(idempotency_key)
+        )
+        return _read(response, error, latency, lambda data: read_refund(data, request))
+
+    def settlement(self, day: str, timeout: float) -> list[dict[str, str]]:
+        """GET /v1/settlements/<day>.csv as a list of rows; ProviderUnavailable if it cannot be had."""
+        response, error, _ = self._exchange("GET", f"/v1/settlements/{day}.csv", timeout)
+        if response is None or response.status_code != 200:
+            reason = error or f"http_{response.status_code}"
+            raise ProviderUnavailable(f"settlement file for {day} not available: {reason}")
+        return list(csv.DictReader(io.StringIO(response.text)))
 
     def parse_callback(self, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
         """Verify the Sandbox-Signature header, then read the event."""
@@ -129,3 +234,133 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
         if key.lower() == lowered:
             return value
     return None
+
+
+class LegacySandboxProvider(SandboxProvider):
+    """The same sandbox platform, driven the way an old provider API works: no idempotency keys, no query.
+
+    Each call carries a fresh random key, so the platform treats every send as
+    a new charge: exactly what re-sending to a provider without idempotency
+    support would do. Its capabilities say so, and paysync never re-sends to
+    it automatically (an ambiguous charge goes to the manual queue instead).
+    Registered as ``sandbox_legacy`` when SANDBOX_LEGACY_ENABLED=true.
+    """
+
+    name = "sandbox_legacy"
+    capabilities = Capabilities(idempotency_keys=False, query_by_merchant_id=False)
+
+    def _charge_headers(self, idempotency_key: str | None) -> dict[str, str]:
+        return {"Idempotency-Key": f"legacy-{uuid.uuid4().hex}"}
+
+    def query(self, payment_id: str, timeout: float) -> QueryOutcome:
+        """This provider cannot look charges up: always Unknown, without a call."""
+        return Unknown("query_not_supported")
+
+
+MAX_RESPONSE_CHARS = 2000
+"""Raw answers are kept this long in provider_call.response."""
+
+_FINAL_4XX = frozenset({400, 402, 422})
+"""Answers that refuse the request outright: nothing was or will be charged."""
+
+
+def _ms(started: float) -> int:
+    return int((time.monotonic() - started) * 1000)
+
+
+def _evidence(response: requests.Response | None, latency: int) -> Evidence:
+    if response is None:
+        return Evidence(latency_ms=latency)
+    text = response.content[: MAX_RESPONSE_CHARS * 2].decode("utf-8", "replace")
+    return Evidence(http_status=response.status_code, response=scrub(text)[:MAX_RESPONSE_CHARS], latency_ms=latency)
+
+
+def _read(
+    response: requests.Response | None,
+    error: str | None,
+    latency: int,
+    reader: Callable[[Any], Outcome],
+) -> Outcome:
+    """Classify one exchange; attach its evidence to the outcome."""
+    evidence = _evidence(response, latency)
+    if response is None:
+        outcome: Outcome = Unknown(error or "no_response")
+    else:
+        outcome = read_answer(response.status_code, response.content, reader)
+    return _with_evidence(outcome, evidence)
+
+
+def _with_evidence(outcome: Outcome, evidence: Evidence) -> Outcome:
+    return replace(outcome, evidence=evidence)
+
+
+def read_answer(status: int, body: bytes, reader: Callable[[Any], Outcome]) -> Outcome:
+    """Turn an HTTP status and body into an outcome (pure; invariant 5).
+
+    5xx, 429, 408, 409 (idempotency key reuse: a bug to look at, not a decline),
+    any other unexpected status and any unreadable body are Unknown. 400/402/422
+    refuse the request outright: Failed with the platform's code. 401/403 are
+    our configuration, not the customer's decline: Failed but not definitive,
+    so the charge is retried once the key is fixed.
+    """
+    try:
+        data = json.loads(body) if body else None
+    except (UnicodeDecodeError, ValueError):
+        data = None
+    if status == 200:
+        if not isinstance(data, dict):
+            return Unknown("unparseable_response")
+        return reader(data)
+    code = _error_code(data)
+    if status in _FINAL_4XX:
+        return Failed(code or f"http_{status}", definitive=True, raw=_raw(data))
+    if status in (401, 403):
+        return Failed(code or f"http_{status}", definitive=False, raw=_raw(data))
+    return Unknown(f"http_{status}" + (f":{code}" if code else ""), raw=_raw(data))
+
+
+def _error_code(data: Any) -> str | None:
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        code = data["error"].get("code")
+        if isinstance(code, str) and code:
+            return code[:48]
+    return None
+
+
+def _raw(data: Any) -> dict[str, Any]:
+    return data if isinstance(data, dict) else {}
+
+
+def read_charge(data: Mapping[str, Any], payment_id: str, request: ChargeRequest | None) -> Outcome:
+    """Read a charge object; Unknown if it is not one or is about another payment or amount."""
+    charge_id = data.get("id")
+    status = data.get("status")
+    if not isinstance(charge_id, str) or not charge_id or len(charge_id) > 128:
+        return Unknown("unparseable_response", raw=dict(data))
+    if data.get("merchant_transaction_id") != payment_id:
+        return Unknown("answer_for_another_payment", raw=dict(data))
+    if request is not None and (data.get("amount") != request.amount_minor or data.get("currency") != request.currency):
+        return Unknown("answer_for_another_amount", raw=dict(data))
+    return _by_status(status, charge_id, data)
+
+
+def read_refund(data: Mapping[str, Any], request: RefundRequest) -> Outcome:
+    """Read a refund object; Unknown if it is not one."""
+    refund_id = data.get("id")
+    if not isinstance(refund_id, str) or not refund_id or len(refund_id) > 128:
+        return Unknown("unparseable_response", raw=dict(data))
+    merchant_refund_id = data.get("merchant_refund_id")
+    if merchant_refund_id is not None and merchant_refund_id != request.refund_id:
+        return Unknown("answer_for_another_refund", raw=dict(data))
+    return _by_status(data.get("status"), refund_id, data)
+
+
+def _by_status(status: Any, reference: str, data: Mapping[str, Any]) -> Outcome:
+    if status == "succeeded":
+        return Succeeded(reference, raw=dict(data))
+    if status == "failed":
+        code = data.get("failure_code")
+        return Failed(code[:64] if isinstance(code, str) and code else "declined", definitive=True, raw=dict(data))
+    if status in ("processing", "pending"):
+        return Pending(reference, raw=dict(data))
+    return Unknown("unknown_status", raw=dict(data))

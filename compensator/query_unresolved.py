@@ -1,0 +1,88 @@
+"""Job ``query_unresolved``: ask the provider about payments we do not know the outcome of.
+
+Takes payments that are Unknown, or Pending past QUERY_PENDING_AFTER_SECONDS,
+whose ``next_query_at`` is due; claims them with ``FOR UPDATE SKIP LOCKED``
+and a lease, and queries each by our business number
+(``payments.outbound.query_payment``). Found → applied through the state
+machine. Not found → sent again with the same idempotency key, if the
+provider's capabilities make that safe. Still unresolved at the payment's
+deadline → manual review and an alert. Backoff between queries is exponential
+with jitter (QUERY_BASE_SECONDS … QUERY_MAX_SECONDS). While a provider's
+circuit breaker is open, each run may still send BREAKER_QUERY_BUDGET queries
+to it; their answers are the probes that close it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from datetime import datetime, timedelta
+
+from sqlalchemy import Engine, select, update
+
+from compensator.relay_outbox import throttle
+from compensator.workpool import drain
+from payments import breaker
+from payments.db import is_sqlite, utcnow
+from payments.outbound import Context, Result, due_for_query, query_payment
+from payments.runtime import Runtime
+from payments.schema import payment
+
+log = logging.getLogger("paysync.compensator.query")
+
+
+def claim_batch(
+    engine: Engine, now: datetime, limit: int, lease_seconds: float, pending_after_seconds: float
+) -> list[tuple[str, str]]:
+    """Claim up to ``limit`` payments due for a query; return (payment_id, provider) pairs."""
+    query = (
+        select(payment.c.id, payment.c.payment_id, payment.c.provider)
+        .where(due_for_query(now, pending_after_seconds))
+        .order_by(payment.c.next_query_at, payment.c.id)
+        .limit(limit)
+    )
+    if not is_sqlite(engine):
+        query = query.with_for_update(skip_locked=True)
+    with engine.begin() as conn:
+        rows = conn.execute(query).all()
+        if rows:
+            conn.execute(
+                update(payment)
+                .where(payment.c.id.in_([r.id for r in rows]))
+                .values(next_query_at=now + timedelta(seconds=lease_seconds))
+            )
+    return [(r.payment_id, r.provider) for r in rows]
+
+
+def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
+    """Query every due payment once; return how many were handled."""
+    settings = runtime.settings
+    ctx = Context(runtime.engine, runtime.providers, settings)
+    lease = settings.provider_timeout_seconds * 2 + 3.0
+    budget: Counter[str] = Counter()
+    budget_lock = threading.Lock()
+
+    def work(item: tuple[str, str]) -> Result:
+        payment_id, provider = item
+        budget_ok = False
+        if breaker.read(runtime.engine, provider).state == breaker.OPEN:
+            with budget_lock:
+                budget_ok = budget[provider] < settings.breaker_query_budget
+                budget[provider] += 1
+        throttle(provider, settings.provider_rate_limit)
+        return query_payment(ctx, payment_id, provider, budget_ok=budget_ok)
+
+    results = drain(
+        lambda n: claim_batch(runtime.engine, utcnow(), n, lease, settings.query_pending_after_seconds),
+        work,
+        concurrency=settings.relay_concurrency,
+        max_seconds=settings.relay_max_seconds if max_seconds is None else max_seconds,
+        poll_seconds=0.05,
+        name="query",
+    )
+    counts = Counter(r.value for r in results)
+    handled = sum(n for r, n in counts.items() if r != Result.SKIPPED)
+    if handled:
+        log.info("queried %s unresolved payments", handled, extra={"results": dict(counts)})
+    return handled

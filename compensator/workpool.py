@@ -1,0 +1,59 @@
+"""Keep N units of work in flight: claim only as many rows as there are free slots, refill as slots free up.
+
+A batch-at-a-time loop would wait for the slowest call of each batch; with a
+provider where one call in five hangs until the timeout, that stalls every
+call behind it. Here a hanging call holds one slot and the others keep moving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+log = logging.getLogger("paysync.compensator.workpool")
+
+
+def drain(
+    claim: Callable[[int], Sequence[Any]],
+    work: Callable[[Any], Any],
+    *,
+    concurrency: int,
+    max_seconds: float,
+    poll_seconds: float,
+    name: str,
+) -> list[Any]:
+    """Claim and work until nothing is due and nothing is in flight (or ``max_seconds`` pass); return the results.
+
+    ``claim(n)`` returns up to n items (and must lease them); ``work(item)``
+    handles one and returns a result. An exception in ``work`` is logged and
+    counted as no result: the item's lease runs out and it is claimed again.
+    """
+    started = time.monotonic()
+    results: list[Any] = []
+    inflight: set[Future] = set()
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=name) as pool:
+        while True:
+            claimed = 0
+            free = concurrency - len(inflight)
+            if free > 0 and time.monotonic() - started < max_seconds:
+                try:
+                    items = claim(free)
+                except Exception:  # noqa: BLE001 - database trouble: stop claiming, finish what is in flight
+                    log.exception("%s: claim failed", name)
+                    items = []
+                    started = -max_seconds  # no more claims this run
+                claimed = len(items)
+                inflight.update(pool.submit(work, item) for item in items)
+            if not inflight:
+                break
+            # Slots all busy, or nothing due right now: wait for one to free up, then look again.
+            done, inflight = wait(inflight, timeout=0 if claimed == free else poll_seconds, return_when=FIRST_COMPLETED)
+            for future in done:
+                try:
+                    results.append(future.result())
+                except Exception:  # noqa: BLE001
+                    log.exception("%s: one unit of work failed; its lease will bring it back", name)
+    return results

@@ -1,0 +1,385 @@
+"""The merchant's side of outbound charges: create a payment idempotently, and show one.
+
+``create_payment`` is what ``POST /payments`` does. The merchant's
+Idempotency-Key is claimed first in a short transaction of its own
+(``idempotency_request``, status ``started``), so a second request with the
+same key while the first is still in flight sees it and gets 409. Then ONE
+transaction writes the payment (status Created, its fixed idempotency key, the
+request digest, a deadline), the ``ChargeRequested`` outbox row the relay will
+send, the ``PaymentRequested`` ledger event, and the stored answer. A retry
+with the same key and the same request gets that answer again, byte for byte;
+with another request, 422. Nothing is written for a request that fails
+validation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Engine, insert, select, update
+
+from payments import ledger, outbox, provider_calls
+from payments.db import insert_ignore, utcnow
+from payments.errors import PaysyncError
+from payments.ids import new_id
+from payments.schema import idempotency_request, payment, payment_callback_log
+from payments.states import PaymentStatus
+
+log = logging.getLogger("paysync.charges")
+
+SCOPE = "payments"
+"""The idempotency_request scope of POST /payments."""
+MAX_KEY_LENGTH = 255
+MAX_ORDER_NO_LENGTH = 64
+MAX_DESCRIPTION_LENGTH = 500
+CHARGE_REQUESTED = "ChargeRequested"
+"""The outbox event the relay turns into a provider call."""
+
+# ISO 4217 active codes (2024), minus funds codes and precious metals.
+ISO_4217 = frozenset(
+    """
+    AED AFN ALL AMD ANG AOA ARS AUD AWG AZN BAM BBD BDT BGN BHD BIF BMD BND BOB BRL BSD BTN BWP BYN BZD CAD
+    CDF CHF CLP CNY COP CRC CUP CVE CZK DJF DKK DOP DZD EGP ERN ETB EUR FJD FKP GBP GEL GHS GIP GMD GNF GTQ
+    GYD HKD HNL HTG HUF IDR ILS INR IQD IRR ISK JMD JOD JPY KES KGS KHR KMF KPW KRW KWD KYD KZT LAK LBP LKR
+    LRD LSL LYD MAD MDL MGA MKD MMK MNT MOP MRU MUR MVR MWK MXN MYR MZN NAD NGN NIO NOK NPR NZD OMR PAB PEN
+    PGK PHP PKR PLN PYG QAR RON RSD RUB RWF SAR SBD SCR SDG SEK SGD SHP SLE SOS SRD SSP STN SVC SYP SZL THB
+    TJS TMT TND TOP TRY TTD TWD TZS UAH UGX USD UYU UZS VES VND VUV WST XAF XCD XOF XPF YER ZAR ZMW ZWL
+    """.split()
+)
+"""Currencies POST /payments accepts."""
+
+
+class InvalidRequest(PaysyncError):
+    """The request is malformed; nothing was written."""
+
+    code = "invalid_request"
+    permanent = True
+    http_status = 400
+
+    def __init__(self, message: str, code: str | None = None, http_status: int | None = None) -> None:
+        super().__init__(message)
+        if code:
+            self.code = code
+        if http_status:
+            self.http_status = http_status
+
+
+class IdempotencyConflict(InvalidRequest):
+    """The key is in use: by a request still in flight (409) or by a different request (422)."""
+
+
+def _in_progress() -> IdempotencyConflict:
+    return IdempotencyConflict("a request with this Idempotency-Key is in progress", "request_in_progress", 409)
+
+
+@dataclass(frozen=True)
+class CreatePayment:
+    """A validated POST /payments body."""
+
+    order_no: str
+    amount_minor: int
+    currency: str
+    provider: str
+    description: str | None
+
+    def digest(self) -> str:
+        """sha256 of the canonical request: same fields, same digest, whatever the JSON key order."""
+        canonical = json.dumps(
+            {
+                "order_no": self.order_no,
+                "amount": self.amount_minor,
+                "currency": self.currency,
+                "provider": self.provider,
+                "description": self.description,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer: status and JSON text; ``replayed`` when it is the stored first answer."""
+
+    status: int
+    body: str
+    replayed: bool = False
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidRequest(f"{name} is not valid JSON")
+
+
+def parse_create(raw: bytes, providers: set[str] | frozenset[str], max_amount: int) -> CreatePayment:
+    """Validate a POST /payments body (pure); raise InvalidRequest with a message naming the field."""
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except InvalidRequest:
+        raise
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidRequest("body must be a JSON object", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("body must be a JSON object", "invalid_json")
+    allowed = {"order_no", "amount", "currency", "provider", "description"}
+    extra = sorted(set(data) - allowed)
+    if extra:
+        raise InvalidRequest(f"unknown field {extra[0][:40]!r}")
+    order_no = data.get("order_no")
+    if not isinstance(order_no, str) or not order_no.strip() or len(order_no) > MAX_ORDER_NO_LENGTH:
+        raise InvalidRequest(f"order_no must be a non-empty string of at most {MAX_ORDER_NO_LENGTH} characters")
+    amount = data.get("amount")
+    # Money is integer minor units (invariant 7): bool is an int subclass, and 10.0 or 1e3 are floats.
+    if isinstance(amount, bool) or not isinstance(amount, int):
+        raise InvalidRequest("amount must be an integer number of minor units", "invalid_amount")
+    if amount <= 0:
+        raise InvalidRequest("amount must be greater than zero", "invalid_amount")
+    if amount > max_amount:
+        raise InvalidRequest(f"amount must be at most {max_amount}", "amount_too_large")
+    currency = data.get("currency")
+    if not isinstance(currency, str) or currency not in ISO_4217:
+        raise InvalidRequest("currency must be an ISO 4217 code in upper case, such as CNY", "invalid_currency")
+    provider = data.get("provider")
+    if not isinstance(provider, str) or provider not in providers:
+        raise InvalidRequest(f"provider must be one of {', '.join(sorted(providers))}", "unknown_provider")
+    description = data.get("description")
+    if description is not None and (not isinstance(description, str) or len(description) > MAX_DESCRIPTION_LENGTH):
+        raise InvalidRequest(f"description must be a string of at most {MAX_DESCRIPTION_LENGTH} characters")
+    return CreatePayment(order_no, amount, currency, provider, description)
+
+
+def check_key(key: str | None) -> str:
+    """The Idempotency-Key header, or InvalidRequest if it is missing or unusable."""
+    if key is None or not key.strip():
+        raise InvalidRequest("the Idempotency-Key header is required", "idempotency_key_missing")
+    if len(key) > MAX_KEY_LENGTH or not key.isprintable():
+        raise InvalidRequest(
+            f"Idempotency-Key must be at most {MAX_KEY_LENGTH} printable characters", "idempotency_key_invalid"
+        )
+    return key
+
+
+def create_payment(
+    engine: Engine,
+    request: CreatePayment,
+    key: str,
+    *,
+    deadline_seconds: float,
+    lock_seconds: float,
+    now: datetime | None = None,
+) -> Answer:
+    """Create the payment for ``request`` under the merchant's ``key`` (see the module docstring)."""
+    now = now or utcnow()
+    digest = request.digest()
+    try:
+        lock_token = _claim_key(engine, key, digest, lock_seconds, now)
+    except Replay as replay:
+        return replay.answer
+    payment_id = new_id("pay")
+    body = {
+        "payment_id": payment_id,
+        "order_no": request.order_no,
+        "amount": request.amount_minor,
+        "currency": request.currency,
+        "provider": request.provider,
+        "description": request.description,
+        "status": PaymentStatus.CREATED.value,
+        "provider_transaction_id": None,
+        "created_at": now.isoformat() + "Z",
+    }
+    text = json.dumps(body, sort_keys=True)
+    try:
+        with engine.begin() as conn:
+            taken = conn.execute(
+                update(idempotency_request)
+                .where(
+                    idempotency_request.c.scope == SCOPE,
+                    idempotency_request.c.idempotency_key == key,
+                    idempotency_request.c.status == "started",
+                    idempotency_request.c.locked_at == lock_token,
+                )
+                .values(status="done", response_status=201, response_body=text, payment_id=payment_id, updated_at=now)
+            ).rowcount
+            if taken != 1:
+                # Our claim expired and a retry with the same key took it over: let that one finish.
+                raise _in_progress()
+            _write_payment(conn, request, key, digest, payment_id, now, deadline_seconds)
+    except BaseException:
+        _release_key(engine, key, lock_token)
+        raise
+    log.info("payment created", extra={"payment_id": payment_id, "provider": request.provider})
+    return Answer(201, text)
+
+
+def _write_payment(
+    conn: Connection,
+    request: CreatePayment,
+    key: str,
+    digest: str,
+    payment_id: str,
+    now: datetime,
+    deadline_seconds: float,
+) -> None:
+    conn.execute(
+        insert(payment).values(
+            payment_id=payment_id,
+            order_no=request.order_no,
+            amount_minor=request.amount_minor,
+            currency=request.currency,
+            provider=request.provider,
+            status=PaymentStatus.CREATED.value,
+            idempotency_key=key,
+            request_digest=digest,
+            description=request.description,
+            query_attempts=0,
+            deadline_at=now + timedelta(seconds=deadline_seconds),
+            created_at=now,
+            updated_at=now,
+        )
+    )
+    outbox.enqueue(
+        conn,
+        event_type=CHARGE_REQUESTED,
+        aggregate_id=payment_id,
+        now=now,
+        payload={"payment_id": payment_id, "provider": request.provider},
+    )
+    ledger.append(
+        conn,
+        event_type="PaymentRequested",
+        dedupe_key=f"PaymentRequested:{payment_id}",
+        amount_minor=request.amount_minor,
+        currency=request.currency,
+        source_type="api",
+        source_id=None,
+        now=now,
+        payment_id=payment_id,
+        details={"order_no": request.order_no, "provider": request.provider},
+    )
+
+
+def _claim_key(engine: Engine, key: str, digest: str, lock_seconds: float, now: datetime) -> datetime:
+    """Take the key for this request (committed at once); return the lock token, or raise with the answer."""
+    with engine.begin() as conn:
+        fresh = conn.execute(
+            insert_ignore(idempotency_request).values(
+                scope=SCOPE,
+                idempotency_key=key,
+                request_digest=digest,
+                status="started",
+                locked_at=now,
+                created_at=now,
+                updated_at=now,
+            )
+        ).rowcount
+    if fresh:
+        return now
+    answer_or_token = _existing(engine, key, digest, lock_seconds, now)
+    if isinstance(answer_or_token, Answer):
+        raise Replay(answer_or_token)
+    return answer_or_token
+
+
+class Replay(Exception):  # noqa: N818 - control flow, not an error
+    """The key was used before for the same request: answer with the stored first answer."""
+
+    def __init__(self, answer: Answer) -> None:
+        super().__init__("replay")
+        self.answer = answer
+
+
+def _existing(engine: Engine, key: str, digest: str, lock_seconds: float, now: datetime) -> Answer | datetime:
+    """For a key already on file: its stored answer, a takeover lock token, or IdempotencyConflict."""
+    t = idempotency_request
+    with engine.begin() as conn:
+        row = conn.execute(select(t).where(t.c.scope == SCOPE, t.c.idempotency_key == key)).first()
+        if row is None:  # released by a request that failed; try again from the top
+            raise _in_progress()
+        if row.request_digest != digest:
+            raise IdempotencyConflict(
+                "this Idempotency-Key was used with a different request", "idempotency_key_reuse", 422
+            )
+        if row.status == "done":
+            return Answer(row.response_status, row.response_body, replayed=True)
+        if now - row.locked_at < timedelta(seconds=lock_seconds):
+            raise _in_progress()
+        # The first request died mid-way (its payment transaction never committed): take over.
+        taken = conn.execute(
+            update(t)
+            .where(t.c.id == row.id, t.c.status == "started", t.c.locked_at == row.locked_at)
+            .values(locked_at=now, updated_at=now)
+        ).rowcount
+    if not taken:
+        raise _in_progress()
+    return now
+
+
+def _release_key(engine: Engine, key: str, lock_token: datetime) -> None:
+    """Forget a key whose request failed before committing, so the merchant's retry can proceed at once."""
+    t = idempotency_request
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                t.delete().where(
+                    t.c.scope == SCOPE, t.c.idempotency_key == key, t.c.status == "started", t.c.locked_at == lock_token
+                )
+            )
+    except Exception:  # noqa: BLE001 - the lock timeout releases it anyway
+        log.warning("could not release idempotency key after a failed request")
+
+
+def get_payment(engine: Engine, payment_id: str) -> dict[str, Any] | None:
+    """The payment as GET /payments/<id> shows it: status, provider ids, ledger, calls, callbacks; None if absent."""
+    with engine.connect() as conn:
+        row = conn.execute(select(payment).where(payment.c.payment_id == payment_id)).mappings().first()
+        if row is None:
+            return None
+        callbacks = conn.execute(
+            select(
+                payment_callback_log.c.id,
+                payment_callback_log.c.event_type,
+                payment_callback_log.c.status,
+                payment_callback_log.c.result,
+                payment_callback_log.c.create_time,
+            )
+            .where(payment_callback_log.c.order_no == payment_id)
+            .order_by(payment_callback_log.c.id)
+        ).all()
+        return {
+            "payment_id": row["payment_id"],
+            "order_no": row["order_no"],
+            "amount": row["amount_minor"],
+            "currency": row["currency"],
+            "provider": row["provider"],
+            "description": row["description"],
+            "status": row["status"],
+            "status_source": row["status_source"],
+            "provider_transaction_id": row["provider_transaction_id"],
+            "error_code": row["error_code"],
+            "next_query_at": _iso(row["next_query_at"]),
+            "query_attempts": row["query_attempts"],
+            "deadline_at": _iso(row["deadline_at"]),
+            "created_at": _iso(row["created_at"]),
+            "updated_at": _iso(row["updated_at"]),
+            "ledger": ledger.history(conn, payment_id),
+            "provider_calls": provider_calls.for_payment(conn, payment_id),
+            "callbacks": [
+                {
+                    "source": f"callback:{c.id}",
+                    "event_type": c.event_type,
+                    "status": c.status,
+                    "result": c.result,
+                    "received_at": _iso(c.create_time),
+                }
+                for c in callbacks
+            ],
+        }
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() + "Z" if value is not None else None

@@ -1,0 +1,111 @@
+"""Evidence of every outbound provider call: one ``provider_call`` row per request.
+
+The row is written and committed *before* the request goes out (``start``),
+so even a process killed mid-call leaves a trace (outcome NULL: "sent, no
+answer recorded"). ``finish`` fills in what came back in the same transaction
+that applies the outcome, and the payment's ``status_source`` then names the
+row (``call:<id>`` or ``query:<id>``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, insert, select, update
+
+from payments.providers.base import Failed, NotFound, Pending, QueryOutcome, Succeeded, Unknown
+from payments.schema import provider_call
+
+
+def request_digest(operation: str, params: dict[str, Any]) -> str:
+    """sha256 of the canonical request parameters (business fields only: never credentials)."""
+    canonical = json.dumps({"operation": operation, **params}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def outcome_name(outcome: QueryOutcome) -> str:
+    """The outcome's name as stored in provider_call.outcome."""
+    return type(outcome).__name__
+
+
+def outcome_code(outcome: QueryOutcome) -> str | None:
+    """The decline code or the reason an answer was Unknown."""
+    if isinstance(outcome, Failed):
+        return outcome.code[:64]
+    if isinstance(outcome, Unknown):
+        return outcome.reason[:64]
+    return None
+
+
+def start(
+    conn: Connection,
+    *,
+    provider: str,
+    operation: str,
+    params: dict[str, Any],
+    now: datetime,
+    payment_id: str | None = None,
+    refund_id: str | None = None,
+    idempotency_key: str | None = None,
+) -> int:
+    """Record that a call is about to go out, in the caller's transaction; return the row id."""
+    result = conn.execute(
+        insert(provider_call).values(
+            payment_id=payment_id,
+            refund_id=refund_id,
+            provider=provider,
+            operation=operation,
+            idempotency_key=idempotency_key,
+            request_digest=request_digest(operation, params),
+            started_at=now,
+        )
+    )
+    return int(result.inserted_primary_key[0])
+
+
+def finish(conn: Connection, call_id: int, outcome: QueryOutcome, now: datetime) -> None:
+    """Record what the call came back with, in the transaction that applies it."""
+    evidence = outcome.evidence
+    conn.execute(
+        update(provider_call)
+        .where(provider_call.c.id == call_id)
+        .values(
+            outcome=outcome_name(outcome),
+            error_code=outcome_code(outcome),
+            http_status=evidence.http_status if evidence else None,
+            response=evidence.response if evidence else None,
+            latency_ms=evidence.latency_ms if evidence else None,
+            finished_at=now,
+        )
+    )
+
+
+def for_payment(conn: Connection, payment_id: str) -> list[dict[str, Any]]:
+    """Every call made for a payment, oldest first, as shown by GET /payments/<id>."""
+    rows = conn.execute(
+        select(provider_call).where(provider_call.c.payment_id == payment_id).order_by(provider_call.c.id)
+    ).mappings()
+    return [
+        {
+            "id": r["id"],
+            "source": f"{'query' if r['operation'] == 'query' else 'call'}:{r['id']}",
+            "operation": r["operation"],
+            "idempotency_key": r["idempotency_key"],
+            "request_digest": r["request_digest"],
+            "http_status": r["http_status"],
+            "outcome": r["outcome"],
+            "error_code": r["error_code"],
+            "latency_ms": r["latency_ms"],
+            "started_at": r["started_at"].isoformat() + "Z",
+            "finished_at": r["finished_at"].isoformat() + "Z" if r["finished_at"] else None,
+        }
+        for r in rows
+    ]
+
+
+def is_answer(outcome: QueryOutcome) -> bool:
+    """True when the provider gave a real answer (anything but Unknown): the breaker counts it as healthy."""
+    return isinstance(outcome, Succeeded | Failed | Pending | NotFound)
