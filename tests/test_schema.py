@@ -1,0 +1,98 @@
+"""schema.sql is the MySQL/MariaDB DDL the code creates: generated from it, and identical once applied."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from sqlalchemy import text
+
+from payments.db import init_db, make_engine, schema_sql
+from tests.support import ROOT
+
+SCHEMA_FILE = ROOT / "schema.sql"
+
+
+def test_schema_sql_is_what_the_code_generates():
+    assert SCHEMA_FILE.read_text() == schema_sql(), (
+        "schema.sql is stale: run `python -m payments schema-sql > schema.sql` after changing payments/schema.py"
+    )
+
+
+def split_statements(sql: str) -> list[str]:
+    """Statements of a DDL file: split on ';' at line ends, comment-only chunks dropped."""
+    statements = []
+    for chunk in re.split(r";[ \t]*$", sql, flags=re.MULTILINE):
+        lines = [line for line in chunk.splitlines() if line.strip() and not line.strip().startswith("--")]
+        if lines:
+            statements.append("\n".join(lines))
+    return statements
+
+
+def describe(engine) -> dict[str, list[tuple]]:  # noqa: ANN001
+    """Tables, columns, indexes and triggers of the engine's database, as comparable rows."""
+    queries = {
+        "tables": """SELECT TABLE_NAME, ENGINE, TABLE_COLLATION, TABLE_COMMENT FROM information_schema.TABLES
+                     WHERE TABLE_SCHEMA = DATABASE() ORDER BY TABLE_NAME""",
+        "columns": """SELECT TABLE_NAME, COLUMN_NAME, ORDINAL_POSITION, COLUMN_TYPE, IS_NULLABLE, COLUMN_DEFAULT,
+                             EXTRA, CHARACTER_SET_NAME, COLLATION_NAME, COLUMN_COMMENT
+                      FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()
+                      ORDER BY TABLE_NAME, ORDINAL_POSITION""",
+        "indexes": """SELECT TABLE_NAME, INDEX_NAME, NON_UNIQUE, SEQ_IN_INDEX, COLUMN_NAME, SUB_PART
+                      FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE()
+                      ORDER BY TABLE_NAME, INDEX_NAME, SEQ_IN_INDEX""",
+        "checks": """SELECT TABLE_NAME, CONSTRAINT_NAME, CHECK_CLAUSE FROM information_schema.CHECK_CONSTRAINTS
+                     WHERE CONSTRAINT_SCHEMA = DATABASE() ORDER BY TABLE_NAME, CONSTRAINT_NAME""",
+        "triggers": """SELECT TRIGGER_NAME, EVENT_MANIPULATION, EVENT_OBJECT_TABLE, ACTION_TIMING, ACTION_ORIENTATION,
+                              ACTION_STATEMENT
+                       FROM information_schema.TRIGGERS WHERE TRIGGER_SCHEMA = DATABASE() ORDER BY TRIGGER_NAME""",
+    }
+    with engine.connect() as conn:
+        return {name: [tuple(row) for row in conn.execute(text(sql))] for name, sql in queries.items()}
+
+
+@pytest.fixture
+def fresh_databases(mariadb_engine):
+    """Two empty MariaDB databases beside the test database; dropped afterwards."""
+    base = mariadb_engine.url.database
+    names = [f"{base}_schema_file", f"{base}_schema_code"]
+    with mariadb_engine.begin() as conn:
+        for name in names:
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
+            conn.execute(text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
+    url = mariadb_engine.url.render_as_string(hide_password=False)
+    engines = [make_engine(url.replace(f"/{base}", f"/{name}", 1)) for name in names]
+    yield engines
+    for engine in engines:
+        engine.dispose()
+    with mariadb_engine.begin() as conn:
+        for name in names:
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
+
+
+@pytest.mark.mariadb
+def test_schema_sql_applied_to_mariadb_matches_what_init_db_creates(fresh_databases):
+    from_file, from_code = fresh_databases
+    statements = split_statements(SCHEMA_FILE.read_text())
+    assert any(s.startswith("CREATE TRIGGER") for s in statements)
+    with from_file.begin() as conn:
+        for statement in statements:
+            conn.exec_driver_sql(statement)
+    init_db(from_code)
+    init_db(from_code)  # and again: init-db is safe to re-run
+
+    file_schema, code_schema = describe(from_file), describe(from_code)
+    assert len(file_schema["tables"]) >= 10
+    assert {t[0] for t in file_schema["tables"]} >= {
+        "payment_callback_log",
+        "payment",
+        "processed_event",
+        "ledger_event",
+        "ledger_entry",
+        "manual_review",
+        "alert",
+        "outbox",
+    }
+    assert len(file_schema["triggers"]) == 4
+    for part in file_schema:
+        assert file_schema[part] == code_schema[part], part
