@@ -339,6 +339,17 @@ class Store:
     def complete_due(self, now: float) -> int:
         """Complete every processing charge and refund whose time has come; queue their events. Returns count."""
         done = 0
+        with self._lock:
+            # The dispatcher asks after every send: skip the write transaction when nothing is due.
+            if (
+                self._conn.execute(
+                    "SELECT EXISTS (SELECT 1 FROM charges WHERE status = 'processing' AND complete_at <= ?)"
+                    " OR EXISTS (SELECT 1 FROM refunds WHERE status = 'processing' AND complete_at <= ?)",
+                    (now, now),
+                ).fetchone()[0]
+                == 0
+            ):
+                return 0
         with self._tx() as conn:
             for table, kind in (("charges", "charge"), ("refunds", "refund")):
                 due = conn.execute(
