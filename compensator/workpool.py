@@ -36,7 +36,6 @@ def drain(
     inflight: set[Future] = set()
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=name) as pool:
         while True:
-            claimed = 0
             free = concurrency - len(inflight)
             if free > 0 and time.monotonic() - started < max_seconds:
                 try:
@@ -45,12 +44,11 @@ def drain(
                     log.exception("%s: claim failed", name)
                     items = []
                     started = -max_seconds  # no more claims this run
-                claimed = len(items)
                 inflight.update(pool.submit(work, item) for item in items)
             if not inflight:
                 break
             # Slots all busy, or nothing due right now: wait for one to free up, then look again.
-            done, inflight = wait(inflight, timeout=0 if claimed == free else poll_seconds, return_when=FIRST_COMPLETED)
+            done, inflight = wait(inflight, timeout=poll_seconds, return_when=FIRST_COMPLETED)
             for future in done:
                 try:
                     results.append(future.result())

@@ -373,7 +373,9 @@ def _apply_outcome(
         details={"outcome": type(outcome).__name__},
     )
     if target == PaymentStatus.UNKNOWN and not provider.capabilities.safe_to_resend:
-        _give_up_ambiguous(conn, current, None, now, f"outcome unknown ({getattr(outcome, 'reason', '')})")
+        # Already Unknown with no query scheduled (unresolved_values): a person and reconciliation decide.
+        reason = f"outcome unknown ({getattr(outcome, 'reason', '')}); not re-sent automatically, reconcile by hand"
+        _review(conn, current, "unresolved_not_resendable", reason, now)
         return Result.REVIEW
     return Result.APPLIED
 
