@@ -11,3 +11,6 @@ timeout = 30
 graceful_timeout = 20
 keepalive = 5
 accesslog = None  # the gateway logs what matters; a line per request costs throughput
+# gunicorn's control socket has one default path per user; several gateways on one host (tests,
+# benchmarks, blue/green) would fight over it, and nothing here uses it.
+control_socket_disable = True
