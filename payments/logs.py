@@ -73,3 +73,5 @@ def setup_logging(level: str = "INFO", process: str | None = None) -> None:
         logging.setLogRecordFactory(factory)
     # pika is chatty at INFO about every reconnect attempt; its errors still show.
     logging.getLogger("pika").setLevel(logging.WARNING)
+    # APScheduler logs every run of every job at INFO: several lines a second with a 0.2 s relay.
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
