@@ -8,6 +8,7 @@ from typing import Any
 
 from flask import Blueprint, Response, request
 from sqlalchemy.exc import SQLAlchemyError
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from gateway import error_response, ext
 from payments.callbacks import reject_callback, store_callback
@@ -24,6 +25,11 @@ def receive(provider_name: str) -> Any:
     if provider is None:
         return error_response("unknown_provider", f"no provider named {provider_name[:32]!r}", 404)
     body = request.get_data(cache=False)  # raises 413 past MAX_CONTENT_LENGTH, before anything is stored
+    if request.content_length is None and len(body) >= ext("settings").callback_max_body_bytes:
+        # A chunked body has no Content-Length to refuse up front: Werkzeug silently stops reading at the
+        # limit, so look for one byte more, or a truncated body would be stored as if it were the delivery.
+        if request.environ["wsgi.input"].read(1):
+            raise RequestEntityTooLarge()
     headers = {name: request.headers[name] for name in provider.callback_headers if name in request.headers}
 
     # 1. The raw delivery is committed before anything else may fail.

@@ -90,6 +90,7 @@ class Stack:
         try:
             wait_for_port(port, timeout=20)
             wait_until(lambda: len(worker_pids(proc.popen.pid)) >= workers, timeout=20, message="gunicorn workers")
+            wait_until(lambda: _healthy(port), timeout=20, message="gateway /healthz")
         except Exception:
             raise AssertionError(f"gateway did not start:\n{proc.output()[-3000:]}") from None
         return proc, port
@@ -109,6 +110,13 @@ class Stack:
     def output(self) -> str:
         """Everything every process printed so far."""
         return "\n".join(p.output() for p in self.procs)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 def worker_pids(master_pid: int) -> set[int]:

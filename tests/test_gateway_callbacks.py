@@ -81,6 +81,29 @@ def cases(payment_id: str) -> list[Case]:
     ]
 
 
+def exactly(size: int, payment_id: str) -> bytes:
+    """A valid event body of exactly ``size`` bytes (padded in an extra field)."""
+    bare = json.dumps(sandbox_event(payment_id, padding="")).encode()
+    body = json.dumps(sandbox_event(payment_id, padding="p" * (size - len(bare)))).encode()
+    assert len(body) == size
+    return body
+
+
+def _chunked(body: bytes):  # noqa: ANN202
+    """The body as a generator, so the client sends it chunked, without Content-Length."""
+    return (body[i : i + 16384] for i in range(0, len(body), 16384))
+
+
+def test_a_body_of_exactly_256_kib_is_accepted_and_one_byte_more_is_413(engine):
+    client = _client(engine)
+    payment_id = create_payment(engine)
+    at_limit = exactly(MAX_BODY, payment_id)
+    assert client.post("/callbacks/sandbox", data=at_limit, headers=signed(at_limit)[1]).status_code == 200
+    over = exactly(MAX_BODY + 1, payment_id)
+    assert client.post("/callbacks/sandbox", data=over, headers=signed(over)[1]).status_code == 413
+    assert [bytes(r.callback_data) for r in callback_rows(engine)] == [at_limit]
+
+
 def _client(engine):  # noqa: ANN001, ANN202
     settings = make_settings(database_url=db_url(engine))
     return create_app(settings, engine=engine).test_client()
@@ -157,5 +180,15 @@ def test_the_real_gunicorn_gateway_answers_every_case_and_loses_no_row(mariadb, 
             assert status == case.http_status, case.name
             if case.stored_status is not None:
                 expected.append((case.body, case.stored_status))
+        # Chunked bodies carry no Content-Length: the limit must hold for them too, without truncating.
+        over = exactly(MAX_BODY + 10_000, payment_id)
+        try:
+            status = post(port, _chunked(over), signed(over)[1]).status_code
+        except OSError:
+            status = 413
+        assert status == 413
+        at_limit = exactly(MAX_BODY, payment_id)
+        assert post(port, _chunked(at_limit), signed(at_limit)[1]).status_code == 200
+        expected.append((at_limit, CB_PENDING))
         rows = callback_rows(mariadb)
         assert [(bytes(r.callback_data), r.status) for r in rows] == expected
