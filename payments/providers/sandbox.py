@@ -207,7 +207,7 @@ class SandboxProvider(Provider):
             raise SignatureInvalid(str(exc)) from None
         try:
             payload = json.loads(body)
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly deep nesting
             raise MalformedCallback("body is not valid JSON") from None
         return parse_event(self.name, payload)
 
