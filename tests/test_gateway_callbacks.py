@@ -69,6 +69,7 @@ def cases(payment_id: str) -> list[Case]:
         ),
         Case("tampered body", *_tampered(payment_id), 401, "invalid_signature", CB_REJECTED),
         Case("malformed json", *signed(b'{"id": "evt_1", "type": '), 400, "malformed_callback", CB_REJECTED),
+        Case("deeply nested json", *signed(b"[" * 100_000), 400, "malformed_callback", CB_REJECTED),
         Case("float amount", *signed(float_event), 400, "malformed_callback", CB_REJECTED),
         Case(
             "unknown event type",
