@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass
 
 import pytest
@@ -69,6 +70,9 @@ def cases(payment_id: str) -> list[Case]:
         ),
         Case("tampered body", *_tampered(payment_id), 401, "invalid_signature", CB_REJECTED),
         Case("malformed json", *signed(b'{"id": "evt_1", "type": '), 400, "malformed_callback", CB_REJECTED),
+        # Genuine but not applicable yet (or ever): acknowledged and stored; processing decides (status 2 / 1).
+        Case("unknown payment", *signed(sandbox_event(f"pay_{uuid.uuid4().hex[:20]}")), 200, None, CB_PENDING),
+        Case("conflicting amount", *signed(sandbox_event(payment_id, amount=999)), 200, None, CB_PENDING),
         Case("deeply nested json", *signed(b"[" * 100_000), 400, "malformed_callback", CB_REJECTED),
         Case("float amount", *signed(float_event), 400, "malformed_callback", CB_REJECTED),
         Case(
