@@ -82,6 +82,8 @@ class Failed:
     definitive: bool = True
     raw: Mapping[str, Any] = field(default_factory=dict)
     evidence: Evidence | None = None
+    provider_transaction_id: str | None = None
+    """The provider's id for the declined charge, when it made one."""
 
 
 @dataclass(frozen=True)

@@ -360,7 +360,8 @@ def _by_status(status: Any, reference: str, data: Mapping[str, Any]) -> Outcome:
         return Succeeded(reference, raw=dict(data))
     if status == "failed":
         code = data.get("failure_code")
-        return Failed(code[:64] if isinstance(code, str) and code else "declined", definitive=True, raw=dict(data))
+        code = code[:64] if isinstance(code, str) and code else "declined"
+        return Failed(code, definitive=True, raw=dict(data), provider_transaction_id=reference)
     if status in ("processing", "pending"):
         return Pending(reference, raw=dict(data))
     return Unknown("unknown_status", raw=dict(data))
