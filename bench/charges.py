@@ -1,0 +1,229 @@
+"""Charges benchmark: payments created through POST /payments and relayed to the sandbox, beside a direct loop.
+
+    make bench-charges BENCH_ARGS="--payments 2000 --concurrency 8"
+
+Starts, with the Procfile's commands, the sandbox platform (zero faults, its
+own SQLite file under /tmp, webhooks to the gateway), the gateway under
+gunicorn (WEB_WORKERS=2) and the compensator (every job; relay_outbox every
+RELAY_INTERVAL_SECONDS), on MariaDB database ``paysync_bench_charges``
+(emptied first). Then, in the same run:
+
+- ``direct``: the baseline. ``--concurrency`` threads call ``POST /v1/charges``
+  on the sandbox in a loop with the same adapter paysync uses (one
+  idempotency key each, no database, no outbox): charges per second and the
+  p50/p99 latency of one call.
+- ``paysync``: ``--concurrency`` threads ``POST /payments`` (bearer token,
+  Idempotency-Key) until ``--payments`` exist; the relay sends them, the
+  answers are applied. Payments per second from the first creation to the
+  last Succeeded, the creation rate seen by the merchant, and the p50/p99
+  time from creation (``payment.created_at``) to Succeeded (the
+  ``updated_at`` of that transition), both stamped by paysync's clock.
+
+Prints both and the ratios paysync / direct. Results also go to ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+
+import requests
+from common import (  # the bench directory is on sys.path when run as a script
+    RESULTS,
+    SECRET,
+    Process,
+    free_port,
+    loadavg,
+    prepare_database,
+    process_env,
+    procfile_command,
+    wait_for_http,
+)
+from sqlalchemy import func, select
+
+from payments.providers.base import ChargeRequest, Succeeded
+from payments.providers.sandbox import SandboxProvider
+from payments.schema import payment
+
+TOKEN = "bench-merchant-token"
+DEFAULT_DATABASE_URL = "mysql+pymysql://root@127.0.0.1:3306/paysync_bench_charges"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench/charges.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--payments", type=int, default=2000, help="payments (and direct charges) per side")
+    parser.add_argument("--concurrency", type=int, default=8, help="client threads on each side (default 8)")
+    parser.add_argument("--relay-concurrency", type=int, default=8, help="RELAY_CONCURRENCY (default 8)")
+    parser.add_argument("--relay-interval", type=float, default=0.2, help="RELAY_INTERVAL_SECONDS (default 0.2)")
+    parser.add_argument("--workers", type=int, default=2, help="WEB_WORKERS for the gateway (default 2)")
+    parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL)
+    parser.add_argument("--timeout", type=float, default=300, help="give up waiting for Succeeded after this")
+    return parser.parse_args(argv)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by nearest rank."""
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))
+    return ordered[index]
+
+
+def run_direct(sandbox_url: str, count: int, concurrency: int) -> dict:
+    """The baseline: call the sandbox in a loop from ``concurrency`` threads, no database, no outbox."""
+    adapter = SandboxProvider(SECRET, api_url=sandbox_url)
+    latencies: list[float] = []
+    lock = threading.Lock()
+    prefix = f"direct_{uuid.uuid4().hex[:8]}"
+
+    def one(n: int) -> None:
+        started = time.monotonic()
+        outcome = adapter.charge(ChargeRequest(f"{prefix}_{n}", 100 + n, "CNY"), f"{prefix}-key-{n}", 10.0)
+        elapsed = time.monotonic() - started
+        if not isinstance(outcome, Succeeded):
+            raise RuntimeError(f"direct charge {n} was {outcome}")
+        with lock:
+            latencies.append(elapsed)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(count)))
+    elapsed = time.monotonic() - started
+    return {
+        "count": count,
+        "seconds": elapsed,
+        "per_second": count / elapsed,
+        "p50_ms": statistics.median(latencies) * 1000,
+        "p99_ms": percentile(latencies, 99) * 1000,
+    }
+
+
+def run_paysync(port: int, engine, count: int, concurrency: int, timeout: float) -> dict:  # noqa: ANN001
+    """Create ``count`` payments through the gateway and wait until the relay got every one Succeeded."""
+    sessions = threading.local()
+    prefix = uuid.uuid4().hex[:8]
+
+    def create(n: int) -> None:
+        session = getattr(sessions, "s", None) or requests.Session()
+        sessions.s = session
+        response = session.post(
+            f"http://127.0.0.1:{port}/payments",
+            json={"order_no": f"bench-{prefix}-{n}", "amount": 100 + n, "currency": "CNY", "provider": "sandbox"},
+            headers={"Authorization": f"Bearer {TOKEN}", "Idempotency-Key": f"bench-{prefix}-{n}"},
+            timeout=30,
+        )
+        if response.status_code != 201:
+            raise RuntimeError(f"POST /payments answered {response.status_code}: {response.text[:200]}")
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(create, range(count)))
+    created_seconds = time.monotonic() - started
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with engine.connect() as conn:
+            done = conn.execute(select(func.count()).where(payment.c.status == "Succeeded")).scalar()
+            other = conn.execute(select(func.count()).where(payment.c.status.in_(("Failed", "Unknown")))).scalar()
+        if other:
+            raise RuntimeError(f"{other} payments ended Failed or Unknown with zero faults")
+        if done >= count:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {done} of {count} payments Succeeded after {timeout} s")
+        time.sleep(0.2)
+
+    with engine.connect() as conn:
+        rows = conn.execute(select(payment.c.created_at, payment.c.updated_at)).all()
+    first_created = min(c for c, _ in rows)
+    last_done = max(u for _, u in rows)
+    span = (last_done - first_created).total_seconds()
+    latencies = [(u - c).total_seconds() for c, u in rows]
+    return {
+        "count": count,
+        "seconds": span,
+        "per_second": count / span,
+        "created_per_second": count / created_seconds,
+        "p50_ms": statistics.median(latencies) * 1000,
+        "p99_ms": percentile(latencies, 99) * 1000,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    engine = prepare_database(args.database_url)
+    web_port, sandbox_port = free_port(), free_port()
+    state = Path(f"/tmp/paysync_bench_charges_sandbox_{uuid.uuid4().hex[:8]}.db")
+    common_env = {
+        "DATABASE_URL": args.database_url,
+        "AMQP_URL": "",
+        "MERCHANT_API_TOKEN": TOKEN,
+        "SANDBOX_API_URL": f"http://127.0.0.1:{sandbox_port}",
+        "SANDBOX_PORT": str(sandbox_port),
+        "SANDBOX_CALLBACK_URL": f"http://127.0.0.1:{web_port}/callbacks/sandbox",
+        "SANDBOX_DB_PATH": str(state),
+        "PORT": str(web_port),
+        "WEB_WORKERS": str(args.workers),
+        "RELAY_CONCURRENCY": str(args.relay_concurrency),
+        "RELAY_INTERVAL_SECONDS": str(args.relay_interval),
+        "PROVIDER_RATE_LIMIT": "100000",
+    }
+    procs = []
+    try:
+        for name in ("sandbox", "web", "compensator"):
+            procs.append(Process(procfile_command(name), process_env(**common_env), label=f"charges_{name}"))
+        wait_for_http(sandbox_port, "/_sandbox/truth")
+        wait_for_http(web_port)
+        print(f"load average before: {loadavg()}", flush=True)
+
+        direct = run_direct(f"http://127.0.0.1:{sandbox_port}", args.payments, args.concurrency)
+        print(
+            f"direct : {direct['per_second']:8.1f} charges/s   p50 {direct['p50_ms']:7.1f} ms   "
+            f"p99 {direct['p99_ms']:7.1f} ms   ({direct['count']} calls in {direct['seconds']:.1f} s)",
+            flush=True,
+        )
+        requests.post(f"http://127.0.0.1:{sandbox_port}/_sandbox/reset", timeout=10).raise_for_status()
+
+        paysync = run_paysync(web_port, engine, args.payments, args.concurrency, args.timeout)
+        print(
+            f"paysync: {paysync['per_second']:8.1f} payments/s  p50 {paysync['p50_ms']:7.1f} ms   "
+            f"p99 {paysync['p99_ms']:7.1f} ms   (creation to Succeeded; POST /payments at "
+            f"{paysync['created_per_second']:.1f}/s)",
+            flush=True,
+        )
+        truth = requests.get(f"http://127.0.0.1:{sandbox_port}/_sandbox/truth", timeout=60).json()
+        if truth["multiple_charges"]:
+            raise RuntimeError(f"charged twice: {truth['multiple_charges'][:5]}")
+
+        ratio = paysync["per_second"] / direct["per_second"]
+        print(
+            f"ratio paysync/direct: throughput {ratio:.2f}x, "
+            f"p50 latency {paysync['p50_ms'] / direct['p50_ms']:.1f}x, "
+            f"p99 latency {paysync['p99_ms'] / direct['p99_ms']:.1f}x   (load average after: {loadavg()})"
+        )
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        out = RESULTS / f"charges-{datetime.now().strftime('%Y%m%dT%H%M%S')}.json"
+        out.write_text(json.dumps({"args": vars(args), "direct": direct, "paysync": paysync, "ratio": ratio}, indent=2))
+        print(f"results: {out}")
+        return 0
+    except Exception as exc:
+        print(f"bench failed: {exc}", file=sys.stderr)
+        for proc in procs:
+            print(f"--- {proc.label} ---\n{proc.tail()}", file=sys.stderr)
+        return 1
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        state.unlink(missing_ok=True)
+        engine.dispose()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
