@@ -27,8 +27,6 @@ from payments.schema import alert, manual_review, outbox, payment, provider_brea
 from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.support import ROOT, env_for, make_settings
 
-pytestmark = pytest.mark.mariadb
-
 
 @pytest.fixture
 def runtime(mariadb, sandbox):
@@ -319,3 +317,26 @@ def test_an_unknown_payment_past_its_deadline_goes_to_manual_review(runtime, san
         assert conn.execute(select(alert.c.rule).where(alert.c.status == "firing")).scalars().all() == [
             "unresolved_payment"
         ]
+
+
+def test_the_relay_and_the_query_job_work_on_the_embedded_sqlite_database(sqlite, sandbox):
+    rt = build_runtime(
+        make_settings(
+            database_url=sqlite.url.render_as_string(hide_password=False),
+            sandbox_api_url=sandbox.url,
+            provider_timeout_seconds=0.3,
+            query_base_seconds=0.05,
+            query_max_seconds=0.2,
+        ),
+        sqlite,
+    )
+    ok = new_payment(rt)
+    relay_outbox.run_once(rt)
+    sandbox.faults(timeout_after_commit_rate=1.0, hang_seconds=1.0)
+    unknown = new_payment(rt)
+    relay_outbox.run_once(rt)
+    sandbox.faults()
+    make_due(rt, unknown)
+    query_unresolved.run_once(rt)
+    assert {row(rt, ok)["status"], row(rt, unknown)["status"]} == {"Succeeded"}
+    assert sandbox.truth()["charge_counts"] == {ok: 1, unknown: 1}
