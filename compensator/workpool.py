@@ -8,12 +8,25 @@ call behind it. Here a hanging call holds one slot and the others keep moving.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 log = logging.getLogger("paysync.compensator.workpool")
+
+_pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def pool_for(name: str, size: int) -> ThreadPoolExecutor:
+    """This process's worker threads for ``name``, kept across runs: their HTTP sessions keep their connections."""
+    with _pools_lock:
+        key = (name, size)
+        if key not in _pools:
+            _pools[key] = ThreadPoolExecutor(max_workers=size, thread_name_prefix=name)
+        return _pools[key]
 
 
 def drain(
@@ -34,24 +47,24 @@ def drain(
     started = time.monotonic()
     results: list[Any] = []
     inflight: set[Future] = set()
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=name) as pool:
-        while True:
-            free = concurrency - len(inflight)
-            if free > 0 and time.monotonic() - started < max_seconds:
-                try:
-                    items = claim(free)
-                except Exception:  # noqa: BLE001 - database trouble: stop claiming, finish what is in flight
-                    log.exception("%s: claim failed", name)
-                    items = []
-                    started = -max_seconds  # no more claims this run
-                inflight.update(pool.submit(work, item) for item in items)
-            if not inflight:
-                break
-            # Slots all busy, or nothing due right now: wait for one to free up, then look again.
-            done, inflight = wait(inflight, timeout=poll_seconds, return_when=FIRST_COMPLETED)
-            for future in done:
-                try:
-                    results.append(future.result())
-                except Exception:  # noqa: BLE001
-                    log.exception("%s: one unit of work failed; its lease will bring it back", name)
+    pool = pool_for(name, concurrency)
+    claiming = True
+    while True:
+        free = concurrency - len(inflight)
+        if claiming and free > 0 and time.monotonic() - started < max_seconds:
+            try:
+                items = claim(free)
+            except Exception:  # noqa: BLE001 - database trouble: stop claiming, finish what is in flight
+                log.exception("%s: claim failed", name)
+                items, claiming = [], False
+            inflight.update(pool.submit(work, item) for item in items)
+        if not inflight:
+            break
+        # Slots all busy, or nothing due right now: wait for one to free up, then look again.
+        done, inflight = wait(inflight, timeout=poll_seconds, return_when=FIRST_COMPLETED)
+        for future in done:
+            try:
+                results.append(future.result())
+            except Exception:  # noqa: BLE001
+                log.exception("%s: one unit of work failed; its lease will bring it back", name)
     return results
