@@ -134,11 +134,11 @@ def process_env(**settings: str) -> dict[str, str]:
 class Process:
     """A child process with its output in a log file under /tmp; ``stop`` sends SIGTERM, then SIGKILL."""
 
-    def __init__(self, command: list[str], env: dict[str, str], label: str) -> None:
+    def __init__(self, command: list[str], env: dict[str, str], label: str, cwd: Path = ROOT) -> None:
         self.label = label
         self.log_path = Path(f"/tmp/paysync_bench_{label}_{os.getpid()}.log")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.popen = subprocess.Popen(command, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def alive(self) -> bool:
         """True while the process runs."""

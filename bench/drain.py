@@ -24,11 +24,13 @@ the table shows each rate against that too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 import uuid
 from datetime import datetime
+from pathlib import Path
 
 from common import (  # the bench directory is on sys.path when run as a script
     DEFAULT_AMQP_URL,
@@ -67,6 +69,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-consumer", action="store_true")
     parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL)
     parser.add_argument("--amqp-url", default=DEFAULT_AMQP_URL)
+    parser.add_argument(
+        "--before-tree",
+        help="also run every phase with the code of this checkout (`git archive <rev> | tar -x -C DIR`), "
+        "alternating with this one, for before/after ratios",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="give up on a phase after this many seconds")
     return parser.parse_args(argv)
 
@@ -165,7 +172,14 @@ def check_effects(engine: Engine, rows: int) -> None:
         raise SystemExit(f"FAIL: expected {rows} of each effect, got {got}")
 
 
-def consumer_phase(args: argparse.Namespace, consumers: int) -> dict:
+def code_env(tree: Path, **settings: str) -> dict[str, str]:
+    """The environment of a process that runs the code of ``tree`` (this checkout, or ``--before-tree``)."""
+    env = process_env(**settings)
+    env["PYTHONPATH"] = str(tree)
+    return env
+
+
+def consumer_phase(args: argparse.Namespace, consumers: int, tree: Path = ROOT) -> dict:
     """Drain the backlog through ``consumers`` consumer processes fed one message per row."""
     import pika
 
@@ -174,13 +188,13 @@ def consumer_phase(args: argparse.Namespace, consumers: int) -> dict:
     engine = prepare_database(args.database_url)
     ids = build_backlog(engine, args.rows)
     queue = f"bench_drain_{uuid.uuid4().hex[:8]}"
-    env = process_env(DATABASE_URL=args.database_url, AMQP_URL=args.amqp_url, AMQP_QUEUE=queue)
+    env = code_env(tree, DATABASE_URL=args.database_url, AMQP_URL=args.amqp_url, AMQP_QUEUE=queue)
     conn = pika.BlockingConnection(pika.URLParameters(args.amqp_url))
     procs: list[Process] = []
     try:
         channel = conn.channel()
         declare(channel, queue)
-        procs = [Process(procfile_command("consumer"), env, f"drain_consumer{i}") for i in range(consumers)]
+        procs = [Process(procfile_command("consumer"), env, f"drain_consumer{i}", cwd=tree) for i in range(consumers)]
         deadline = time.monotonic() + 30
         while channel.queue_declare(queue, passive=True).method.consumer_count < consumers:
             if time.monotonic() > deadline:
@@ -190,7 +204,7 @@ def consumer_phase(args: argparse.Namespace, consumers: int) -> dict:
         started = utcnow()
         for log_id in ids:
             channel.basic_publish("", queue, json.dumps({"log_id": log_id}).encode(), props)
-        conn.process_data_events(0)
+        conn.close()  # an idle connection would miss heartbeats while we wait
         published = (utcnow() - started).total_seconds()
         wait_drained(engine, args.rows, args.timeout, procs)
         seconds = (last_commit(engine) - started).total_seconds()
@@ -199,17 +213,19 @@ def consumer_phase(args: argparse.Namespace, consumers: int) -> dict:
         for proc in procs:
             proc.stop()
         if conn.is_open:
-            conn.close()
+            with contextlib.suppress(Exception):
+                conn.close()
         delete_queue(args.amqp_url, queue)
         engine.dispose()
     return {"seconds": seconds, "rows_per_s": args.rows / seconds, "publish_seconds": published, "load": loadavg()}
 
 
-def compensator_phase(args: argparse.Namespace) -> dict:
+def compensator_phase(args: argparse.Namespace, tree: Path = ROOT) -> dict:
     """Drain the backlog with one ``python -m compensator compensate --once``."""
     engine = prepare_database(args.database_url)
     build_backlog(engine, args.rows)
-    env = process_env(
+    env = code_env(
+        tree,
         DATABASE_URL=args.database_url,
         # A broker URL keeps the production timing rules; the sweep itself never touches the broker.
         AMQP_URL=args.amqp_url,
@@ -221,7 +237,8 @@ def compensator_phase(args: argparse.Namespace) -> dict:
     )
     started = utcnow()
     clock = time.monotonic()
-    proc = Process([sys.executable, "-m", "compensator", "compensate", "--once"], env, "drain_compensator")
+    command = [sys.executable, "-m", "compensator", "compensate", "--once"]
+    proc = Process(command, env, "drain_compensator", cwd=tree)
     try:
         code = proc.popen.wait(args.timeout)
     finally:
@@ -242,36 +259,50 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     phases: dict[str, list[dict]] = {}
     print(f"drain bench: backlog {args.rows} rows, {args.repeats} run(s) per phase; load before: {loadavg()}")
+    trees = {"": ROOT}
+    if args.before_tree:
+        trees = {"before ": Path(args.before_tree).resolve(), "": ROOT}
     for _ in range(args.repeats):
-        if not args.skip_consumer:
-            for consumers in [int(c) for c in args.consumers.split(",") if c]:
-                name = f"consumer x{consumers}"
-                result = consumer_phase(args, consumers)
+        for prefix, tree in trees.items():
+            if not args.skip_consumer:
+                for consumers in [int(c) for c in args.consumers.split(",") if c]:
+                    name = f"{prefix}consumer x{consumers}"
+                    result = consumer_phase(args, consumers, tree)
+                    phases.setdefault(name, []).append(result)
+                    print(
+                        f"  {name:<22} {result['rows_per_s']:8.0f} rows/s  ({result['seconds']:.1f} s; "
+                        f"publishing took {result['publish_seconds']:.1f} s; load {result['load']})",
+                        flush=True,
+                    )
+            if not args.skip_compensator:
+                name = f"{prefix}compensator x1"
+                result = compensator_phase(args, tree)
                 phases.setdefault(name, []).append(result)
                 print(
-                    f"  {name:<16} {result['rows_per_s']:8.0f} rows/s  ({result['seconds']:.1f} s; "
-                    f"publishing took {result['publish_seconds']:.1f} s; load {result['load']})",
+                    f"  {name:<22} {result['rows_per_s']:8.0f} rows/s  ({result['seconds']:.1f} s; "
+                    f"process wall {result['process_wall_seconds']:.1f} s; load {result['load']})",
                     flush=True,
                 )
-        if not args.skip_compensator:
-            result = compensator_phase(args)
-            phases.setdefault("compensator x1", []).append(result)
-            print(
-                f"  {'compensator x1':<16} {result['rows_per_s']:8.0f} rows/s  ({result['seconds']:.1f} s; "
-                f"process wall {result['process_wall_seconds']:.1f} s; load {result['load']})",
-                flush=True,
-            )
 
     print()
-    print(f"{'path':<16} | {'rows/s':>8} | {'vs cron 100/min':>15} | target")
-    print("-" * 60)
+    print(f"{'path':<22} | {'rows/s':>8} | {'vs cron 100/min':>15} | {'vs before':>9} | target")
+    print("-" * 82)
     summary = {}
     for name, runs in phases.items():
         rate = median([r["rows_per_s"] for r in runs])
-        target = TARGET_COMPENSATOR if name.startswith("compensator") else TARGET_CONSUMER
-        verdict = "met" if rate >= target else "MISSED"
         summary[name] = {"rows_per_s": rate, "runs": len(runs)}
-        print(f"{name:<16} | {rate:8.0f} | {rate / CRON_ROWS_PER_SECOND:14.0f}x | >= {target:.0f}: {verdict}")
+        before = phases.get(f"before {name}")
+        versus = ""
+        if before:
+            # Median of per-repeat ratios: the two runs of a repeat are back to back and share the load.
+            ratio = median([a["rows_per_s"] / b["rows_per_s"] for a, b in zip(runs, before, strict=True)])
+            summary[name]["vs_before"] = ratio
+            versus = f"{ratio:.2f}x"
+        target = TARGET_COMPENSATOR if "compensator" in name else TARGET_CONSUMER
+        verdict = f">= {target:.0f}: {'met' if rate >= target else 'MISSED'}"
+        if name.startswith("before "):
+            verdict = ""
+        print(f"{name:<22} | {rate:8.0f} | {rate / CRON_ROWS_PER_SECOND:14.0f}x | {versus:>9} | {verdict}")
     print(f"load after: {loadavg()}")
     out = RESULTS / f"drain-{stamp}.json"
     out.write_text(json.dumps({"args": vars(args), "summary": summary, "runs": phases}, indent=2, default=str))

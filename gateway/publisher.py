@@ -3,27 +3,35 @@
 The database row is the truth and the message only the fast path, so the
 request thread just drops the id into a bounded in-process queue and returns.
 One background thread per worker process owns the pika connection (pika is
-not thread-safe), publishes persistent messages with publisher confirms, and
-reconnects with backoff. If the broker is down, ids are dropped and counted:
-the compensator's sweep finds those rows after its grace period.
+not thread-safe): it publishes persistent messages and tracks publisher
+confirms asynchronously (pika's ``SelectConnection``), so many messages are in
+flight at once and the broker confirms them in batches (``multiple``). A
+blocking publish-and-wait-for-confirm per message cost about 0.2 ms of CPU in
+the worker and 0.4 ms in RabbitMQ per callback (bench/ingest.py); this costs a
+small fraction of that. If the broker is down, ids are dropped and counted, and
+the connection is re-established, with backoff, on a later callback: the
+compensator's sweep finds those rows after its grace period.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import pika
 import pika.exceptions
+from pika.adapters.select_connection import SelectConnection
 
 from consumer.topology import declare
 
 log = logging.getLogger("paysync.publisher")
+
+_OUR_CLOSE = (pika.exceptions.ConnectionClosedByClient, pika.exceptions.ChannelClosedByClient)
 
 
 @dataclass
@@ -57,11 +65,23 @@ class CallbackPublisher:
         self._quorum = quorum
         self._timeout = timeout
         self._max_backoff = max_backoff
+        self._max_unconfirmed = max_pending
         self._pending: queue.Queue[int] = queue.Queue(maxsize=max_pending)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._connected = False
+        self._props = pika.BasicProperties(delivery_mode=2, content_type="application/json")
+        # Owned by the I/O thread, except _conn and _wake_pending (see _wake).
+        self._conn: SelectConnection | None = None
+        self._channel: Any = None
+        self._ready = False
+        self._next_tag = 0
+        self._unconfirmed: dict[int, int] = {}  # delivery tag -> log id, in publishing order
+        self._carried: list[int] = []  # taken from the queue before the connection was ready
+        self._opened = False
+        self._reported = False  # this connection's loss was logged (channel and connection both report it)
+        self._wake_pending = False
         self.stats = PublisherStats()
 
     @property
@@ -83,13 +103,14 @@ class CallbackPublisher:
         self._ensure_thread()
         try:
             self._pending.put_nowait(log_id)
-            return True
         except queue.Full:
             self.stats.dropped += 1
             return False
+        self._wake()
+        return True
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Wait until everything queued has been handed to the broker (tests, shutdown)."""
+        """Wait until everything queued is confirmed, refused or dropped (tests, shutdown)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._pending.unfinished_tasks == 0:
@@ -98,10 +119,18 @@ class CallbackPublisher:
         return False
 
     def close(self) -> None:
-        """Stop the background thread."""
+        """Stop the background thread (closing the connection; unconfirmed messages count as failed)."""
         self._stopping.set()
+        conn = self._conn
+        if conn is not None:
+            try:
+                conn.ioloop.add_callback_threadsafe(self._close_connection)
+            except Exception:  # noqa: BLE001 - the loop is already gone
+                log.debug("publisher loop already stopped")
         if self._thread:
             self._thread.join(timeout=self._timeout * 4 + 1)
+
+    # --- request threads -------------------------------------------------------------------------
 
     def _ensure_thread(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -111,61 +140,172 @@ class CallbackPublisher:
                 self._thread = threading.Thread(target=self._run, name="amqp-publisher", daemon=True)
                 self._thread.start()
 
-    def _connect(self) -> pika.BlockingConnection:
+    def _wake(self) -> None:
+        # One wake-up per burst: the I/O thread clears the flag, then takes everything queued, so an id
+        # put before it cleared the flag is taken by that pass and one put after it asks for another.
+        conn = self._conn
+        if conn is None or self._wake_pending:
+            return  # not connected: the thread's own loop takes the id (and connects, or drops it)
+        self._wake_pending = True
+        try:
+            conn.ioloop.add_callback_threadsafe(self._drain)
+        except Exception:  # noqa: BLE001 - the loop just stopped; the thread's own loop takes the id
+            self._wake_pending = False
+
+    # --- the I/O thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = 0.1
+        retry_at = 0.0
+        while not self._stopping.is_set():
+            try:
+                first = self._pending.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if time.monotonic() < retry_at:
+                # Broker recently unreachable: drop; the sweep will find the row.
+                self.stats.dropped += 1
+                self._pending.task_done()
+                continue
+            opened = self._serve(first)
+            if self._stopping.is_set():
+                break
+            if opened:
+                backoff = 0.1
+            retry_at = time.monotonic() + backoff
+            backoff = min(backoff * 2, self._max_backoff)
+
+    def _serve(self, first: int) -> bool:
+        """Connect, publish ``first`` and whatever follows until the connection is lost; True if it opened."""
         params = pika.URLParameters(self._url)
         params.socket_timeout = self._timeout
         params.stack_timeout = self._timeout * 4
         params.blocked_connection_timeout = self._timeout * 4
         params.connection_attempts = 1
         params.heartbeat = 30
-        connection = pika.BlockingConnection(params)
-        channel = connection.channel()
-        declare(channel, self._queue_name, self._quorum)
-        channel.confirm_delivery()
-        self._channel = channel
-        return connection
+        self._ready = False
+        self._opened = False
+        self._reported = False
+        self._next_tag = 0
+        self._carried = [first]
+        try:
+            conn = SelectConnection(
+                params,
+                on_open_callback=self._on_open,
+                on_open_error_callback=self._on_open_error,
+                on_close_callback=self._on_closed,
+            )
+            self._conn = conn
+            conn.ioloop.start()  # returns when _on_open_error or _on_closed stops it
+        except Exception as exc:  # noqa: BLE001 - any broker trouble: count, drop, reconnect later
+            self._lost(exc)
+        finally:
+            self._conn = None  # first, so request threads stop scheduling wake-ups on this loop ...
+            self._wake_pending = False  # ... then a stale flag cannot block the next connection's wake-ups
+            self._connected = self._ready = False
+            self._channel = None
+        return self._opened
 
-    def _run(self) -> None:
-        connection = None
-        backoff = 0.1
-        retry_at = 0.0
-        props = pika.BasicProperties(delivery_mode=2, content_type="application/json")
-        while not self._stopping.is_set():
+    def _on_open(self, conn: SelectConnection) -> None:
+        self._opened = True
+        conn.channel(on_open_callback=self._on_channel_open)
+
+    def _on_channel_open(self, channel: Any) -> None:
+        self._channel = channel
+        channel.add_on_close_callback(self._on_channel_closed)
+        declare(channel, self._queue_name, self._quorum)
+        # RPCs on a channel run in order, so when Confirm.SelectOk arrives the queues exist; no
+        # message may be published before it, or its delivery tag would not be counted.
+        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=self._on_ready)
+
+    def _on_ready(self, _frame: Any) -> None:
+        self._ready = True
+        self._connected = True
+        self.stats.reconnects += 1
+        carried, self._carried = self._carried, []
+        for log_id in carried:
+            self._publish_one(log_id)
+        self._drain()
+
+    def _drain(self) -> None:
+        self._wake_pending = False
+        if not self._ready:
+            return  # _on_ready drains
+        while len(self._unconfirmed) < self._max_unconfirmed:
             try:
-                log_id = self._pending.get(timeout=1.0)
+                log_id = self._pending.get_nowait()
             except queue.Empty:
-                if connection is not None:
-                    try:
-                        connection.process_data_events(0)  # heartbeats while idle
-                    except Exception:  # noqa: BLE001
-                        connection, self._connected = None, False
-                continue
-            try:
-                if connection is None:
-                    if time.monotonic() < retry_at:
-                        # Broker recently unreachable: drop; the sweep will find the row.
-                        self.stats.dropped += 1
-                        continue
-                    connection = self._connect()
-                    self._connected = True
-                    self.stats.reconnects += 1
-                    backoff = 0.1
-                body = json.dumps({"log_id": log_id}).encode()
-                self._channel.basic_publish("", self._queue_name, body, props)
-                self.stats.published += 1
+                return
+            if not self._publish_one(log_id):
+                return
+
+    def _publish_one(self, log_id: int) -> bool:
+        try:
+            body = json.dumps({"log_id": log_id}).encode()
+            self._channel.basic_publish("", self._queue_name, body, self._props)
+        except Exception as exc:  # noqa: BLE001
+            self.stats.failed += 1
+            self._pending.task_done()
+            self._lost(exc)
+            self._close_connection()
+            return False
+        self._next_tag += 1
+        self._unconfirmed[self._next_tag] = log_id
+        self.stats.published += 1
+        return True
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        acked = isinstance(method, pika.spec.Basic.Ack)
+        if method.multiple:
+            tags = []
+            for tag in self._unconfirmed:  # ascending: publishing order
+                if tag > method.delivery_tag:
+                    break
+                tags.append(tag)
+        else:
+            tags = [method.delivery_tag] if method.delivery_tag in self._unconfirmed else []
+        for tag in tags:
+            log_id = self._unconfirmed.pop(tag)
+            if acked:
                 self.stats.confirmed += 1
-            except Exception as exc:  # noqa: BLE001 - any broker trouble: count, drop, reconnect later
+            else:
                 self.stats.failed += 1
-                self.stats.last_error = type(exc).__name__
-                log.warning("publish of callback %s failed (%s); the sweep will pick it up", log_id, type(exc).__name__)
-                with contextlib.suppress(Exception):
-                    if connection is not None and connection.is_open:
-                        connection.close()
-                connection, self._connected = None, False
-                retry_at = time.monotonic() + backoff
-                backoff = min(backoff * 2, self._max_backoff)
-            finally:
-                self._pending.task_done()
-        if connection is not None and connection.is_open:
-            with contextlib.suppress(Exception):
-                connection.close()
+                log.warning("broker refused callback %s (nack); the sweep will pick it up", log_id)
+            self._pending.task_done()
+        if not self._pending.empty():
+            self._drain()  # a full in-flight window may have left ids waiting
+
+    def _on_channel_closed(self, _channel: Any, reason: Exception) -> None:
+        self._lost(reason)
+        self._close_connection()
+
+    def _on_open_error(self, conn: SelectConnection, error: BaseException) -> None:
+        self._lost(error)
+        conn.ioloop.stop()
+
+    def _on_closed(self, conn: SelectConnection, reason: BaseException) -> None:
+        self._lost(reason)
+        conn.ioloop.stop()
+
+    def _close_connection(self) -> None:
+        conn = self._conn
+        if conn is not None and not (conn.is_closing or conn.is_closed):
+            conn.close()
+
+    def _lost(self, exc: BaseException) -> None:
+        """Count everything not confirmed on this connection as failed; the sweep will find those rows."""
+        lost = len(self._unconfirmed) + len(self._carried)
+        for _ in range(lost):
+            self._pending.task_done()
+        self._unconfirmed.clear()
+        self._carried = []
+        self._connected = self._ready = False
+        self.stats.failed += lost
+        # Our own close (shutdown, or after a failed publish already counted) is not news.
+        if (lost or not self._reported) and not isinstance(exc, _OUR_CLOSE):
+            self._reported = True
+            self.stats.last_error = type(exc).__name__
+            log.warning(
+                "broker connection lost (%s); %s unconfirmed callbacks left to the sweep", type(exc).__name__, lost
+            )

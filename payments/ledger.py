@@ -35,6 +35,11 @@ class UnbalancedEntries(ValueError):
     """The lines of one ledger event do not sum to zero."""
 
 
+# Built once: every confirmed payment appends here (values are execute-time parameters).
+_INSERT_EVENT = insert(ledger_event)
+_INSERT_ENTRY = insert(ledger_entry)
+
+
 def append(
     conn: Connection,
     *,
@@ -60,23 +65,24 @@ def append(
     if sum(amount for _, amount in entries) != 0:
         raise UnbalancedEntries(f"{event_type} lines sum to {sum(a for _, a in entries)}, not 0")
     result = conn.execute(
-        insert(ledger_event).values(
-            event_type=event_type,
-            payment_id=payment_id,
-            refund_id=refund_id,
-            amount_minor=amount_minor,
-            currency=currency,
-            source_type=source_type,
-            source_id=source_id,
-            dedupe_key=dedupe_key,
-            details=json.dumps(details, sort_keys=True) if details else None,
-            created_at=now,
-        )
+        _INSERT_EVENT,
+        {
+            "event_type": event_type,
+            "payment_id": payment_id,
+            "refund_id": refund_id,
+            "amount_minor": amount_minor,
+            "currency": currency,
+            "source_type": source_type,
+            "source_id": source_id,
+            "dedupe_key": dedupe_key,
+            "details": json.dumps(details, sort_keys=True) if details else None,
+            "created_at": now,
+        },
     )
     event_id = result.inserted_primary_key[0]
     if entries:
         conn.execute(
-            insert(ledger_entry),
+            _INSERT_ENTRY,
             [
                 {"ledger_event_id": event_id, "account": account, "amount_minor": amount, "currency": currency}
                 for account, amount in entries

@@ -23,6 +23,9 @@ DONE = 1
 DEAD = 2
 """Given up: in the manual queue."""
 
+_INSERT = insert(outbox)
+"""Built once: every processed callback enqueues a domain event (values are execute-time parameters)."""
+
 
 def enqueue(
     conn: Connection,
@@ -37,16 +40,17 @@ def enqueue(
     """Add one outbox row in the caller's transaction; return its event id."""
     event_id = event_id or new_id("evt")
     conn.execute(
-        insert(outbox).values(
-            event_id=event_id,
-            event_type=event_type,
-            aggregate_id=aggregate_id,
-            payload=json.dumps(payload, sort_keys=True, default=str),
-            status=PENDING,
-            attempts=0,
-            next_attempt_at=now + timedelta(seconds=delay_seconds),
-            created_at=now,
-            updated_at=now,
-        )
+        _INSERT,
+        {
+            "event_id": event_id,
+            "event_type": event_type,
+            "aggregate_id": aggregate_id,
+            "payload": json.dumps(payload, sort_keys=True, default=str),
+            "status": PENDING,
+            "attempts": 0,
+            "next_attempt_at": now + timedelta(seconds=delay_seconds),
+            "created_at": now,
+            "updated_at": now,
+        },
     )
     return event_id
