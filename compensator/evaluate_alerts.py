@@ -10,10 +10,12 @@ Give-ups and conflicting reports fire their own alerts where they happen.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, case, func, or_, select
+from sqlalchemy import Connection, case, func, or_, select, text
+from sqlalchemy.exc import SQLAlchemyError
 
 from payments import alerts
 from payments.db import utcnow
@@ -42,12 +44,49 @@ def failure_counts(conn: Connection, since: datetime) -> tuple[int, int]:
     return int(row[1]), int(row[0])
 
 
+LOCK_NAME = "paysync.evaluate_alerts"
+"""Named database lock: one evaluation at a time across every compensator."""
+
+
 def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
-    """Evaluate every rule and deliver new alerts; return how many alerts are firing."""
+    """Evaluate every rule and deliver new alerts; return how many alerts are firing (0 if another evaluator runs).
+
+    Evaluators on several compensators would otherwise race on the same alert
+    rows (INSERT IGNORE then UPDATE of one open key), which InnoDB answers with
+    deadlocks; evaluating twice at once gains nothing, so the second one skips.
+    """
+    with runtime.engine.connect() as conn:
+        if not _try_lock(conn):
+            log.debug("another evaluator holds %s; skipping this run", LOCK_NAME)
+            return 0
+        try:
+            return _evaluate(conn, runtime, now or utcnow())
+        finally:
+            _unlock(conn)
+
+
+def _try_lock(conn: Connection) -> bool:
+    if conn.dialect.name == "sqlite":  # one writer at a time already (BEGIN IMMEDIATE)
+        return True
+    got = conn.execute(text("SELECT GET_LOCK(:name, 0)"), {"name": LOCK_NAME}).scalar()
+    conn.commit()
+    return got == 1
+
+
+def _unlock(conn: Connection) -> None:
+    if conn.dialect.name == "sqlite":
+        return
+    # A connection that died took its lock with it, and must not hide the error that killed it.
+    with contextlib.suppress(SQLAlchemyError):
+        conn.rollback()
+        conn.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": LOCK_NAME})
+        conn.commit()
+
+
+def _evaluate(conn: Connection, runtime: Runtime, now: datetime) -> int:
     s = runtime.settings
-    now = now or utcnow()
     firing = 0
-    with runtime.engine.begin() as conn:
+    with conn.begin():
         waiting = backlog(conn)
         if waiting > s.alert_backlog_threshold:
             status = alerts.observe(
@@ -77,6 +116,6 @@ def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
             firing += status == alerts.FIRING
         elif alerts.clear(conn, key=FAILURE_RATE_KEY, now=now):
             log.info("callback failure-rate alert resolved (%.1f%%)", rate * 100)
-    with runtime.engine.begin() as conn:
+    with conn.begin():
         alerts.deliver(conn, now)
     return firing

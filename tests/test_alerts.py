@@ -146,22 +146,28 @@ def test_the_failure_rate_looks_at_the_last_10_minutes_only_and_resolves(engine)
 
 
 @pytest.mark.mariadb
-def test_two_evaluators_at_once_open_one_alert(mariadb):
+def test_evaluators_running_at_once_neither_deadlock_nor_open_two_alerts(mariadb):
     runtime = _runtime(mariadb)
     t0 = utcnow()
-    _rows(mariadb, [CB_REJECTED] * 40, t0)
+    _rows(mariadb, [CB_REJECTED] * 40 + [CB_PENDING] * 101, t0)
     errors: list[BaseException] = []
 
-    def evaluate() -> None:
+    def evaluate(now: datetime, barrier: threading.Barrier) -> None:
+        barrier.wait()
         try:
-            evaluate_alerts.run_once(runtime, now=t0)
+            evaluate_alerts.run_once(runtime, now=now)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=evaluate) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for round_ in range(6):  # several compensators' evaluate_alerts jobs firing at the same moment
+        barrier = threading.Barrier(4)
+        threads = [
+            threading.Thread(target=evaluate, args=(t0 + timedelta(seconds=100 * round_), barrier)) for _ in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     assert errors == []
     assert [a.status for a in _alerts(mariadb, "callback_failure_rate")] == ["firing"]
+    assert [a.status for a in _alerts(mariadb, "callback_backlog")] == ["firing"]
