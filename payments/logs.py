@@ -15,9 +15,29 @@ from datetime import UTC, datetime
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
+# Card numbers: 13-19 digits, optionally grouped by spaces or dashes, wherever they stand (also glued
+# to letters, as in "pay_4111111111111111"). Only runs that pass the Luhn check are redacted, so
+# millisecond timestamps and other long numbers stay readable.
+_PAN = re.compile(r"(?<!\d)(?:\d[ -]?){12,18}\d(?!\d)")
+
+
+def luhn_valid(digits: str) -> bool:
+    """True when ``digits`` passes the Luhn checksum every card number carries."""
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = int(ch)
+        if i % 2:
+            d = d * 2 - 9 if d > 4 else d * 2
+        total += d
+    return total % 10 == 0
+
+
+def _redact_pan(match: re.Match[str]) -> str:
+    digits = re.sub(r"[ -]", "", match.group(0))
+    return "[REDACTED-PAN]" if luhn_valid(digits) else match.group(0)
+
+
 _SCRUBBERS = [
-    # Card numbers: 13-19 digits, optionally grouped by spaces or dashes.
-    (re.compile(r"\b(?:\d[ -]?){12,18}\d\b"), "[REDACTED-PAN]"),
     (
         re.compile(
             r"(?i)\b(cvv|cvc|cvv2|password|passwd|secret|api[_-]?key|token|authorization)(\"?\s*[:=]\s*\"?)[^\s\",}]+"
@@ -32,6 +52,7 @@ _SCRUBBERS = [
 
 def scrub(text: str) -> str:
     """Remove anything that looks like a card number, secret or signature."""
+    text = _PAN.sub(_redact_pan, text)
     for pattern, replacement in _SCRUBBERS:
         text = pattern.sub(replacement, text)
     return text
