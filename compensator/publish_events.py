@@ -43,6 +43,17 @@ log = logging.getLogger("paysync.compensator.events")
 
 INTERVAL_SECONDS = 1.0
 """How often the scheduler runs this job: events reach the merchant within about a second."""
+RECORD_CHUNK = 50
+"""Delivery outcomes are committed together up to this many events …"""
+RECORD_EVERY_SECONDS = 1.0
+"""… or this often, whichever comes first: a crash re-sends at most that much (at least once, deduped by id)."""
+
+
+def _record(runtime: Runtime, chunk: list, policy: RetryPolicy, dests: Sequence[str]) -> int:
+    if chunk:
+        deadline = runtime.settings.event_delivery_deadline_seconds
+        events.record(runtime.engine, chunk, utcnow(), policy, deadline, dests)
+    return len(chunk)
 
 
 def destinations(settings: Settings) -> list[str]:
@@ -144,14 +155,20 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
                     continue
                 break
             claimed_at = time.monotonic()
+            chunk: list[tuple[ClaimedEvent, list[Attempt]]] = []
+            chunk_started = 0.0
             for i, ev in enumerate(claimed):
                 if time.monotonic() - claimed_at > safe_seconds or time.monotonic() - started > budget:
                     events.release(engine, claimed[i:], utcnow())
                     break
-                attempts = run.deliver(ev)
+                if not chunk:
+                    chunk_started = time.monotonic()
+                chunk.append((ev, run.deliver(ev)))
                 failpoints.hit("publish_events.after_deliver")
-                events.record(engine, ev, attempts, utcnow(), policy, settings.event_delivery_deadline_seconds, dests)
-                handled += 1
+                if len(chunk) >= RECORD_CHUNK or time.monotonic() - chunk_started >= RECORD_EVERY_SECONDS:
+                    handled += _record(runtime, chunk, policy, dests)
+                    chunk = []
+            handled += _record(runtime, chunk, policy, dests)
             if len(claimed) < batch_size:
                 break
     finally:

@@ -163,19 +163,20 @@ def claim(
             return [], len(ids)
         conn.execute(update(t).where(t.c.id.in_(ids)).values(next_attempt_at=lease_until, updated_at=now))
         event_ids = [r.event_id for r in rows]
-        for r in rows:
-            for destination in destinations:
-                conn.execute(
-                    insert_ignore(event_delivery).values(
-                        event_id=r.event_id,
-                        destination=destination,
-                        status=PENDING,
-                        attempts=0,
-                        next_attempt_at=now,
-                        created_at=now,
-                        updated_at=now,
-                    )
-                )
+        fresh = [
+            {
+                "event_id": r.event_id,
+                "destination": destination,
+                "status": PENDING,
+                "attempts": 0,
+                "next_attempt_at": now,
+                "created_at": now,
+                "updated_at": now,
+            }
+            for r in rows
+            for destination in destinations
+        ]
+        conn.execute(insert_ignore(event_delivery), fresh)  # rows of earlier passes stay as they are
         states: dict[str, dict[str, Delivery]] = {}
         for d in conn.execute(
             select(
@@ -222,104 +223,118 @@ def release(engine: Engine, events: Iterable[ClaimedEvent], now: datetime) -> in
 
 def record(
     engine: Engine,
-    ev: ClaimedEvent,
-    attempts: Sequence[Attempt],
+    passes: Sequence[tuple[ClaimedEvent, Sequence[Attempt]]],
     now: datetime,
     policy: RetryPolicy,
     deadline_seconds: float,
     destinations: Sequence[str],
-) -> int:
-    """Record this pass over one event in ONE transaction; return the outbox status it leaves.
+) -> list[int]:
+    """Record a chunk of delivery passes in ONE transaction; return the outbox status each event is left in.
 
     Delivered destinations are marked; failed ones back off (exponential with
     jitter, at least any Retry-After) or, past ``policy.max_retries`` failures,
     the deadline, or on a permanent refusal, give up into the manual queue with
-    an alert. The outbox row then becomes DONE/DEAD when no configured
+    an alert. An outbox row then becomes DONE/DEAD when no configured
     destination is pending, else is rescheduled at the earliest pending one.
-    The outbox UPDATE is guarded by the lease token; if the lease was lost
-    (this pass took longer than LEASE_SECONDS) the delivery facts are still
-    written and the row is left to whoever holds it now.
+
+    One transaction per chunk rather than per event: a commit costs a log
+    flush, and a relay that dies before it re-sends at most one chunk (the
+    delivery is at least once either way). The common case, delivered
+    everywhere, is a handful of set-wise UPDATEs whatever the chunk size.
+    Outbox UPDATEs are guarded by the lease token; if the lease was lost (the
+    pass took longer than LEASE_SECONDS) the delivery facts are still written
+    and the row is left to whoever holds it now.
     """
-    deadline = ev.created_at + timedelta(seconds=deadline_seconds)
+    statuses: list[int] = []
+    delivered: dict[tuple[str, int | None], list[str]] = {}
+    finished: dict[datetime, list[int]] = {}
     with engine.begin() as conn:
-        for a in attempts:
-            state = ev.deliveries[a.destination]
-            guard = (
-                event_delivery.c.event_id == ev.event_id,
-                event_delivery.c.destination == a.destination,
-                event_delivery.c.status == PENDING,
-            )
-            if a.ok:
-                conn.execute(
-                    update(event_delivery)
-                    .where(*guard)
-                    .values(
-                        status=DELIVERED,
-                        delivered_at=now,
-                        last_error=None,
-                        last_http_status=a.http_status,
-                        updated_at=now,
-                    )
+        for ev, attempts in passes:
+            deadline = ev.created_at + timedelta(seconds=deadline_seconds)
+            for a in attempts:
+                state = ev.deliveries[a.destination]
+                if a.ok:
+                    delivered.setdefault((a.destination, a.http_status), []).append(ev.event_id)
+                    state.status = DELIVERED
+                    continue
+                guard = (
+                    event_delivery.c.event_id == ev.event_id,
+                    event_delivery.c.destination == a.destination,
+                    event_delivery.c.status == PENDING,
                 )
-                state.status = DELIVERED
-                continue
-            failures = state.attempts + 1
-            error = (a.error or "failed")[:480]
-            if a.permanent or policy.exhausted(failures) or now >= deadline:
-                if a.permanent:
-                    why = "refused for good"
-                else:
-                    why = "deadline passed" if now >= deadline else "retries exhausted"
-                conn.execute(
-                    update(event_delivery)
-                    .where(*guard)
-                    .values(
-                        status=GAVE_UP,
-                        attempts=failures,
-                        last_error=f"gave up ({why}) after {failures} attempts: {error}"[:500],
-                        last_http_status=a.http_status,
-                        updated_at=now,
+                failures = state.attempts + 1
+                error = (a.error or "failed")[:480]
+                values: dict[str, Any] = {
+                    "attempts": failures,
+                    "last_error": error,
+                    "last_http_status": a.http_status,
+                    "updated_at": now,
+                }
+                if a.permanent or policy.exhausted(failures) or now >= deadline:
+                    if a.permanent:
+                        why = "refused for good"
+                    else:
+                        why = "deadline passed" if now >= deadline else "retries exhausted"
+                    values.update(
+                        status=GAVE_UP, last_error=f"gave up ({why}) after {failures} attempts: {error}"[:500]
                     )
+                    conn.execute(update(event_delivery).where(*guard).values(**values))
+                    _give_up(conn, ev, a.destination, failures, why, error, now)
+                    state.status, state.attempts = GAVE_UP, failures
+                    continue
+                delay = policy.delay(failures)
+                if a.retry_after:
+                    delay = max(delay, min(a.retry_after, policy.max_seconds))
+                state.attempts, state.next_attempt_at = failures, now + timedelta(seconds=delay)
+                conn.execute(
+                    update(event_delivery).where(*guard).values(next_attempt_at=state.next_attempt_at, **values)
                 )
-                _give_up(conn, ev, a.destination, failures, why, error, now)
-                state.status, state.attempts = GAVE_UP, failures
+
+            configured = [s for d, s in ev.deliveries.items() if d in destinations]
+            pending = [s for s in configured if s.status == PENDING]
+            errors = "; ".join(f"{a.destination}: {a.error}" for a in attempts if not a.ok)[:500] or None
+            if not pending and not errors and all(s.status == DELIVERED for s in configured):
+                finished.setdefault(ev.lease_until, []).append(ev.outbox_id)
+                statuses.append(outbox.DONE)
                 continue
-            delay = policy.delay(failures)
-            if a.retry_after:
-                delay = max(delay, min(a.retry_after, policy.max_seconds))
-            next_at = now + timedelta(seconds=delay)
+            if pending:
+                status = outbox.PENDING
+                row: dict[str, Any] = {"next_attempt_at": min(s.next_attempt_at or now for s in pending)}
+            else:
+                status = outbox.DEAD if any(s.status == GAVE_UP for s in configured) else outbox.DONE
+                row = {"status": status}
+            statuses.append(status)
+            _update_leased(conn, [ev.outbox_id], ev.lease_until, last_error=errors, **row, now=now)
+
+        for (destination, http_status), event_ids in delivered.items():
             conn.execute(
                 update(event_delivery)
-                .where(*guard)
+                .where(
+                    event_delivery.c.event_id.in_(event_ids),
+                    event_delivery.c.destination == destination,
+                    event_delivery.c.status == PENDING,
+                )
                 .values(
-                    attempts=failures,
-                    next_attempt_at=next_at,
-                    last_error=error,
-                    last_http_status=a.http_status,
-                    updated_at=now,
+                    status=DELIVERED, delivered_at=now, last_error=None, last_http_status=http_status, updated_at=now
                 )
             )
-            state.attempts, state.next_attempt_at = failures, next_at
+        for lease_until, ids in finished.items():
+            _update_leased(conn, ids, lease_until, status=outbox.DONE, last_error=None, now=now)
+    return statuses
 
-        configured = {d: s for d, s in ev.deliveries.items() if d in destinations}
-        pending = [s for s in configured.values() if s.status == PENDING]
-        lease_guard = (
-            outbox_table.c.id == ev.outbox_id,
-            outbox_table.c.status == outbox.PENDING,
-            outbox_table.c.next_attempt_at == ev.lease_until,
+
+def _update_leased(conn: Any, ids: list[int], lease_until: datetime, *, now: datetime, **values: Any) -> None:
+    """UPDATE outbox rows this relay still holds (lease token unchanged); count one more attempt."""
+    t = outbox_table
+    changed = conn.execute(
+        update(t)
+        .where(t.c.id.in_(ids), t.c.status == outbox.PENDING, t.c.next_attempt_at == lease_until)
+        .values(attempts=t.c.attempts + 1, updated_at=now, **values)
+    ).rowcount
+    if changed != len(ids):
+        log.warning(
+            "%s of %s outbox rows: lease lost before recording; another relay holds them", len(ids) - changed, len(ids)
         )
-        errors = "; ".join(f"{a.destination}: {a.error}" for a in attempts if not a.ok)[:500] or None
-        if pending:
-            status = outbox.PENDING
-            next_at = min(s.next_attempt_at or now for s in pending)
-            values: dict[str, Any] = {"next_attempt_at": next_at, "last_error": errors}
-        else:
-            status = outbox.DEAD if any(s.status == GAVE_UP for s in configured.values()) else outbox.DONE
-            values = {"status": status, "last_error": errors}
-        values.update(attempts=outbox_table.c.attempts + 1, updated_at=now)
-        if conn.execute(update(outbox_table).where(*lease_guard).values(**values)).rowcount != 1:
-            log.warning("event %s: lease lost before recording; another relay holds it now", ev.event_id)
-    return status
 
 
 def _give_up(conn: Any, ev: ClaimedEvent, destination: str, failures: int, why: str, error: str, now: datetime) -> None:

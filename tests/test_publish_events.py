@@ -502,10 +502,13 @@ def test_concurrent_relays_deliver_every_event_exactly_once(mariadb, amqp_url, a
     errors: list[BaseException] = []
     start = threading.Barrier(4)
 
+    deadline = time.monotonic() + 90
+
     def relay():
         try:
             start.wait()
             while not all_finished(mariadb):
+                assert time.monotonic() < deadline, "relays did not finish"
                 publish_events.run_once(runtime)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
@@ -520,3 +523,21 @@ def test_concurrent_relays_deliver_every_event_exactly_once(mariadb, amqp_url, a
     assert receiver.count() == 300
     published = Counter(p.message_id for _, p, _ in drain(amqp_url, amqp_queue))
     assert published == Counter(dict.fromkeys(ids, 1))
+
+
+def test_a_pass_out_of_time_gives_its_undelivered_rows_back_at_once(engine):
+    slow = Receiver(delay=0.2)
+    try:
+        ids = [add_event(engine) for _ in range(6)]
+        publish_events.run_once(runtime_for(engine, **webhook_settings(slow)), max_seconds=0.3)
+        delivered = set(slow.delivered())
+    finally:
+        slow.close()
+    assert 0 < len(delivered) < 6
+    rows = outbox_rows(engine)
+    now = utcnow()
+    for event_id in ids:
+        if event_id in delivered:
+            assert rows[event_id]["status"] == outbox.DONE
+        else:  # not leased for LEASE_SECONDS any more: another relay may take it now
+            assert rows[event_id]["status"] == outbox.PENDING and rows[event_id]["next_attempt_at"] <= now
