@@ -63,7 +63,12 @@ TARGET_COMPENSATOR = 500.0
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/drain.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=20_000, help="backlog size (default 20000)")
-    parser.add_argument("--consumers", default="1,2", help="consumer process counts to try (default 1,2)")
+    parser.add_argument("--consumers", default="1,2,4", help="consumer process counts to try (default 1,2,4)")
+    parser.add_argument(
+        "--compensator-concurrency",
+        default="",
+        help="COMPENSATOR_CONCURRENCY values to try, e.g. 1,4 (default: the setting's default)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs per phase; medians shown (default 1)")
     parser.add_argument("--skip-compensator", action="store_true")
     parser.add_argument("--skip-consumer", action="store_true")
@@ -220,7 +225,7 @@ def consumer_phase(args: argparse.Namespace, consumers: int, tree: Path = ROOT) 
     return {"seconds": seconds, "rows_per_s": args.rows / seconds, "publish_seconds": published, "load": loadavg()}
 
 
-def compensator_phase(args: argparse.Namespace, tree: Path = ROOT) -> dict:
+def compensator_phase(args: argparse.Namespace, tree: Path = ROOT, concurrency: str = "") -> dict:
     """Drain the backlog with one ``python -m compensator compensate --once``."""
     engine = prepare_database(args.database_url)
     build_backlog(engine, args.rows)
@@ -235,6 +240,8 @@ def compensator_phase(args: argparse.Namespace, tree: Path = ROOT) -> dict:
         # run_once's time budget is 5 intervals: make it long enough for the whole backlog.
         COMPENSATOR_INTERVAL_SECONDS="3600",
     )
+    if concurrency:
+        env["COMPENSATOR_CONCURRENCY"] = concurrency
     started = utcnow()
     clock = time.monotonic()
     command = [sys.executable, "-m", "compensator", "compensate", "--once"]
@@ -262,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"": ROOT}
     if args.before_tree:
         trees = {"before ": Path(args.before_tree).resolve(), "": ROOT}
+    sweeps = [] if args.skip_compensator else args.compensator_concurrency.split(",")
     for _ in range(args.repeats):
         for prefix, tree in trees.items():
             if not args.skip_consumer:
@@ -270,23 +278,23 @@ def main(argv: list[str] | None = None) -> int:
                     result = consumer_phase(args, consumers, tree)
                     phases.setdefault(name, []).append(result)
                     print(
-                        f"  {name:<22} {result['rows_per_s']:8.0f} rows/s  ({result['seconds']:.1f} s; "
+                        f"  {name:<26} {result['rows_per_s']:8.0f} rows/s  ({result['seconds']:.1f} s; "
                         f"publishing took {result['publish_seconds']:.1f} s; load {result['load']})",
                         flush=True,
                     )
-            if not args.skip_compensator:
-                name = f"{prefix}compensator x1"
-                result = compensator_phase(args, tree)
+            for concurrency in sweeps:
+                name = f"{prefix}compensator x1" + (f" c={concurrency}" if concurrency else "")
+                result = compensator_phase(args, tree, concurrency)
                 phases.setdefault(name, []).append(result)
                 print(
-                    f"  {name:<22} {result['rows_per_s']:8.0f} rows/s  ({result['seconds']:.1f} s; "
+                    f"  {name:<26} {result['rows_per_s']:8.0f} rows/s  ({result['seconds']:.1f} s; "
                     f"process wall {result['process_wall_seconds']:.1f} s; load {result['load']})",
                     flush=True,
                 )
 
     print()
-    print(f"{'path':<22} | {'rows/s':>8} | {'vs cron 100/min':>15} | {'vs before':>9} | target")
-    print("-" * 82)
+    print(f"{'path':<26} | {'rows/s':>8} | {'vs cron 100/min':>15} | {'vs before':>9} | target")
+    print("-" * 86)
     summary = {}
     for name, runs in phases.items():
         rate = median([r["rows_per_s"] for r in runs])
@@ -302,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         verdict = f">= {target:.0f}: {'met' if rate >= target else 'MISSED'}"
         if name.startswith("before "):
             verdict = ""
-        print(f"{name:<22} | {rate:8.0f} | {rate / CRON_ROWS_PER_SECOND:14.0f}x | {versus:>9} | {verdict}")
+        print(f"{name:<26} | {rate:8.0f} | {rate / CRON_ROWS_PER_SECOND:14.0f}x | {versus:>9} | {verdict}")
     print(f"load after: {loadavg()}")
     out = RESULTS / f"drain-{stamp}.json"
     out.write_text(json.dumps({"args": vars(args), "summary": summary, "runs": phases}, indent=2, default=str))

@@ -6,12 +6,17 @@ Takes rows with status 0 or 2 that are older than the grace period and due
 out, in one short transaction, so any number of compensators share the
 backlog without taking the same row; each row is then processed in its own
 transaction by ``process_callback`` (which records retries and give-ups).
+Up to ``COMPENSATOR_CONCURRENCY`` rows of a batch are processed at once, each
+in its own thread, connection and transaction: one at a time, a sweep spends
+most of each row waiting on round trips and the commit's fsync.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 
 from sqlalchemy import Engine, select, update
@@ -58,22 +63,70 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None, limiter: Rat
     started = time.monotonic()
     done = 0
     outcomes: dict[str, int] = {}
-    while time.monotonic() - started < budget:
-        ids = claim_batch(runtime.engine, utcnow(), settings.effective_grace_seconds, settings.compensator_batch_size)
-        if not ids:
-            break
-        for log_id in ids:
-            limiter.acquire()
-            try:
-                outcome = process_callback(runtime.engine, runtime.providers, log_id, runtime.callback_policy)
-            except Exception as exc:  # noqa: BLE001 - database gone: the lease expires, a later sweep retries
-                log.error("sweep stopped: cannot record callback %s (%s)", log_id, type(exc).__name__)
-                return done
-            outcomes[outcome.value] = outcomes.get(outcome.value, 0) + 1
-            if outcome not in (Outcome.SKIPPED, Outcome.MISSING):
-                done += 1
-        if len(ids) < settings.compensator_batch_size:
-            break
+    # SQLite has one writer at a time (BEGIN IMMEDIATE): more threads would only queue on its lock.
+    workers = 1 if is_sqlite(runtime.engine) else settings.compensator_concurrency
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sweep") if workers > 1 else None
+
+    def process(log_id: int) -> Outcome:
+        return process_callback(runtime.engine, runtime.providers, log_id, runtime.callback_policy)
+
+    try:
+        while time.monotonic() - started < budget:
+            ids = claim_batch(
+                runtime.engine, utcnow(), settings.effective_grace_seconds, settings.compensator_batch_size
+            )
+            if not ids:
+                break
+            results, stopped = _process_batch(ids, process, limiter, pool)
+            for outcome in results:
+                outcomes[outcome.value] = outcomes.get(outcome.value, 0) + 1
+                if outcome not in (Outcome.SKIPPED, Outcome.MISSING):
+                    done += 1
+            if stopped or len(ids) < settings.compensator_batch_size:
+                break
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     if done:
         log.info("swept %s callback rows", done, extra={"outcomes": outcomes})
     return done
+
+
+def _process_batch(
+    ids: list[int],
+    process: Callable[[int], Outcome],
+    limiter: RateLimiter,
+    pool: ThreadPoolExecutor | None,
+) -> tuple[list[Outcome], bool]:
+    """Process claimed rows, paced by ``limiter``; return the outcomes and whether the sweep must stop.
+
+    A row whose processing raises means even its failure could not be recorded
+    (database gone): the sweep stops, and that row and the rows not started keep
+    their lease, so a later sweep takes them again.
+    """
+    outcomes: list[Outcome] = []
+    if pool is None:
+        for log_id in ids:
+            limiter.acquire()
+            try:
+                outcomes.append(process(log_id))
+            except Exception as exc:  # noqa: BLE001 - database gone: the lease expires, a later sweep retries
+                log.error("sweep stopped: cannot record callback %s (%s)", log_id, type(exc).__name__)
+                return outcomes, True
+        return outcomes, False
+    futures = []
+    for log_id in ids:
+        limiter.acquire()  # paced as it is handed out, so the rate limit holds whatever the concurrency
+        futures.append((log_id, pool.submit(process, log_id)))
+    stopped = False
+    for log_id, future in futures:
+        if stopped:
+            future.cancel()
+            continue
+        try:
+            outcomes.append(future.result())
+        except Exception as exc:  # noqa: BLE001 - database gone: the lease expires, a later sweep retries
+            log.error("sweep stopped: cannot record callback %s (%s)", log_id, type(exc).__name__)
+            stopped = True
+    # Rows already running when the sweep stopped finish on their own; they count in a later sweep's logs.
+    return outcomes, stopped

@@ -125,6 +125,8 @@ class Settings:
     """Failed attempts before a callback row gives up into the manual queue (status 4)."""
     compensator_rate_limit: float = 1000.0
     """Upper bound on callback rows processed per second by one compensator."""
+    compensator_concurrency: int = 4
+    """Callback rows one compensator processes at once (each in its own transaction and connection)."""
     retry_base_seconds: float = 2.0
     """First retry delay; doubles each attempt, with jitter."""
     retry_max_seconds: float = 3600.0
@@ -238,6 +240,7 @@ _PARSERS = {
     "compensator_batch_size": lambda n, v: _int(n, v, 1, 10000),
     "compensator_max_retries": lambda n, v: _int(n, v, 1, 1000),
     "compensator_rate_limit": lambda n, v: _float(n, v, 0.1, 1_000_000),
+    "compensator_concurrency": lambda n, v: _int(n, v, 1, 8),  # the engine's pool holds 10 connections
     "retry_base_seconds": lambda n, v: _float(n, v, 0.001, 86400),
     "retry_max_seconds": lambda n, v: _float(n, v, 0.001, 7 * 86400),
     "alert_backlog_threshold": lambda n, v: _int(n, v, 0),
