@@ -5,12 +5,12 @@ request thread just drops the id into a bounded in-process queue and returns.
 One background thread per worker process owns the pika connection (pika is
 not thread-safe): it publishes persistent messages and tracks publisher
 confirms asynchronously (pika's ``SelectConnection``), so many messages are in
-flight at once and the broker confirms them in batches (``multiple``). A
-blocking publish-and-wait-for-confirm per message cost about 0.2 ms of CPU in
-the worker and 0.4 ms in RabbitMQ per callback (bench/ingest.py); this costs a
-small fraction of that. If the broker is down, ids are dropped and counted, and
-the connection is re-established, with backoff, on a later callback: the
-compensator's sweep finds those rows after its grace period.
+flight at once and the broker confirms them in batches (``multiple``). On the
+2-core development machine a blocking publish-and-wait-for-confirm per message
+cost about 0.2 ms of CPU in the worker and 0.4 ms in RabbitMQ; published with
+asynchronous confirms, 15 and 40 µs. If the broker is down, ids are dropped
+and counted, and the connection is re-established, with backoff, on a later
+callback: the compensator's sweep finds those rows after its grace period.
 """
 
 from __future__ import annotations
@@ -177,18 +177,18 @@ class CallbackPublisher:
 
     def _serve(self, first: int) -> bool:
         """Connect, publish ``first`` and whatever follows until the connection is lost; True if it opened."""
-        params = pika.URLParameters(self._url)
-        params.socket_timeout = self._timeout
-        params.stack_timeout = self._timeout * 4
-        params.blocked_connection_timeout = self._timeout * 4
-        params.connection_attempts = 1
-        params.heartbeat = 30
         self._ready = False
         self._opened = False
         self._reported = False
         self._next_tag = 0
         self._carried = [first]
         try:
+            params = pika.URLParameters(self._url)
+            params.socket_timeout = self._timeout
+            params.stack_timeout = self._timeout * 4
+            params.blocked_connection_timeout = self._timeout * 4
+            params.connection_attempts = 1
+            params.heartbeat = 30
             conn = SelectConnection(
                 params,
                 on_open_callback=self._on_open,
