@@ -25,7 +25,19 @@ def healthz() -> Any:
 def readyz() -> Any:
     """Ready when the database answers; the broker's state is reported but not required."""
     publisher = ext("publisher")
-    body: dict[str, Any] = {"broker": publisher.state}
+    stats = publisher.stats
+    body: dict[str, Any] = {
+        "broker": publisher.state,
+        # This worker's fast-path counters: failures and drops only delay processing until the sweep.
+        "publisher": {
+            "published": stats.published,
+            "confirmed": stats.confirmed,
+            "failed": stats.failed,
+            "dropped": stats.dropped,
+            "reconnects": stats.reconnects,
+            "last_error": stats.last_error,
+        },
+    }
     try:
         with ext("engine").connect() as conn:
             conn.execute(text("SELECT 1"))

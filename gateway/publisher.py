@@ -36,7 +36,7 @@ _OUR_CLOSE = (pika.exceptions.ConnectionClosedByClient, pika.exceptions.ChannelC
 
 @dataclass
 class PublisherStats:
-    """Counters reported by /readyz and /metrics."""
+    """This worker's counters, reported in the body of /readyz."""
 
     published: int = 0
     confirmed: int = 0
