@@ -89,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compensator: bad configuration: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, "compensator")
-    runtime = build_runtime(settings)
+    # Jobs run side by side, their worker threads each holding a connection for the length of a
+    # transaction (never across a provider call); capped so many compensators fit max_connections.
+    pool_size = min(32, 4 + settings.compensator_concurrency + settings.relay_concurrency)
+    runtime = build_runtime(settings, pool_size=pool_size)
     if args.job:
         name = ALIASES.get(args.job, args.job)
         if name not in _jobs():

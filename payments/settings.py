@@ -240,7 +240,7 @@ _PARSERS = {
     "compensator_batch_size": lambda n, v: _int(n, v, 1, 10000),
     "compensator_max_retries": lambda n, v: _int(n, v, 1, 1000),
     "compensator_rate_limit": lambda n, v: _float(n, v, 0.1, 1_000_000),
-    "compensator_concurrency": lambda n, v: _int(n, v, 1, 8),  # the engine's pool holds 10 connections
+    "compensator_concurrency": lambda n, v: _int(n, v, 1, 8),
     "retry_base_seconds": lambda n, v: _float(n, v, 0.001, 86400),
     "retry_max_seconds": lambda n, v: _float(n, v, 0.001, 7 * 86400),
     "alert_backlog_threshold": lambda n, v: _int(n, v, 0),
