@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | 
 PORT ?= 8000
 SANDBOX_PORT ?= 8100
 
-.PHONY: run test lint format venv bench-ingest bench-drain bench-charges clean
+.PHONY: run test lint format venv bench-ingest bench-drain bench-charges bench-events clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "paysync needs Python 3.11 or newer")'
@@ -45,6 +45,9 @@ bench-ingest: venv
 # Needs MariaDB and RabbitMQ. A quick run: BENCH_ARGS="--rows 2000".
 bench-drain: venv
 	$(BIN)/python bench/drain.py $(BENCH_ARGS)
+
+bench-events: venv
+	$(BIN)/python bench/events.py $(BENCH_ARGS)
 
 bench-charges: venv
 	$(BIN)/python bench/charges.py $(BENCH_ARGS)
