@@ -48,7 +48,7 @@ def parse_header(header: str | None) -> tuple[int, list[str]]:
         if not sep:
             raise SignatureError("malformed signature header")
         if key == "t":
-            if not value.isdigit() or len(value) > 12:
+            if not (value.isascii() and value.isdigit()) or len(value) > 12:  # int() takes "²" or "١" too
                 raise SignatureError("malformed signature timestamp")
             timestamp = int(value)
         elif key == "v1":
@@ -72,7 +72,8 @@ def verify(
     """
     timestamp, signatures = parse_header(header)
     expected = compute(secret, body, timestamp)
-    if not any(hmac.compare_digest(expected, candidate) for candidate in signatures):
+    # compare_digest raises TypeError on non-ASCII text (header bytes past 0x7f arrive as latin-1): no match.
+    if not any(candidate.isascii() and hmac.compare_digest(expected, candidate) for candidate in signatures):
         raise SignatureError("no signature matches the body")
     current = time.time() if now is None else now
     if abs(current - timestamp) > tolerance:

@@ -83,7 +83,24 @@ def cases(payment_id: str) -> list[Case]:
             CB_REJECTED,
         ),
         Case("oversized body", *signed(oversized), 413, "request_entity_too_large", None),
+        # Header bytes past ASCII arrive as latin-1 text: a bad signature (401), not a 500 retried into status 4.
+        Case(
+            "non-ascii signature",
+            *_signature_header(payment_id, "v1=\u00e9\u00e9"),
+            401,
+            "invalid_signature",
+            CB_REJECTED,
+        ),
+        Case("non-ascii timestamp", *_signature_header(payment_id, "t=\u00b2"), 401, "invalid_signature", CB_REJECTED),
     ]
+
+
+def _signature_header(payment_id: str, part: str) -> tuple[bytes, dict]:
+    """An event whose Sandbox-Signature is ``t=<now>,<part>`` (later parts win), or ``<part>,v1=<good>``."""
+    body, headers = signed(sandbox_event(payment_id))
+    good = headers["Sandbox-Signature"]
+    value = f"t={int(time.time())},{part}" if part.startswith("v1=") else f"{good},{part}"
+    return body, {**headers, "Sandbox-Signature": value}
 
 
 def exactly(size: int, payment_id: str) -> bytes:
