@@ -140,12 +140,15 @@ def record(
                 log.warning("circuit breaker for %s closed: a probe got an answer", provider)
         return
     _forget(engine, provider)
+    # Its own transaction: an INSERT IGNORE that meets the existing row holds a shared lock on it, and two
+    # callers each holding one while asking for FOR UPDATE below would deadlock (and lose their counts).
     with engine.begin() as conn:
         conn.execute(
             insert_ignore(provider_breaker).values(
                 provider=provider, state=CLOSED, consecutive_failures=0, open_count=0, updated_at=now
             )
         )
+    with engine.begin() as conn:
         row = conn.execute(
             select(provider_breaker).where(provider_breaker.c.provider == provider).with_for_update()
         ).first()

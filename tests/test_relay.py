@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 
@@ -301,6 +302,36 @@ def test_a_failing_provider_trips_the_breaker_which_closes_when_a_probe_succeeds
             conn.execute(select(alert.c.status).where(alert.c.rule == "provider_circuit_open")).scalar() == "resolved"
         )
     assert all(row(rt, pid)["status"] == "Succeeded" for pid in ids if pid not in sent)
+
+
+def test_concurrent_failed_calls_are_all_counted_by_the_breaker_without_deadlocks(mariadb):
+    settings = make_settings(breaker_failure_threshold=1000)
+    errors = []
+
+    def fail_once():
+        try:
+            breaker.record(
+                mariadb,
+                "sandbox",
+                healthy=False,
+                probe=False,
+                snapshot=breaker.Snapshot(),
+                settings=settings,
+                now=utcnow(),
+            )
+        except Exception as exc:  # noqa: BLE001 - collected and asserted on below
+            errors.append(exc)
+
+    fail_once()  # the breaker row exists from here on
+    for _ in range(5):
+        threads = [threading.Thread(target=fail_once) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+    with mariadb.connect() as conn:
+        assert conn.execute(select(provider_breaker.c.consecutive_failures)).scalar() == 41
 
 
 def test_an_unknown_payment_past_its_deadline_goes_to_manual_review(runtime, sandbox):
