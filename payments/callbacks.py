@@ -103,7 +103,8 @@ def store_callback(
             {
                 "provider": provider,
                 "callback_data": body,
-                "headers": json.dumps(dict(headers), sort_keys=True),
+                # Not \u-escaped: latin-1 header text would take 6 bytes a character and overflow the column.
+                "headers": json.dumps(dict(headers), sort_keys=True, ensure_ascii=False),
                 "remote_addr": (remote_addr or "")[:64] or None,
                 "order_no": index.get("order_no"),
                 "payment_order_no": index.get("payment_order_no"),

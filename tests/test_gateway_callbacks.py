@@ -220,3 +220,16 @@ def test_the_real_gunicorn_gateway_answers_every_case_and_loses_no_row(mariadb, 
         expected.append((at_limit, CB_PENDING))
         rows = callback_rows(mariadb)
         assert [(bytes(r.callback_data), r.status) for r in rows] == expected
+
+
+def test_headers_of_non_ascii_bytes_at_gunicorns_size_limit_are_still_stored(engine):
+    # gunicorn lets each header field reach 8190 bytes; bytes past 0x7f arrive as latin-1 text. Escaped
+    # as \u00ff, two such headers overflowed the 64 KiB headers column on MariaDB: a 503 for ever.
+    client = _client(engine)
+    body, headers = signed(sandbox_event(create_payment(engine)))
+    noisy = {**headers, "User-Agent": "\u00ff" * 8000, "Sandbox-Signature": "\u00ff" * 8000}
+    answer = client.post("/callbacks/sandbox", data=body, headers=noisy)
+    assert answer.status_code == 401, answer.get_data(as_text=True)
+    (row,) = callback_rows(engine)
+    assert row.status == CB_REJECTED and bytes(row.callback_data) == body
+    assert json.loads(row.headers)["User-Agent"] == "\u00ff" * 8000
