@@ -114,6 +114,10 @@ class RawServer:
             elif self.mode == "garbage":
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!")
                 conn.close()
+            elif self.mode == "refuse":
+                body = b'{"error": {"code": "invalid_request"}}'
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                conn.close()
             # "hang": read the request, never answer
 
     def close(self):
@@ -135,6 +139,24 @@ def test_network_failures_are_unknown(mode, reason):
         assert isinstance(adapter.query("pay_1", timeout=0.3), Unknown)
     finally:
         server.close()
+
+
+def test_a_refused_query_is_unknown_never_a_decline():
+    # A 400 to GET /v1/charges refuses the question, it says nothing about the charge (invariant 5).
+    server = RawServer("refuse")
+    try:
+        adapter = SandboxProvider(SECRET, api_url=f"http://127.0.0.1:{server.port}")
+        outcome = adapter.query("pay_1", timeout=0.3)
+        assert isinstance(outcome, Unknown), outcome
+        assert outcome.evidence is not None and outcome.evidence.http_status == 400
+    finally:
+        server.close()
+
+
+def test_an_absurdly_deep_answer_is_unknown_not_an_exception():
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert isinstance(read_answer(200, deep, charge_reader), Unknown)
+    assert isinstance(read_answer(503, deep, charge_reader), Unknown)
 
 
 def test_a_refused_connection_is_unknown():

@@ -175,6 +175,9 @@ class SandboxProvider(Provider):
         )
         if response is not None and response.status_code == 404:
             return NotFound(evidence=_evidence(response, latency))
+        if response is not None and response.status_code in _FINAL_4XX:
+            # A refused query says nothing about the charge: never read it as a decline (invariant 5).
+            return Unknown(f"query_refused_http_{response.status_code}", evidence=_evidence(response, latency))
         return _read(response, error, latency, lambda data: read_charge(data, payment_id, None))
 
     def refund(self, request: RefundRequest, idempotency_key: str | None, timeout: float) -> Outcome:
@@ -305,7 +308,7 @@ def read_answer(status: int, body: bytes, reader: Callable[[Any], Outcome]) -> O
     """
     try:
         data = json.loads(body) if body else None
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly deep nesting
         data = None
     if status == 200:
         if not isinstance(data, dict):
