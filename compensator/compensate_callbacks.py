@@ -30,11 +30,22 @@ from payments.schema import CB_RETRYABLE, payment_callback_log
 log = logging.getLogger("paysync.compensator.callbacks")
 
 LEASE_SECONDS = 120
-"""A claimed row is invisible to other sweeps this long; if we crash, it comes back after."""
+"""A claimed row is invisible to other sweeps at least this long; if we crash, it comes back after."""
 
 
-def claim_batch(engine: Engine, now: datetime, grace_seconds: float, batch_size: int) -> list[int]:
-    """Claim up to ``batch_size`` due rows for this sweep; return their ids, oldest first."""
+def lease_seconds(batch_size: int, rate_limit: float) -> float:
+    """How long to lease a batch: long enough to work through it at the rate limit, twice over.
+
+    A lease that ran out mid-batch would hand the batch's tail to another
+    compensator while this one still means to process it.
+    """
+    return max(LEASE_SECONDS, 2 * batch_size / rate_limit)
+
+
+def claim_batch(
+    engine: Engine, now: datetime, grace_seconds: float, batch_size: int, lease: float = LEASE_SECONDS
+) -> list[int]:
+    """Claim up to ``batch_size`` due rows, leased for ``lease`` seconds; return their ids, oldest first."""
     t = payment_callback_log
     query = (
         select(t.c.id)
@@ -51,7 +62,7 @@ def claim_batch(engine: Engine, now: datetime, grace_seconds: float, batch_size:
     with engine.begin() as conn:
         ids = list(conn.execute(query).scalars())
         if ids:
-            conn.execute(update(t).where(t.c.id.in_(ids)).values(next_retry_at=now + timedelta(seconds=LEASE_SECONDS)))
+            conn.execute(update(t).where(t.c.id.in_(ids)).values(next_retry_at=now + timedelta(seconds=lease)))
     return ids
 
 
@@ -73,7 +84,11 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None, limiter: Rat
     try:
         while time.monotonic() - started < budget:
             ids = claim_batch(
-                runtime.engine, utcnow(), settings.effective_grace_seconds, settings.compensator_batch_size
+                runtime.engine,
+                utcnow(),
+                settings.effective_grace_seconds,
+                settings.compensator_batch_size,
+                lease_seconds(settings.compensator_batch_size, settings.compensator_rate_limit),
             )
             if not ids:
                 break

@@ -186,3 +186,10 @@ def test_a_rate_limited_sweep_stays_under_its_rate(engine):
     assert compensate_callbacks.run_once(runtime) == 6
     # burst of 1 token at 10/s: the 5 rows after the first wait ~0.1 s each
     assert time.perf_counter() - started >= 0.45
+
+
+def test_a_batch_lease_outlasts_working_through_the_batch_at_the_rate_limit():
+    from compensator.compensate_callbacks import LEASE_SECONDS, lease_seconds
+
+    assert lease_seconds(100, 1000) == LEASE_SECONDS
+    assert lease_seconds(100, 0.5) >= 100 / 0.5  # 200 s of work must not outlive a 120 s lease
