@@ -38,6 +38,7 @@ from payments.backoff import compute_backoff
 from payments.charges import CHARGE_REQUESTED
 from payments.db import utcnow
 from payments.providers.base import (
+    AMOUNT_MISMATCH,
     ChargeRequest,
     Failed,
     NotFound,
@@ -45,6 +46,7 @@ from payments.providers.base import (
     Provider,
     QueryOutcome,
     Succeeded,
+    Unknown,
 )
 from payments.review import open_review
 from payments.schema import manual_review, payment, provider_call
@@ -260,7 +262,8 @@ def query_payment(ctx: Context, payment_id: str, provider_name: str, *, budget_o
             now=now,
             payment_id=payment_id,
         )
-    outcome = provider.query(payment_id, ctx.settings.provider_timeout_seconds)
+    expected = ChargeRequest(current["payment_id"], int(current["amount_minor"]), current["currency"])
+    outcome = provider.query(payment_id, ctx.settings.provider_timeout_seconds, expected)
     now = utcnow()
     with ctx.engine.begin() as conn:
         provider_calls.finish(conn, call_id, outcome, now)
@@ -320,6 +323,10 @@ def _apply_outcome(
     """Apply one call's or query's outcome to the locked payment ``current``, in ``conn``."""
     status = PaymentStatus(current["status"])
     reference = getattr(outcome, "provider_transaction_id", None)
+    if isinstance(outcome, Unknown) and outcome.reason == AMOUNT_MISMATCH:
+        # The provider holds a charge under our number for another amount: a human must look.
+        _conflict(conn, current, "provider's charge is for another amount or currency than ours", source, now)
+        return Result.REVIEW
     if isinstance(outcome, Succeeded):
         report = PaymentStatus.SUCCEEDED
     elif isinstance(outcome, Failed) and outcome.definitive:

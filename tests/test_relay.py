@@ -371,3 +371,22 @@ def test_the_relay_and_the_query_job_work_on_the_embedded_sqlite_database(sqlite
     query_unresolved.run_once(rt)
     assert {row(rt, ok)["status"], row(rt, unknown)["status"]} == {"Succeeded"}
     assert sandbox.truth()["charge_counts"] == {ok: 1, unknown: 1}
+
+
+def test_a_query_that_finds_our_number_charged_for_another_amount_opens_a_review_not_a_success(runtime, sandbox):
+    sandbox.faults(timeout_after_commit_rate=1.0, hang_seconds=1.0)
+    payment_id = new_payment(runtime, amount=1000)
+    relay_outbox.run_once(runtime)
+    assert row(runtime, payment_id)["status"] == "Unknown"
+    # Our row says 1000; behind our back the amount we hold differs from what the provider charged.
+    with runtime.engine.begin() as conn:
+        conn.execute(update(payment).where(payment.c.payment_id == payment_id).values(amount_minor=999))
+    sandbox.faults()
+    make_due(runtime, payment_id)
+
+    assert query_unresolved.run_once(runtime) == 1
+
+    p = row(runtime, payment_id)
+    assert p["status"] == "Unknown", "a charge for another amount must never confirm our payment"
+    assert reviews(runtime, payment_id) == ["conflicting_report"]
+    assert domain_events(runtime, payment_id) == ["PaymentUnknown"]

@@ -202,3 +202,12 @@ def test_the_legacy_variant_sends_a_new_key_each_time_and_cannot_query(sandbox):
     adapter.charge(REQ, "ignored", timeout=5)
     assert sandbox.charge_count("pay_1") == 2, "without keys a re-send is a second charge"
     assert isinstance(adapter.query("pay_1", timeout=5), Unknown)
+
+
+def test_a_query_for_another_amount_than_expected_is_unknown(sandbox):
+    adapter = SandboxProvider(SECRET, api_url=sandbox.url)
+    assert isinstance(adapter.charge(REQ, "key-amount", timeout=5), Succeeded)
+    other = ChargeRequest(REQ.payment_id, REQ.amount_minor + 1, REQ.currency)
+    outcome = adapter.query(REQ.payment_id, timeout=5, expected=other)
+    assert isinstance(outcome, Unknown) and outcome.reason == "answer_for_another_amount"
+    assert isinstance(adapter.query(REQ.payment_id, timeout=5, expected=REQ), Succeeded)

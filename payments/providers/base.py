@@ -95,6 +95,10 @@ class Pending:
     evidence: Evidence | None = None
 
 
+AMOUNT_MISMATCH = "answer_for_another_amount"
+"""Unknown reason every adapter uses when the provider's charge for our number has another amount or currency."""
+
+
 @dataclass(frozen=True)
 class Unknown:
     """We cannot tell what happened (timeout, reset, 5xx, 429, unreadable answer)."""
@@ -167,8 +171,12 @@ class Provider:
         """Ask the provider to charge; never raises for network trouble (that is Unknown)."""
         raise NotImplementedError
 
-    def query(self, payment_id: str, timeout: float) -> QueryOutcome:
-        """Look a charge up by our business number; NotFound if the provider never saw it."""
+    def query(self, payment_id: str, timeout: float, expected: ChargeRequest | None = None) -> QueryOutcome:
+        """Look a charge up by our business number; NotFound if the provider never saw it.
+
+        With ``expected``, a charge for another amount or currency is
+        Unknown("answer_for_another_amount"), never applied as ours.
+        """
         raise NotImplementedError
 
     def refund(self, request: RefundRequest, idempotency_key: str | None, timeout: float) -> Outcome:

@@ -30,6 +30,7 @@ import requests
 from payments.errors import MalformedCallback, SignatureInvalid, TimestampOutOfTolerance
 from payments.logs import scrub
 from payments.providers.base import (
+    AMOUNT_MISMATCH,
     CallbackEvent,
     Capabilities,
     ChargeRequest,
@@ -168,7 +169,7 @@ class SandboxProvider(Provider):
         )
         return _read(response, error, latency, lambda data: read_charge(data, payment.payment_id, payment))
 
-    def query(self, payment_id: str, timeout: float) -> QueryOutcome:
+    def query(self, payment_id: str, timeout: float, expected: ChargeRequest | None = None) -> QueryOutcome:
         """GET /v1/charges?merchant_transaction_id=…: the charge, or NotFound on 404."""
         response, error, latency = self._exchange(
             "GET", "/v1/charges", timeout, params={"merchant_transaction_id": payment_id}
@@ -178,7 +179,7 @@ class SandboxProvider(Provider):
         if response is not None and response.status_code in _FINAL_4XX:
             # A refused query says nothing about the charge: never read it as a decline (invariant 5).
             return Unknown(f"query_refused_http_{response.status_code}", evidence=_evidence(response, latency))
-        return _read(response, error, latency, lambda data: read_charge(data, payment_id, None))
+        return _read(response, error, latency, lambda data: read_charge(data, payment_id, expected))
 
     def refund(self, request: RefundRequest, idempotency_key: str | None, timeout: float) -> Outcome:
         """POST /v1/refunds with the refund's fixed idempotency key."""
@@ -255,7 +256,7 @@ class LegacySandboxProvider(SandboxProvider):
     def _charge_headers(self, idempotency_key: str | None) -> dict[str, str]:
         return {"Idempotency-Key": f"legacy-{uuid.uuid4().hex}"}
 
-    def query(self, payment_id: str, timeout: float) -> QueryOutcome:
+    def query(self, payment_id: str, timeout: float, expected: ChargeRequest | None = None) -> QueryOutcome:
         """This provider cannot look charges up: always Unknown, without a call."""
         return Unknown("query_not_supported")
 
@@ -343,7 +344,7 @@ def read_charge(data: Mapping[str, Any], payment_id: str, request: ChargeRequest
     if data.get("merchant_transaction_id") != payment_id:
         return Unknown("answer_for_another_payment", raw=dict(data))
     if request is not None and (data.get("amount") != request.amount_minor or data.get("currency") != request.currency):
-        return Unknown("answer_for_another_amount", raw=dict(data))
+        return Unknown(AMOUNT_MISMATCH, raw=dict(data))
     return _by_status(status, charge_id, data)
 
 
