@@ -19,11 +19,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, select
 
 from compensator.ratelimit import RateLimiter
 from payments.callbacks import Outcome, process_callback
-from payments.db import is_sqlite, utcnow
+from payments.db import claim_rows, is_sqlite, utcnow
 from payments.runtime import Runtime
 from payments.schema import CB_RETRYABLE, payment_callback_log
 
@@ -57,13 +57,8 @@ def claim_batch(
         .order_by(t.c.id)
         .limit(batch_size)
     )
-    if not is_sqlite(engine):  # SQLite has one writer at a time; BEGIN IMMEDIATE already serialises us
-        query = query.with_for_update(skip_locked=True)
-    with engine.begin() as conn:
-        ids = list(conn.execute(query).scalars())
-        if ids:
-            conn.execute(update(t).where(t.c.id.in_(ids)).values(next_retry_at=now + timedelta(seconds=lease)))
-    return ids
+    rows = claim_rows(engine, query, t, t.c.next_retry_at, now + timedelta(seconds=lease))
+    return [r.id for r in rows]
 
 
 def run_once(runtime: Runtime, *, max_seconds: float | None = None, limiter: RateLimiter | None = None) -> int:

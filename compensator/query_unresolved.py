@@ -19,12 +19,12 @@ import threading
 from collections import Counter
 from datetime import datetime, timedelta
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, select
 
 from compensator.relay_outbox import throttle
 from compensator.workpool import drain
 from payments import breaker
-from payments.db import is_sqlite, utcnow
+from payments.db import claim_rows, utcnow
 from payments.outbound import Context, Result, due_for_query, query_payment
 from payments.runtime import Runtime
 from payments.schema import payment
@@ -42,16 +42,7 @@ def claim_batch(
         .order_by(payment.c.next_query_at, payment.c.id)
         .limit(limit)
     )
-    if not is_sqlite(engine):
-        query = query.with_for_update(skip_locked=True)
-    with engine.begin() as conn:
-        rows = conn.execute(query).all()
-        if rows:
-            conn.execute(
-                update(payment)
-                .where(payment.c.id.in_([r.id for r in rows]))
-                .values(next_query_at=now + timedelta(seconds=lease_seconds))
-            )
+    rows = claim_rows(engine, query, payment, payment.c.next_query_at, now + timedelta(seconds=lease_seconds))
     return [(r.payment_id, r.provider) for r in rows]
 
 

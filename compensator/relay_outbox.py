@@ -19,13 +19,13 @@ import threading
 from collections import Counter
 from datetime import datetime, timedelta
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, select
 
 from compensator.ratelimit import RateLimiter
 from compensator.workpool import drain
 from payments import outbox
 from payments.charges import CHARGE_REQUESTED
-from payments.db import is_sqlite, utcnow
+from payments.db import claim_rows, utcnow
 from payments.outbound import Context, Result, relay_charge, relay_lease_seconds
 from payments.runtime import Runtime
 from payments.schema import outbox as outbox_table
@@ -56,16 +56,7 @@ def claim_batch(engine: Engine, now: datetime, limit: int, lease_seconds: float)
         .order_by(t.c.next_attempt_at, t.c.id)
         .limit(limit)
     )
-    if not is_sqlite(engine):  # SQLite has one writer at a time; BEGIN IMMEDIATE already serialises us
-        query = query.with_for_update(skip_locked=True)
-    with engine.begin() as conn:
-        rows = conn.execute(query).all()
-        if rows:
-            conn.execute(
-                update(t)
-                .where(t.c.id.in_([r.id for r in rows]))
-                .values(next_attempt_at=now + timedelta(seconds=lease_seconds))
-            )
+    rows = claim_rows(engine, query, t, t.c.next_attempt_at, now + timedelta(seconds=lease_seconds))
     return [(r.id, json.loads(r.payload).get("provider", "")) for r in rows]
 
 

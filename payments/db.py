@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, insert
+from sqlalchemy import Column, Engine, Row, Select, Table, create_engine, event, insert, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.schema import CreateIndex, CreateTable
 
@@ -111,6 +111,25 @@ def schema_sql() -> str:
     for statement in trigger_ddl("mysql"):
         out.write(statement + ";\n\n")
     return out.getvalue()
+
+
+def claim_rows(engine: Engine, query: Select, table: Table, lease_column: Column, lease_until: datetime) -> list[Row]:
+    """Claim the rows ``query`` selects (it must select ``table.c.id``) and lease them, in one short transaction.
+
+    On MariaDB the rows are read ``FOR UPDATE SKIP LOCKED``, so concurrent
+    claimers skip each other's rows instead of waiting; on SQLite the write lock
+    taken by ``BEGIN IMMEDIATE`` already serialises claimers. The lease
+    (``lease_column`` pushed to ``lease_until``) keeps the rows invisible to
+    other claimers after this transaction commits; if the claimer dies, they
+    come back when it runs out.
+    """
+    if not is_sqlite(engine):
+        query = query.with_for_update(skip_locked=True)
+    with engine.begin() as conn:
+        rows = conn.execute(query).all()
+        if rows:
+            conn.execute(update(table).where(table.c.id.in_([r.id for r in rows])).values({lease_column: lease_until}))
+    return rows
 
 
 def insert_ignore(table):  # noqa: ANN001, ANN201
