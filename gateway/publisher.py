@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pika
@@ -44,7 +44,6 @@ class PublisherStats:
     dropped: int = 0
     reconnects: int = 0
     last_error: str | None = None
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class CallbackPublisher:

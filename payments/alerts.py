@@ -110,11 +110,3 @@ def deliver(conn: Connection, now: datetime, channels: list[Callable[[dict[str, 
             channel(payload)
         conn.execute(update(alert).where(alert.c.id == row["id"]).values(notified_at=now))
     return len(rows)
-
-
-def open_alerts(conn: Connection) -> list[dict[str, Any]]:
-    """Alerts that are pending or firing, newest first."""
-    return [
-        dict(r)
-        for r in conn.execute(select(alert).where(alert.c.open_key.is_not(None)).order_by(alert.c.id.desc())).mappings()
-    ]

@@ -10,8 +10,9 @@ from payments.logs import JsonFormatter, luhn_valid, scrub
 
 def test_card_numbers_are_redacted_however_they_are_written():
     for text in ["4111111111111111", "pay_4111111111111111", "4111 1111 1111 1111", "5500-0000-0000-0004"]:
-        assert "[REDACTED-PAN]" in scrub(f"card {text} seen"), text
-        assert "1111" not in scrub(text) or "4111" not in scrub(text)
+        scrubbed = scrub(f"card {text} seen")
+        assert "[REDACTED-PAN]" in scrubbed, text
+        assert text not in scrubbed
 
 
 def test_long_numbers_that_are_not_card_numbers_stay_readable():
