@@ -15,10 +15,8 @@ import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from payments.errors import ConfigError
-from payments.logs import setup_logging
 from payments.runtime import Runtime, build_runtime
-from payments.settings import load_settings
+from payments.settings import start_process
 
 log = logging.getLogger("paysync.compensator")
 
@@ -83,12 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("job", nargs="?", help="one job to run: " + ", ".join(sorted([*_jobs(), *ALIASES])))
     parser.add_argument("--once", action="store_true", help="run the job once and exit (for cron)")
     args = parser.parse_args(argv)
-    try:
-        settings = load_settings()
-    except ConfigError as exc:
-        print(f"compensator: bad configuration: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(settings.log_level, "compensator")
+    settings = start_process("compensator")
     # Jobs run side by side, their worker threads each holding a connection for the length of a
     # transaction (never across a provider call); capped so many compensators fit max_connections.
     pool_size = min(32, 4 + settings.compensator_concurrency + settings.relay_concurrency)

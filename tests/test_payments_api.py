@@ -31,7 +31,7 @@ class NoPublisher:
 def app(mariadb):
     settings = make_settings(
         database_url=mariadb.url.render_as_string(hide_password=False),
-        merchant_api_token=TOKEN,
+        merchant_api_token=(TOKEN,),
         merchant_max_amount=1_000_000,
     )
     return create_app(settings, engine=mariadb, publisher=NoPublisher())
