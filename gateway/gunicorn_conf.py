@@ -23,7 +23,7 @@ _settings = start_process("web")
 
 bind = f"0.0.0.0:{_settings.port}"
 workers = _settings.web_workers
-worker_class = "gthread"
+worker_class = "gateway.worker.ThreadWorker"  # gthread, closing connections off the main loop
 threads = _settings.web_threads
 timeout = 30
 graceful_timeout = 20

@@ -7,6 +7,7 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
 from sqlalchemy.exc import SQLAlchemyError
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from gateway import error_response, ext
 from gateway.auth import bearer_ok
@@ -32,7 +33,11 @@ def create() -> Any:
     settings = ext("settings")
     try:
         key = check_key(request.headers.get("Idempotency-Key"))
-        body = parse_create(request.get_data(cache=False), frozenset(ext("providers")), settings.merchant_max_amount)
+        if request.mimetype != "application/json":
+            raise InvalidRequest("Content-Type must be application/json", "unsupported_media_type", 415)
+        body = parse_create(
+            _body(settings.callback_max_body_bytes), frozenset(ext("providers")), settings.merchant_max_amount
+        )
         answer = create_payment(
             ext("engine"),
             body,
@@ -49,6 +54,15 @@ def create() -> Any:
     if answer.replayed:
         response.headers["Idempotent-Replayed"] = "true"
     return response
+
+
+def _body(limit: int) -> bytes:
+    body = request.get_data(cache=False)  # raises 413 past MAX_CONTENT_LENGTH
+    # A chunked body has no Content-Length to refuse up front and Werkzeug silently stops reading at the
+    # limit: look for one byte more, or the first part of an oversized body would be taken as the request.
+    if request.content_length is None and len(body) >= limit and request.environ["wsgi.input"].read(1):
+        raise RequestEntityTooLarge()
+    return body
 
 
 @bp.get("/payments/<payment_id>")

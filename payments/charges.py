@@ -122,7 +122,7 @@ def parse_create(raw: bytes, providers: set[str] | frozenset[str], max_amount: i
         data = json.loads(raw, parse_constant=_reject_constant)
     except InvalidRequest:
         raise
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly deep nesting
         raise InvalidRequest("body must be a JSON object", "invalid_json") from None
     if not isinstance(data, dict):
         raise InvalidRequest("body must be a JSON object", "invalid_json")
