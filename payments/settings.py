@@ -101,6 +101,8 @@ class Settings:
         "fc00::/7",
     )
     """Sources that may scrape /metrics without the ops token (comma-separated CIDRs; empty: token only)."""
+    metrics_settled_cache_seconds: float = 60.0
+    """/metrics reads the counts of settled rows (millions) at most this often per gateway worker."""
     sandbox_webhook_secret: tuple[str, ...] = ()
     """Secret(s) of the sandbox platform's notifications; set: the sandbox provider is enabled. The first signs."""
     sandbox_api_url: str = "http://127.0.0.1:8100"
@@ -241,6 +243,7 @@ _PARSERS = {
     "merchant_api_token": lambda n, v: _secrets(n, v),
     "ops_token": lambda n, v: _secrets(n, v),
     "metrics_allow_cidrs": lambda n, v: _cidrs(n, v),
+    "metrics_settled_cache_seconds": lambda n, v: _float(n, v, 0, 3600),
     "sandbox_webhook_secret": lambda n, v: _secrets(n, v),
     "sandbox_api_url": lambda n, v: _url(n, v, ("http://", "https://")),
     "sandbox_port": lambda n, v: _int(n, v, 1, 65535),
