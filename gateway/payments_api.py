@@ -70,7 +70,7 @@ def show(payment_id: str) -> Any:
     """Status, provider transaction id, ledger history, provider calls and callbacks of one payment."""
     if not _authorized():
         return _unauthorized()
-    found = get_payment(ext("engine"), payment_id[:40])
+    found = get_payment(ext("engine"), payment_id[:40], ext("providers"))
     if found is None:
         return error_response("not_found", "no such payment", 404)
     return jsonify(found)
