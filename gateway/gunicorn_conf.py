@@ -16,6 +16,7 @@ balancer (README "Deploying safely").
 import socket
 import struct
 
+from payments.logs import scrub_logger
 from payments.settings import start_process
 
 # Refuses weak secrets in production (exit 2, one line) before any worker forks; warns once in development.
@@ -40,7 +41,10 @@ def _read_timeout(seconds: float) -> bytes:
 
 
 def when_ready(server) -> None:  # noqa: ANN001 - gunicorn's hook signature
-    """Give the listening sockets a receive timeout; the sockets they accept inherit it (Linux)."""
+    """Scrub gunicorn's own logs; give the listening sockets a receive timeout, which accepted sockets inherit."""
+    # Before the workers fork, so theirs are scrubbed too (they do not pass through paysync's formatter).
+    scrub_logger("gunicorn.error")
+    scrub_logger("gunicorn.access")
     for listener in server.LISTENERS:
         listener.sock.setsockopt(
             socket.SOL_SOCKET, socket.SO_RCVTIMEO, _read_timeout(_settings.web_read_timeout_seconds)
