@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | cksum | cut -d' ' -f1)
 PORT ?= 8000
 SANDBOX_PORT ?= 8100
+# `make run` is for a developer's machine: development fills in dev tokens and secrets, and says so once.
+PAYSYNC_ENV ?= development
 
 .PHONY: run test lint format venv bench-ingest bench-drain bench-charges bench-events clean
 
@@ -18,13 +20,13 @@ venv: $(STAMP)
 
 run: venv
 	@mkdir -p var
-	$(BIN)/python -m payments init-db
+	PAYSYNC_ENV=$(PAYSYNC_ENV) $(BIN)/python -m payments init-db
 	@echo ""
 	@echo "  gateway  http://127.0.0.1:$(PORT)   (POST /callbacks/sandbox, POST /payments, GET /readyz)"
 	@echo "  sandbox  http://127.0.0.1:$(SANDBOX_PORT)   (the simulated payment platform)"
 	@echo "  database $${DATABASE_URL:-sqlite:///var/paysync.db}   broker $${AMQP_URL:-none (the compensator sweeps every second)}"
 	@echo ""
-	PATH="$(CURDIR)/$(BIN):$$PATH" SANDBOX_PORT=$(SANDBOX_PORT) $(BIN)/honcho start -p $(PORT)
+	PATH="$(CURDIR)/$(BIN):$$PATH" PAYSYNC_ENV=$(PAYSYNC_ENV) SANDBOX_PORT=$(SANDBOX_PORT) $(BIN)/honcho start -p $(PORT)
 
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -1,7 +1,7 @@
 """The two baselines ``bench/ingest.py`` runs beside the gateway, under the same gunicorn settings.
 
 ``bare_app`` answers 200 and does nothing: the ceiling of Flask + gunicorn
-sync workers on this machine. ``insert_app`` reads the body, INSERTs it into
+the gateway's gunicorn workers on this machine. ``insert_app`` reads the body, INSERTs it into
 one table and COMMITs, through the same engine settings as the gateway
 (``payments.db.make_engine``): the floor of any design that stores the raw
 delivery before acknowledging it. Started with

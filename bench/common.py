@@ -126,6 +126,7 @@ def process_env(**settings: str) -> dict[str, str]:
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     env["PYTHONPATH"] = str(ROOT)
     env["SANDBOX_WEBHOOK_SECRET"] = SECRET
+    env["PAYSYNC_ENV"] = "development"  # the benches use development tokens and secrets
     env.setdefault("LOG_LEVEL", "WARNING")
     env.update(settings)
     return env

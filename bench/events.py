@@ -178,11 +178,11 @@ def main() -> None:
     receiver.start()
     time.sleep(0.5)
     url = f"http://127.0.0.1:{port}/hooks"
-    base = Settings(database_url=args.database_url, events_exchange=exchange)
+    base = Settings(paysync_env="development", database_url=args.database_url, events_exchange=exchange)
     runtimes = {
         "amqp": build_runtime(Settings(**{**vars(base), "amqp_url": args.amqp_url}), engine=engine),
         "webhook": build_runtime(
-            Settings(**{**vars(base), "merchant_webhook_url": url, "merchant_webhook_secret": SECRET}), engine=engine
+            Settings(**{**vars(base), "merchant_webhook_url": url, "merchant_webhook_secret": (SECRET,)}), engine=engine
         ),
         "both": build_runtime(
             Settings(
@@ -190,7 +190,7 @@ def main() -> None:
                     **vars(base),
                     "amqp_url": args.amqp_url,
                     "merchant_webhook_url": url,
-                    "merchant_webhook_secret": SECRET,
+                    "merchant_webhook_secret": (SECRET,),
                 }
             ),
             engine=engine,

@@ -3,7 +3,7 @@
     make bench-ingest BENCH_ARGS="--duration 10 --concurrency 1,8,32 --repeats 3"
 
 Starts three gunicorn servers with the Procfile's ``web`` settings
-(``gateway/gunicorn_conf.py``: sync workers, WEB_WORKERS=2):
+(``gateway/gunicorn_conf.py``: gthread workers, WEB_WORKERS=2; ``before`` runs its own tree's):
 
 - ``gateway``: the real gateway (``gateway.wsgi:app``) on MariaDB (database
   ``paysync_bench``, emptied first) and RabbitMQ (a queue of its own, deleted
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{app} did not start:\n{servers[app].tail()}") from None
 
         print(
-            f"ingest bench: {args.workers} sync gunicorn workers each, wrk {args.duration:g} s x {args.repeats} runs, "
+            f"ingest bench: {args.workers} gunicorn workers each (each tree's gateway/gunicorn_conf.py), "
+            f"wrk {args.duration:g} s x {args.repeats} runs, "
             f"concurrency {concurrencies}; load before: {loadavg()}",
             flush=True,
         )

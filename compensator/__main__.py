@@ -4,6 +4,9 @@ Jobs: compensate (compensate_callbacks), evaluate_alerts, publish_events (domain
 to RabbitMQ and the merchant's webhook). Each is registered
 with ``max_instances=1`` and coalescing, so a slow sweep is never run twice at
 once in one process and missed runs collapse into one.
+
+``python -m compensator reverify --provider P [--since ISO-TIME]`` re-verifies
+rejected callbacks against today's keys after a key fix (compensator/reverify.py).
 """
 
 from __future__ import annotations
@@ -16,9 +19,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from payments.errors import ConfigError
-from payments.logs import setup_logging
 from payments.runtime import Runtime, build_runtime
-from payments.settings import load_settings
+from payments.settings import start_process
 
 log = logging.getLogger("paysync.compensator")
 
@@ -79,16 +81,16 @@ def serve(runtime: Runtime) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["reverify"]:
+        return reverify_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m compensator")
-    parser.add_argument("job", nargs="?", help="one job to run: " + ", ".join(sorted([*_jobs(), *ALIASES])))
+    parser.add_argument(
+        "job", nargs="?", help="one job to run: " + ", ".join(sorted([*_jobs(), *ALIASES])) + "; or reverify"
+    )
     parser.add_argument("--once", action="store_true", help="run the job once and exit (for cron)")
     args = parser.parse_args(argv)
-    try:
-        settings = load_settings()
-    except ConfigError as exc:
-        print(f"compensator: bad configuration: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(settings.log_level, "compensator")
+    settings = start_process("compensator")
     # Jobs run side by side, their worker threads each holding a connection for the length of a
     # transaction (never across a provider call); capped so many compensators fit max_connections.
     pool_size = min(32, 4 + settings.compensator_concurrency + settings.relay_concurrency)
@@ -103,6 +105,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {count}")
         return 0 if count >= 0 else 1
     serve(runtime)
+    return 0
+
+
+def _iso_time(raw: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {raw[:40]!r}") from None
+    # Stored times are naive UTC; a time given with an offset is converted, one without is taken as UTC.
+    return value.astimezone(UTC).replace(tzinfo=None) if value.tzinfo else value
+
+
+def reverify_main(argv: list[str]) -> int:
+    """``python -m compensator reverify --provider P [--since ISO-TIME]`` (compensator/reverify.py)."""
+    from compensator import reverify
+
+    parser = argparse.ArgumentParser(
+        prog="python -m compensator reverify",
+        description="re-verify rejected (status 3) callbacks against today's keys; send those that verify on",
+    )
+    parser.add_argument("--provider", required=True, help="provider name, as in /callbacks/<provider>")
+    parser.add_argument("--since", type=_iso_time, help="only rows received at or after this time (ISO 8601, UTC)")
+    args = parser.parse_args(argv)
+    settings = start_process("compensator")
+    runtime = build_runtime(settings)
+    try:
+        result = reverify.run(runtime, args.provider, args.since)
+    except ConfigError as exc:
+        print(f"reverify: {exc}", file=sys.stderr)
+        return 2
+    print(f"reverify {args.provider}: {result.accepted} of {result.checked} rejected callbacks now verify (status 0)")
     return 0
 
 

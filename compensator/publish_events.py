@@ -102,7 +102,7 @@ class _Pass:
                 attempt = post_event(
                     self.session,
                     s.merchant_webhook_url,
-                    s.merchant_webhook_secret,
+                    s.merchant_webhook_secret[0],  # rotation: the first listed secret signs
                     ev.event_id,
                     body,
                     s.merchant_webhook_timeout_seconds,

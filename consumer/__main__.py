@@ -21,10 +21,8 @@ import pika.exceptions
 from consumer.handler import Action, handle
 from consumer.topology import declare
 from payments import failpoints
-from payments.errors import ConfigError
-from payments.logs import setup_logging
 from payments.runtime import Runtime, build_runtime
-from payments.settings import load_settings
+from payments.settings import start_process
 
 log = logging.getLogger("paysync.consumer")
 
@@ -100,12 +98,7 @@ class Consumer:
 
 def main() -> int:
     """Entry point."""
-    try:
-        settings = load_settings()
-    except ConfigError as exc:
-        print(f"consumer: bad configuration: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(settings.log_level, "consumer")
+    settings = start_process("consumer")
     consumer = Consumer(build_runtime(settings))
     signal.signal(signal.SIGTERM, consumer.stop)
     signal.signal(signal.SIGINT, consumer.stop)

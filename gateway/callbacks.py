@@ -8,11 +8,11 @@ from typing import Any
 
 from flask import Blueprint, Response, request
 from sqlalchemy.exc import SQLAlchemyError
-from werkzeug.exceptions import RequestEntityTooLarge
+from werkzeug.exceptions import ClientDisconnected
 
 from gateway import error_response, ext
-from payments.callbacks import reject_callback, store_callback
-from payments.errors import CallbackRejected
+from payments.callbacks import reject_callback, store_callback, verify_callback
+from payments.errors import BodyTooLarge, CallbackRejected
 
 bp = Blueprint("callbacks", __name__)
 log = logging.getLogger("paysync.gateway.callbacks")
@@ -24,12 +24,7 @@ def receive(provider_name: str) -> Any:
     provider = ext("providers").get(provider_name)
     if provider is None:
         return error_response("unknown_provider", f"no provider named {provider_name[:32]!r}", 404)
-    body = request.get_data(cache=False)  # raises 413 past MAX_CONTENT_LENGTH, before anything is stored
-    if request.content_length is None and len(body) >= ext("settings").callback_max_body_bytes:
-        # A chunked body has no Content-Length to refuse up front: Werkzeug silently stops reading at the
-        # limit, so look for one byte more, or a truncated body would be stored as if it were the delivery.
-        if request.environ["wsgi.input"].read(1):
-            raise RequestEntityTooLarge()
+    body, too_large = _read_body(ext("settings").callback_max_body_bytes)
     headers = {name: request.headers[name] for name in provider.callback_headers if name in request.headers}
 
     # 1. The raw delivery is committed before anything else may fail.
@@ -41,7 +36,7 @@ def receive(provider_name: str) -> Any:
             body=body,
             headers=headers,
             remote_addr=request.remote_addr,
-            index=provider.peek_callback(body),
+            index={} if too_large else provider.peek_callback(body),
         )
     except SQLAlchemyError as exc:
         log.error("callback not stored, answering 503: %s", type(exc).__name__)
@@ -49,7 +44,9 @@ def receive(provider_name: str) -> Any:
 
     # 2. Verify. A rejected row stays for audit (status 3).
     try:
-        provider.parse_callback(body, headers, now=time.time())
+        if too_large:
+            raise BodyTooLarge(f"body over {len(body)} bytes (CALLBACK_MAX_BODY_BYTES): only the first were kept")
+        verify_callback(provider, body, headers, now=time.time())
     except CallbackRejected as exc:
         log.info("callback %s rejected: %s", log_id, exc.code)
         try:
@@ -57,6 +54,8 @@ def receive(provider_name: str) -> Any:
         except SQLAlchemyError:
             # The row stays status 0; the sweep re-verifies it and rejects it then.
             log.warning("callback %s rejected but not marked; the sweep will", log_id)
+        if too_large:  # our JSON error, not the provider's dialect: no provider sends such a body
+            return error_response(exc.code, str(exc), 413)
         answer = provider.reject(exc)
         return Response(answer.body, answer.status, content_type=answer.content_type)
 
@@ -66,3 +65,32 @@ def receive(provider_name: str) -> Any:
     # 4. Acknowledge in the provider's dialect.
     answer = provider.ack()
     return Response(answer.body, answer.status, content_type=answer.content_type)
+
+
+def _read_body(limit: int) -> tuple[bytes, bool]:
+    """(body, over the limit?). Past the limit only the first ``limit`` bytes are read, to be stored as rejected.
+
+    Werkzeug refuses a Content-Length over MAX_CONTENT_LENGTH outright and
+    silently stops a chunked body at the limit, so the raw WSGI input is read
+    here instead: one byte more than the limit tells a body that is too large.
+    """
+    stream = request.environ["wsgi.input"]
+    length = request.content_length
+    want = limit + 1 if length is None or length > limit else length
+    chunks, got = [], 0
+    try:
+        while got < want:
+            chunk = stream.read(min(65536, want - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError:
+        # The client stalled past WEB_READ_TIMEOUT_SECONDS or went away: nothing to acknowledge.
+        raise ClientDisconnected() from None
+    body = b"".join(chunks)
+    if length is not None and len(body) < min(length, limit):
+        raise ClientDisconnected()  # shorter than announced: a cut request, not a delivery
+    if len(body) > limit or (length is not None and length > limit):
+        return body[:limit], True
+    return body, False

@@ -1,14 +1,22 @@
-"""``GET /metrics``: Prometheus text format.
+"""``GET /metrics``: Prometheus text format, for allowed sources or the ops token.
 
-The numbers come from the database (``payments.monitoring.snapshot``) at
-scrape time, so they are the same whichever gunicorn worker answers and they
-cover the consumer's and the compensator's work too, with no per-process
-counters to aggregate.
+The numbers come from the database at scrape time, so they are the same
+whichever gunicorn worker answers and they cover the consumer's and the
+compensator's work too, with no per-process counters to aggregate. What can
+pile up is read on every scrape (``payments.monitoring.live_counts``, index
+ranges over few rows); the counts of settled rows, millions in a busy system,
+are cached per worker for METRICS_SETTLED_CACHE_SECONDS.
+
+Only sources inside METRICS_ALLOW_CIDRS (the peer address; a forwarded
+header anyone can write is not believed) or a request bearing an OPS_TOKEN
+get an answer; everyone else gets 403.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 from flask import Blueprint, Response
@@ -16,9 +24,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway import ext
+from gateway import error_response, ext
+from gateway.auth import bearer_ok, source_allowed
 from payments.db import utcnow
-from payments.monitoring import Snapshot, snapshot
+from payments.monitoring import Settled, Snapshot, combine, live_counts, settled_counts
 from payments.states import PaymentStatus
 
 bp = Blueprint("metrics", __name__)
@@ -74,13 +83,41 @@ class _SnapshotCollector:
         yield breakers
 
 
+class _SettledCache:
+    """The last settled counts and when they were read; one reader at a time refreshes them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.value: Settled | None = None
+        self.read_at = 0.0
+
+    def get(self, conn: Any, max_age: float) -> Settled:
+        with self.lock:  # concurrent scrapes wait for one refresh instead of each scanning the index
+            if self.value is None or time.monotonic() - self.read_at >= max_age:
+                self.value = settled_counts(conn)
+                self.read_at = time.monotonic()
+            return self.value
+
+
+def _settled_cache() -> _SettledCache:
+    from flask import current_app
+
+    # One per app (tests build many), made on first use; a race at worst makes one twice.
+    return current_app.extensions.setdefault("paysync_metrics_settled", _SettledCache())
+
+
 @bp.get("/metrics")
 def metrics() -> Any:
     """Prometheus exposition of the database snapshot; answers 200 even when the database is down."""
+    settings = ext("settings")
+    if not (source_allowed(settings.metrics_allow_cidrs) or bearer_ok(settings.ops_token)):
+        return error_response("forbidden", "metrics are for allowed sources or the ops token", 403)
     snap = None
     try:
         with ext("engine").connect() as conn:
-            snap = snapshot(conn, utcnow())
+            snap = combine(
+                live_counts(conn, utcnow()), _settled_cache().get(conn, settings.metrics_settled_cache_seconds)
+            )
     except SQLAlchemyError as exc:
         log.warning("metrics: database unreachable (%s)", type(exc).__name__)
     registry = CollectorRegistry(auto_describe=False)

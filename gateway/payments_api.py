@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
 from sqlalchemy.exc import SQLAlchemyError
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from gateway import error_response, ext
+from gateway.auth import bearer_ok
 from payments.charges import InvalidRequest, check_key, create_payment, get_payment, parse_create
 
 bp = Blueprint("payments_api", __name__)
@@ -17,11 +18,7 @@ log = logging.getLogger("paysync.gateway.payments")
 
 
 def _authorized() -> bool:
-    expected = ext("settings").merchant_api_token
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    # Constant-time, so the token cannot be guessed a character at a time.
-    return bool(expected) and scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), expected.encode())
+    return bearer_ok(ext("settings").merchant_api_token)
 
 
 def _unauthorized() -> Any:
@@ -36,7 +33,11 @@ def create() -> Any:
     settings = ext("settings")
     try:
         key = check_key(request.headers.get("Idempotency-Key"))
-        body = parse_create(request.get_data(cache=False), frozenset(ext("providers")), settings.merchant_max_amount)
+        if request.mimetype != "application/json":
+            raise InvalidRequest("Content-Type must be application/json", "unsupported_media_type", 415)
+        body = parse_create(
+            _body(settings.callback_max_body_bytes), frozenset(ext("providers")), settings.merchant_max_amount
+        )
         answer = create_payment(
             ext("engine"),
             body,
@@ -55,12 +56,21 @@ def create() -> Any:
     return response
 
 
+def _body(limit: int) -> bytes:
+    body = request.get_data(cache=False)  # raises 413 past MAX_CONTENT_LENGTH
+    # A chunked body has no Content-Length to refuse up front and Werkzeug silently stops reading at the
+    # limit: look for one byte more, or the first part of an oversized body would be taken as the request.
+    if request.content_length is None and len(body) >= limit and request.environ["wsgi.input"].read(1):
+        raise RequestEntityTooLarge()
+    return body
+
+
 @bp.get("/payments/<payment_id>")
 def show(payment_id: str) -> Any:
     """Status, provider transaction id, ledger history, provider calls and callbacks of one payment."""
     if not _authorized():
         return _unauthorized()
-    found = get_payment(ext("engine"), payment_id[:40])
+    found = get_payment(ext("engine"), payment_id[:40], ext("providers"))
     if found is None:
         return error_response("not_found", "no such payment", 404)
     return jsonify(found)

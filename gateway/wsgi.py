@@ -1,9 +1,8 @@
 """The WSGI entry point gunicorn loads: ``gateway.wsgi:app``."""
 
 from gateway import create_app
-from payments.logs import setup_logging
-from payments.settings import load_settings
+from payments.settings import start_process
 
-settings = load_settings()
-setup_logging(settings.log_level, "web")
+# gunicorn_conf.py already checked the settings and warned, once, in the master.
+settings = start_process("web", warn=False)
 app = create_app(settings)

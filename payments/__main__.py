@@ -6,8 +6,7 @@ import argparse
 import sys
 
 from payments.db import init_db, make_engine, schema_sql
-from payments.errors import ConfigError
-from payments.settings import load_settings
+from payments.settings import start_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,11 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "schema-sql":
         sys.stdout.write(schema_sql())
         return 0
-    try:
-        settings = load_settings()
-    except ConfigError as exc:
-        print(f"paysync: bad configuration: {exc}", file=sys.stderr)
-        return 2
+    settings = start_process("paysync")
     engine = make_engine(settings.database_url)
     init_db(engine)
     print(f"schema ready in {engine.url.render_as_string(hide_password=True)}")

@@ -24,7 +24,7 @@ from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from payments import alerts
 from payments.backoff import RetryPolicy
 from payments.db import insert_ignore, utcnow
-from payments.errors import CallbackRejected, PaysyncError, TargetNotFound
+from payments.errors import CallbackRejected, PaysyncError, TargetNotFound, UnsupportedContentType
 from payments.providers import get_provider
 from payments.providers.base import CallbackEvent, Provider
 from payments.review import open_review
@@ -120,6 +120,22 @@ def store_callback(
         return int(result.inserted_primary_key[0])
 
 
+def verify_callback(provider: Provider, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
+    """The checks every delivery passes, at the gateway and again when processed: content type, then the adapter's.
+
+    Raises CallbackRejected (status 3) when the delivery is not genuine or not readable.
+    """
+    given = next((v for k, v in headers.items() if k.lower() == "content-type"), None)
+    # A missing Content-Type is left to the adapter's parser; one that names another format is refused.
+    if provider.callback_content_types and given is not None:
+        media_type = given.split(";", 1)[0].strip().lower()
+        if media_type not in provider.callback_content_types:
+            raise UnsupportedContentType(
+                f"Content-Type must be {' or '.join(provider.callback_content_types)}, got {media_type[:64]!r}"
+            )
+    return provider.parse_callback(body, headers, now=now)
+
+
 def reject_callback(engine: Engine, log_id: int, reason: str, now: datetime | None = None) -> bool:
     """Mark a stored row as rejected (status 3) with the reason; True if it was still pending."""
     now = now or utcnow()
@@ -165,7 +181,7 @@ def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: in
         provider = get_provider(providers, row.provider)
         # Verified against the time it was received, so a row retried hours later still verifies.
         received = (row.create_time - datetime(1970, 1, 1)).total_seconds()
-        event = provider.parse_callback(bytes(row.callback_data), json.loads(row.headers), now=received)
+        event = verify_callback(provider, bytes(row.callback_data), json.loads(row.headers), now=received)
     except (CallbackRejected, PaysyncError) as exc:
         if not exc.permanent:
             raise

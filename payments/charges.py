@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -24,10 +25,12 @@ from typing import Any
 from sqlalchemy import Connection, Engine, insert, select, update
 
 from payments import ledger, outbox, provider_calls
+from payments.callbacks import verify_callback
 from payments.db import insert_ignore, utcnow
-from payments.errors import PaysyncError
+from payments.errors import CallbackRejected, PaysyncError
 from payments.ids import new_id
-from payments.schema import idempotency_request, payment, payment_callback_log
+from payments.providers.base import Provider
+from payments.schema import CB_PROCESSED, CB_REJECTED, idempotency_request, payment, payment_callback_log
 from payments.states import PaymentStatus
 
 log = logging.getLogger("paysync.charges")
@@ -122,7 +125,7 @@ def parse_create(raw: bytes, providers: set[str] | frozenset[str], max_amount: i
         data = json.loads(raw, parse_constant=_reject_constant)
     except InvalidRequest:
         raise
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly deep nesting
         raise InvalidRequest("body must be a JSON object", "invalid_json") from None
     if not isinstance(data, dict):
         raise InvalidRequest("body must be a JSON object", "invalid_json")
@@ -333,23 +336,52 @@ def _release_key(engine: Engine, key: str, lock_token: datetime) -> None:
         log.warning("could not release idempotency key after a failed request")
 
 
-def get_payment(engine: Engine, payment_id: str) -> dict[str, Any] | None:
-    """The payment as GET /payments/<id> shows it: status, provider ids, ledger, calls, callbacks; None if absent."""
+def get_payment(
+    engine: Engine, payment_id: str, providers: Mapping[str, Provider] | None = None
+) -> dict[str, Any] | None:
+    """The payment as GET /payments/<id> shows it: status, provider ids, ledger, calls, callbacks; None if absent.
+
+    ``callbacks`` lists only deliveries that verified as this payment's
+    callbacks: processed rows (processing verified them), and rows not
+    processed yet that verify now against ``providers``. Deliveries that did
+    not verify are listed apart, in ``rejected_callbacks``, with the reason
+    and nothing of what they claim, and only when what they claim names this
+    payment (the row's unverified index).
+    """
     with engine.connect() as conn:
         row = conn.execute(select(payment).where(payment.c.payment_id == payment_id)).mappings().first()
         if row is None:
             return None
-        callbacks = conn.execute(
+        t = payment_callback_log
+        deliveries = conn.execute(
             select(
-                payment_callback_log.c.id,
-                payment_callback_log.c.event_type,
-                payment_callback_log.c.status,
-                payment_callback_log.c.result,
-                payment_callback_log.c.create_time,
+                t.c.id,
+                t.c.provider,
+                t.c.callback_data,
+                t.c.headers,
+                t.c.event_type,
+                t.c.status,
+                t.c.result,
+                t.c.create_time,
             )
-            .where(payment_callback_log.c.order_no == payment_id)
-            .order_by(payment_callback_log.c.id)
+            .where(t.c.order_no == payment_id)
+            .order_by(t.c.id)
         ).all()
+        verified, rejected = [], []
+        for d in deliveries:
+            reason = _unverified_reason(d, payment_id, providers or {})
+            if reason is None:
+                verified.append(
+                    {
+                        "source": f"callback:{d.id}",
+                        "event_type": d.event_type,
+                        "status": d.status,
+                        "result": d.result,
+                        "received_at": _iso(d.create_time),
+                    }
+                )
+            else:
+                rejected.append({"source": f"callback:{d.id}", "reason": reason, "received_at": _iso(d.create_time)})
         return {
             "payment_id": row["payment_id"],
             "order_no": row["order_no"],
@@ -368,17 +400,28 @@ def get_payment(engine: Engine, payment_id: str) -> dict[str, Any] | None:
             "updated_at": _iso(row["updated_at"]),
             "ledger": ledger.history(conn, payment_id),
             "provider_calls": provider_calls.for_payment(conn, payment_id),
-            "callbacks": [
-                {
-                    "source": f"callback:{c.id}",
-                    "event_type": c.event_type,
-                    "status": c.status,
-                    "result": c.result,
-                    "received_at": _iso(c.create_time),
-                }
-                for c in callbacks
-            ],
+            "callbacks": verified,
+            "rejected_callbacks": rejected,
         }
+
+
+def _unverified_reason(delivery: Any, payment_id: str, providers: Mapping[str, Provider]) -> str | None:
+    """None when the stored delivery verified as a callback of ``payment_id``; else why not."""
+    if delivery.status == CB_PROCESSED:
+        return None  # processing verified it, and indexed it under the payment it names
+    if delivery.status == CB_REJECTED:
+        return (delivery.result or "rejected").removeprefix("rejected: ")
+    provider = providers.get(delivery.provider)
+    if provider is None:
+        return f"not verified: provider {delivery.provider} is not enabled"
+    received = (delivery.create_time - datetime(1970, 1, 1)).total_seconds()
+    try:
+        event = verify_callback(provider, bytes(delivery.callback_data), json.loads(delivery.headers), received)
+    except CallbackRejected as exc:
+        return f"{exc.code}: {exc}"
+    if event.target != "payment" or event.merchant_reference != payment_id:
+        return "verified, but as a callback of another payment or refund"
+    return None
 
 
 def _iso(value: datetime | None) -> str | None:

@@ -50,6 +50,20 @@ class MalformedCallback(CallbackRejected):
     http_status = 400
 
 
+class UnsupportedContentType(CallbackRejected):
+    """The callback's Content-Type is not one its provider sends."""
+
+    code = "unsupported_content_type"
+    http_status = 415
+
+
+class BodyTooLarge(CallbackRejected):
+    """The callback's body is over CALLBACK_MAX_BODY_BYTES: only its first bytes were kept."""
+
+    code = "body_too_large"
+    http_status = 413
+
+
 class UnknownProvider(PaysyncError):
     """No adapter is registered under this provider name."""
 

@@ -12,13 +12,14 @@ import logging
 import re
 import sys
 from datetime import UTC, datetime
+from typing import Any
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
-# Card numbers: 13-19 digits, optionally grouped by spaces or dashes, wherever they stand (also glued
+# Card numbers: 13-19 digits, optionally grouped by spaces, dashes or dots, wherever they stand (also glued
 # to letters, as in "pay_4111111111111111"). Only runs that pass the Luhn check are redacted, so
 # millisecond timestamps and other long numbers stay readable.
-_PAN = re.compile(r"(?<!\d)(?:\d[ -]?){12,18}\d(?!\d)")
+_PAN = re.compile(r"(?<!\d)(?:\d[ .-]?){12,18}\d(?!\d)")
 
 
 def luhn_valid(digits: str) -> bool:
@@ -33,47 +34,123 @@ def luhn_valid(digits: str) -> bool:
 
 
 def _redact_pan(match: re.Match[str]) -> str:
-    digits = re.sub(r"[ -]", "", match.group(0))
-    return "[REDACTED-PAN]" if luhn_valid(digits) else match.group(0)
+    text = match.group(0)
+    if text.count(".") == 1:
+        return text  # a decimal number (a float timestamp, an amount), not a card grouped by dots
+    return "[REDACTED-PAN]" if luhn_valid(re.sub(r"[ .-]", "", text)) else text
+
+
+SENSITIVE_NAMES = (
+    r"(?:[A-Za-z0-9]+[_-])*(?:token|secret|password|passwd|passphrase|cvv2?|cvc2?|sign|authorization"
+    r"|cookie|set-cookie|apikey)"
+    r"|(?:[A-Za-z0-9]+[_-])+key"
+)
+"""Names whose values are secrets: *_token, *_secret, *_key, password, cvv, cvc, Authorization, Cookie, sign.
+
+Not "signature": "invalid_signature: …" is a reason worth reading; signature values themselves are
+caught by their shape (v1=<hex>, v1,<base64>)."""
+_SENSITIVE_NAME = re.compile(rf"(?i)^(?:{SENSITIVE_NAMES})$")
+# A quoted value: "…", '…', or \"…\" (JSON inside a JSON string, as a provider's error text may echo it).
+_QUOTED = r"""\\"(?:(?!\\").)*\\"|"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'"""
+
+# Name: value. Quoted name (JSON, a repr): a quoted value or a bare scalar. Bare name (a header): the rest
+# of the line, since a header value (Cookie, Authorization: Digest …) has spaces, commas and semicolons.
+_NAMED_COLON = re.compile(
+    rf"""(?i)(?<![\w-])(?P<q>\\?["'])?(?P<name>{SENSITIVE_NAMES})(?(q)(?P=q))(?P<sep>\s*:\s*)(?!["']?\[REDACTED)"""
+    rf"""(?P<value>{_QUOTED}|(?(q)[^\s,}}\]]*|[^\r\n]*))"""
+)
+# name=value (form bodies, query strings, log text): a quoted value, or up to the next delimiter, spaces and all.
+_NAMED_EQUALS = re.compile(
+    rf"""(?i)(?<![\w-])(?P<q>)(?P<name>{SENSITIVE_NAMES})(?P<sep>\s*=\s*)(?!["']?\[REDACTED)(?P<value>{_QUOTED}|[^\r\n&;,"'}}\[\]]*)"""
+)
+
+
+def _redact_named(match: re.Match[str]) -> str:
+    q, value = match.group("q") or "", match.group("value")
+    quote = value[:2] if value.startswith('\\"') else value[:1] if value[:1] in ("'", '"') else ""
+    if not value:
+        return match.group(0)
+    return f"{q}{match.group('name')}{q}{match.group('sep')}{quote}[REDACTED]{quote}"
 
 
 _SCRUBBERS = [
-    (
-        re.compile(
-            r"(?i)\b(cvv|cvc|cvv2|password|passwd|secret|api[_-]?key|token|authorization)(\"?\s*[:=]\s*\"?)[^\s\",}]+"
-        ),
-        r"\1\2[REDACTED]",
-    ),
-    (re.compile(r"(?i)(v1=)[0-9a-f]{16,}"), r"\1[REDACTED]"),
-    (re.compile(r"(?i)(bearer\s+)[^\s\"]+"), r"\1[REDACTED]"),
+    # Provider and webhook secrets wherever they stand, named or not.
+    (re.compile(r"\b(?:whsec|sk_live|sk_test|rk_live|rk_test)_[A-Za-z0-9+/=_-]+"), "[REDACTED]"),
+    # Standard Webhooks signatures (v1,<base64>) and hex HMACs (v1=<hex>).
+    (re.compile(r"\b(v1,)[A-Za-z0-9+/]{16,}={0,2}"), r"\1[REDACTED]"),
+    (re.compile(r"(?i)\b(v1=)[0-9a-f]{16,}"), r"\1[REDACTED]"),
+    # Credentials in an Authorization value, even with no header name before them.
+    # (a token has a digit or a symbol, or is long: "a bearer token is required" stays readable)
+    (re.compile(r"(?i)\b(bearer\s+)(?:(?=[A-Za-z]*[0-9._~+/=-])[A-Za-z0-9._~+/=-]+|[A-Za-z]{16,})"), r"\1[REDACTED]"),
+    (re.compile(r"(?i)\b(basic\s+)[A-Za-z0-9+/]{8,}={0,2}"), r"\1[REDACTED]"),
+    # user:password@ in URLs.
     (re.compile(r"://([^:/@\s]+):[^@/\s]+@"), r"://\1:[REDACTED]@"),
 ]
 
 
 def scrub(text: str) -> str:
-    """Remove anything that looks like a card number, secret or signature."""
+    """Remove anything that looks like a card number, secret or signature (see the table in tests/test_logs.py)."""
     text = _PAN.sub(_redact_pan, text)
     for pattern, replacement in _SCRUBBERS:
         text = pattern.sub(replacement, text)
-    return text
+    text = _NAMED_EQUALS.sub(_redact_named, text)
+    return _NAMED_COLON.sub(_redact_named, text)
+
+
+def scrub_value(value: Any, name: str = "") -> Any:
+    """``scrub`` through a structure (log extras): a secret-named key loses its value whatever its type."""
+    if name and _SENSITIVE_NAME.match(name):
+        return "[REDACTED]"
+    if isinstance(value, str):
+        return scrub(value)
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        cleaned = scrub(str(value))
+        return value if cleaned == str(value) else cleaned
+    if isinstance(value, dict):
+        return {k: scrub_value(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [scrub_value(v) for v in value]
+    return scrub(str(value))
 
 
 class JsonFormatter(logging.Formatter):
-    """Format a record as one JSON line: time, level, logger, message, extras, exception."""
+    """Format a record as one JSON line: time, level, logger, message, extras, exception; every part scrubbed."""
 
     def format(self, record: logging.LogRecord) -> str:
         doc = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat().replace("+00:00", "Z"),
             "level": record.levelname,
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": scrub(record.getMessage()),
         }
         for key, value in vars(record).items():
             if key not in _STANDARD and not key.startswith("_"):
-                doc[key] = value
+                doc[key] = scrub_value(value, key)
         if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
-        return scrub(json.dumps(doc, default=str, ensure_ascii=False))
+            doc["exc"] = scrub(self.formatException(record.exc_info))
+        # Scrubbed before encoding: JSON's escaping would hide a quoted secret from the patterns.
+        return json.dumps(doc, default=str, ensure_ascii=False)
+
+
+class ScrubFilter(logging.Filter):
+    """Scrubs records of loggers paysync does not format itself (gunicorn's), message and traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = scrub(record.getMessage()), ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = scrub(record.exc_text)
+        return True
+
+
+def scrub_logger(name: str) -> None:
+    """Add ScrubFilter to a logger whose records do not reach paysync's formatter (gunicorn's own)."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, ScrubFilter) for f in logger.filters):
+        logger.addFilter(ScrubFilter())
 
 
 def setup_logging(level: str = "INFO", process: str | None = None) -> None:

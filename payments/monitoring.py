@@ -1,8 +1,17 @@
 """What operators watch, read straight from the database so every process and host agrees.
 
-``snapshot`` is cheap enough to run on every Prometheus scrape: a handful of
-``COUNT … GROUP BY status`` queries on indexed columns. The gateway renders
-it as ``/metrics``.
+Two parts, so a scrape stays cheap when the tables hold millions of rows:
+
+- ``live_counts``: what can pile up (callbacks waiting or failing, payments
+  and refunds not final, outbox, reviews, alerts, breakers). Every count is a
+  range on an index that starts with ``status``, index-only, over rows that
+  are few unless something is wrong; read on every scrape.
+- ``settled_counts``: the rows that only ever grow (processed, rejected and
+  given-up callbacks; succeeded and failed payments and refunds). Counting
+  them scans an index of millions of entries, so the gateway caches them for
+  METRICS_SETTLED_CACHE_SECONDS.
+
+The gateway renders the two as ``/metrics``.
 """
 
 from __future__ import annotations
@@ -13,6 +22,9 @@ from datetime import datetime
 from sqlalchemy import Connection, func, select
 
 from payments.schema import (
+    CB_GAVE_UP,
+    CB_PROCESSED,
+    CB_REJECTED,
     CB_RETRYABLE,
     alert,
     manual_review,
@@ -22,6 +34,7 @@ from payments.schema import (
     provider_breaker,
     refund,
 )
+from payments.states import PaymentStatus
 
 
 @dataclass
@@ -38,6 +51,14 @@ class Snapshot:
     open_breakers: list[str] = field(default_factory=list)
 
 
+SETTLED_CALLBACK = (CB_PROCESSED, CB_REJECTED, CB_GAVE_UP)
+"""Callback statuses rows stay in (until retention or reverify): counted in ``settled_counts``."""
+SETTLED_PAYMENT = (PaymentStatus.SUCCEEDED.value, PaymentStatus.FAILED.value)
+"""Final payment and refund statuses: counted in ``settled_counts``."""
+OPEN_PAYMENT = tuple(s.value for s in PaymentStatus if s.value not in SETTLED_PAYMENT)
+"""The others (named, not NOT IN, so the count is an index range)."""
+
+
 def _grouped(conn: Connection, column, where=None) -> dict:  # noqa: ANN001
     query = select(column, func.count()).group_by(column)
     if where is not None:
@@ -45,15 +66,15 @@ def _grouped(conn: Connection, column, where=None) -> dict:  # noqa: ANN001
     return {key: count for key, count in conn.execute(query)}
 
 
-def snapshot(conn: Connection, now: datetime) -> Snapshot:
-    """Read the current counts."""
+def live_counts(conn: Connection, now: datetime) -> Snapshot:
+    """What can pile up, by index ranges over the few rows not yet settled (no settled counts filled in)."""
     t = payment_callback_log
     oldest = conn.execute(select(func.min(t.c.create_time)).where(t.c.status.in_(CB_RETRYABLE))).scalar()
     return Snapshot(
-        callbacks_by_status=_grouped(conn, t.c.status),
+        callbacks_by_status=_grouped(conn, t.c.status, t.c.status.in_(CB_RETRYABLE)),
         oldest_waiting_callback_seconds=(now - oldest).total_seconds() if oldest else 0.0,
-        payments_by_status=_grouped(conn, payment.c.status),
-        refunds_by_status=_grouped(conn, refund.c.status),
+        payments_by_status=_grouped(conn, payment.c.status, payment.c.status.in_(OPEN_PAYMENT)),
+        refunds_by_status=_grouped(conn, refund.c.status, refund.c.status.in_(OPEN_PAYMENT)),
         outbox_pending_by_type=_grouped(conn, outbox.c.event_type, outbox.c.status == 0),
         manual_review_open=conn.execute(
             select(func.count()).select_from(manual_review).where(manual_review.c.status == "open")
@@ -63,3 +84,35 @@ def snapshot(conn: Connection, now: datetime) -> Snapshot:
             conn.execute(select(provider_breaker.c.provider).where(provider_breaker.c.state == "open")).scalars()
         ),
     )
+
+
+@dataclass
+class Settled:
+    """Counts of rows in their final statuses (large, slow to change: cached by the gateway)."""
+
+    callbacks_by_status: dict[int, int] = field(default_factory=dict)
+    payments_by_status: dict[str, int] = field(default_factory=dict)
+    refunds_by_status: dict[str, int] = field(default_factory=dict)
+
+
+def settled_counts(conn: Connection) -> Settled:
+    """Index-only counts of the settled rows: one range per status, over millions of entries in a busy system."""
+    t = payment_callback_log
+    return Settled(
+        callbacks_by_status=_grouped(conn, t.c.status, t.c.status.in_(SETTLED_CALLBACK)),
+        payments_by_status=_grouped(conn, payment.c.status, payment.c.status.in_(SETTLED_PAYMENT)),
+        refunds_by_status=_grouped(conn, refund.c.status, refund.c.status.in_(SETTLED_PAYMENT)),
+    )
+
+
+def combine(live: Snapshot, settled: Settled) -> Snapshot:
+    """The live snapshot with the settled counts added in."""
+    live.callbacks_by_status = {**settled.callbacks_by_status, **live.callbacks_by_status}
+    live.payments_by_status = {**settled.payments_by_status, **live.payments_by_status}
+    live.refunds_by_status = {**settled.refunds_by_status, **live.refunds_by_status}
+    return live
+
+
+def snapshot(conn: Connection, now: datetime) -> Snapshot:
+    """Every count at once, uncached."""
+    return combine(live_counts(conn, now), settled_counts(conn))

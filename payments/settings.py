@@ -8,7 +8,10 @@ names the variable.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from decimal import Decimal, InvalidOperation
@@ -75,16 +78,33 @@ class Settings:
     """Queue that carries {log_id} from the gateway to the consumer."""
     amqp_quorum_queue: bool = False
     """Declare the queue as a quorum queue (for a RabbitMQ cluster)."""
+    paysync_env: str = "production"
+    """production (the default: refuses weak secrets) or development (dev defaults, one warning)."""
     port: int = 8000
     """Port the gateway listens on."""
     web_workers: int = 2
     """gunicorn worker processes for the gateway."""
-    merchant_api_token: str = "dev-merchant-token"
-    """Bearer token for the merchant API (POST /payments)."""
-    ops_token: str = "dev-ops-token"
-    """Bearer token for /ops/…."""
-    sandbox_webhook_secret: str = "whsec_dev_sandbox"
-    """Shared secret that signs the sandbox platform's notifications."""
+    web_threads: int = 16
+    """Request threads per gateway worker (gunicorn gthread); a stalled client holds one for the read timeout."""
+    web_read_timeout_seconds: float = 5.0
+    """A client that sends nothing for this long in the middle of a request is dropped (SO_RCVTIMEO)."""
+    merchant_api_token: tuple[str, ...] = ()
+    """Bearer token(s) of the merchant API, comma-separated for rotation: every one is accepted."""
+    ops_token: tuple[str, ...] = ()
+    """Bearer token(s) for /ops/… and /metrics from outside METRICS_ALLOW_CIDRS."""
+    metrics_allow_cidrs: tuple[str, ...] = (
+        "127.0.0.0/8",
+        "::1/128",
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "fc00::/7",
+    )
+    """Sources that may scrape /metrics without the ops token (comma-separated CIDRs; empty: token only)."""
+    metrics_settled_cache_seconds: float = 60.0
+    """/metrics reads the counts of settled rows (millions) at most this often per gateway worker."""
+    sandbox_webhook_secret: tuple[str, ...] = ()
+    """Secret(s) of the sandbox platform's notifications; set: the sandbox provider is enabled. The first signs."""
     sandbox_api_url: str = "http://127.0.0.1:8100"
     """Where paysync calls the sandbox payment platform."""
     sandbox_port: int = 8100
@@ -177,8 +197,8 @@ class Settings:
     """Register "sandbox_legacy": the sandbox called without idempotency keys or queries (tests, demos)."""
     merchant_webhook_url: str = ""
     """Where publish_events POSTs domain events (Standard Webhooks); empty: no webhook."""
-    merchant_webhook_secret: str = ""
-    """whsec_<base64> secret that signs those webhooks; required when MERCHANT_WEBHOOK_URL is set."""
+    merchant_webhook_secret: tuple[str, ...] = ()
+    """whsec_<base64> secret(s) of those webhooks, comma-separated (the first signs); required with the URL."""
     merchant_webhook_timeout_seconds: float = 15.0
     """Timeout of one webhook POST; a timeout counts as a failed attempt."""
     events_exchange: str = "paysync.events"
@@ -215,11 +235,16 @@ _PARSERS = {
     "amqp_url": lambda n, v: _url(n, v, ("amqp://", "amqps://")),
     "amqp_queue": lambda n, v: v.strip() or "payment_callbacks",
     "amqp_quorum_queue": _bool,
+    "paysync_env": lambda n, v: _env(n, v),
     "port": lambda n, v: _int(n, v, 1, 65535),
     "web_workers": lambda n, v: _int(n, v, 1, 64),
-    "merchant_api_token": lambda n, v: v,
-    "ops_token": lambda n, v: v,
-    "sandbox_webhook_secret": lambda n, v: v,
+    "web_threads": lambda n, v: _int(n, v, 1, 256),
+    "web_read_timeout_seconds": lambda n, v: _float(n, v, 0.1, 300),
+    "merchant_api_token": lambda n, v: _secrets(n, v),
+    "ops_token": lambda n, v: _secrets(n, v),
+    "metrics_allow_cidrs": lambda n, v: _cidrs(n, v),
+    "metrics_settled_cache_seconds": lambda n, v: _float(n, v, 0, 3600),
+    "sandbox_webhook_secret": lambda n, v: _secrets(n, v),
     "sandbox_api_url": lambda n, v: _url(n, v, ("http://", "https://")),
     "sandbox_port": lambda n, v: _int(n, v, 1, 65535),
     "sandbox_callback_url": lambda n, v: _url(n, v, ("http://", "https://")),
@@ -266,7 +291,7 @@ _PARSERS = {
     "breaker_query_budget": lambda n, v: _int(n, v, 0, 100_000),
     "sandbox_legacy_enabled": _bool,
     "merchant_webhook_url": lambda n, v: _url(n, v, ("http://", "https://")),
-    "merchant_webhook_secret": lambda n, v: _webhook_secret(n, v),
+    "merchant_webhook_secret": lambda n, v: _webhook_secrets(n, v),
     "merchant_webhook_timeout_seconds": lambda n, v: _float(n, v, 0.1, 60),
     "events_exchange": lambda n, v: v.strip() or "paysync.events",
     "event_delivery_max_attempts": lambda n, v: _int(n, v, 1, 1000),
@@ -276,16 +301,44 @@ _PARSERS = {
 }
 
 
-def _webhook_secret(name: str, raw: str) -> str:
-    value = raw.strip()
-    if value:
-        from payments.webhook_signing import MIN_SECRET_BYTES, decode_secret
+def _env(name: str, raw: str) -> str:
+    value = raw.strip().lower() or "production"
+    if value not in ("production", "development"):
+        raise ConfigError(f"{name} must be 'production' or 'development', got {raw[:32]!r}")
+    return value
 
+
+def _secrets(name: str, raw: str) -> tuple[str, ...]:
+    """A comma-separated list of secrets (rotation): every value is accepted, the first signs."""
+    if not raw.strip():
+        return ()
+    values = tuple(v.strip() for v in raw.split(","))
+    if not all(values):
+        # Never echo the value: it is a secret.
+        raise ConfigError(f"{name} has an empty entry in its comma-separated list")
+    return values
+
+
+def _cidrs(name: str, raw: str) -> tuple[str, ...]:
+    values = tuple(v.strip() for v in raw.split(",") if v.strip())
+    for value in values:
+        try:
+            ipaddress.ip_network(value, strict=False)
+        except ValueError:
+            raise ConfigError(f"{name} must be comma-separated CIDRs such as 10.0.0.0/8, got {value[:64]!r}") from None
+    return values
+
+
+def _webhook_secrets(name: str, raw: str) -> tuple[str, ...]:
+    values = _secrets(name, raw)
+    from payments.webhook_signing import MIN_SECRET_BYTES, decode_secret
+
+    for value in values:
         try:
             decode_secret(value, min_bytes=MIN_SECRET_BYTES)
         except ConfigError as exc:  # name the variable, never echo the secret
             raise ConfigError(f"{name}: {exc}") from None
-    return value
+    return values
 
 
 def _rate(name: str, raw: str) -> Decimal:
@@ -321,14 +374,128 @@ def env_name(field_name: str) -> str:
     return field_name.upper()
 
 
+DEV_DEFAULTS: dict[str, tuple[str, ...]] = {
+    "merchant_api_token": ("dev-merchant-token",),
+    "ops_token": ("dev-ops-token",),
+    "sandbox_webhook_secret": ("whsec_dev_sandbox",),
+}
+"""Secrets PAYSYNC_ENV=development fills in when they are not set; production refuses every one of them."""
+
+MIN_SECRET_LENGTH = 24
+"""Shortest secret production accepts (characters)."""
+
+ALWAYS_REQUIRED_SECRETS = ("merchant_api_token", "ops_token")
+"""Secrets every deployment needs, whatever providers it enables."""
+
+
+@dataclass(frozen=True)
+class ProviderSettings:
+    """How one provider is enabled by configuration."""
+
+    secrets: tuple[str, ...]
+    """Its secret settings (field names): any of them set enables it, then all must be, and in production strong."""
+    switch: str | None = None
+    """A boolean setting that must also be true (an optional variant of another provider)."""
+
+
+PROVIDERS: dict[str, ProviderSettings] = {
+    "sandbox": ProviderSettings(secrets=("sandbox_webhook_secret",)),
+    "sandbox_legacy": ProviderSettings(secrets=("sandbox_webhook_secret",), switch="sandbox_legacy_enabled"),
+}
+"""Every provider paysync knows, and the settings that enable it. A new adapter adds its line here."""
+
+
+def enabled_providers(settings: Settings) -> list[str]:
+    """The providers this configuration enables, in PROVIDERS order (see ProviderSettings)."""
+    enabled = []
+    for name, spec in PROVIDERS.items():
+        if spec.switch and not getattr(settings, spec.switch):
+            continue
+        if any(getattr(settings, secret) for secret in spec.secrets):
+            enabled.append(name)
+    return enabled
+
+
+def _weakness(settings: Settings, field_name: str) -> str | None:
+    """Why a secret setting would not do in production, or None."""
+    values = getattr(settings, field_name)
+    if not values:
+        return "is empty"
+    if any(v in DEV_DEFAULTS.get(field_name, ()) for v in values):
+        return "is a development default"
+    if any(len(v) < MIN_SECRET_LENGTH for v in values):
+        return f"is shorter than {MIN_SECRET_LENGTH} characters"
+    return None
+
+
+def check_deployment(settings: Settings) -> str | None:
+    """Refuse (ConfigError) what must not run in production; in development return the one warning, if any.
+
+    Checked: MERCHANT_API_TOKEN, OPS_TOKEN and the secrets of every enabled
+    provider are set, not a development default, and at least
+    MIN_SECRET_LENGTH characters long (every value of a rotation list). A
+    provider with some of its secrets set and others empty is refused in
+    either environment.
+    """
+    enabled = enabled_providers(settings)
+    for name in enabled:
+        missing = [env_name(f) for f in PROVIDERS[name].secrets if not getattr(settings, f)]
+        if missing:
+            raise ConfigError(f"{missing[0]} is empty but provider {name} is partly configured")
+    if settings.sandbox_legacy_enabled and "sandbox_legacy" not in enabled:
+        raise ConfigError("SANDBOX_LEGACY_ENABLED=true needs SANDBOX_WEBHOOK_SECRET")
+    names = list(ALWAYS_REQUIRED_SECRETS)
+    for name in enabled:
+        names += [f for f in PROVIDERS[name].secrets if f not in names]
+    problems = [(env_name(f), why) for f in names if (why := _weakness(settings, f))]
+    if not problems:
+        return None
+    listed = ", ".join(f"{name} {why}" for name, why in problems)
+    if settings.paysync_env == "production":
+        raise ConfigError(
+            f"{problems[0][0]} {problems[0][1]}: PAYSYNC_ENV=production needs secrets of at least "
+            f"{MIN_SECRET_LENGTH} characters that are not development defaults"
+            + (f" (also: {', '.join(n + ' ' + w for n, w in problems[1:])})" if len(problems) > 1 else "")
+        )
+    return f"PAYSYNC_ENV=development, not for real money: {listed}"
+
+
+def start_process(process: str, environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Settings:
+    """Every entry point's first call: load and check the settings, set up logging, warn once in development.
+
+    A bad value prints one line naming the variable to stderr and exits with
+    status 2 (no traceback).
+    """
+    from payments.logs import setup_logging
+
+    try:
+        settings = load_settings(environ)
+        warning = check_deployment(settings)
+    except ConfigError as exc:
+        print(f"{process}: bad configuration: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    setup_logging(settings.log_level, process)
+    if warning and warn:
+        logging.getLogger(f"paysync.{process}").warning(warning)
+    return settings
+
+
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
-    """Build Settings from the environment; raise ConfigError naming the bad variable."""
+    """Build Settings from the environment; raise ConfigError naming the bad variable.
+
+    Parsing only: ``check_deployment`` judges the secrets. In development a
+    secret that is not set takes its DEV_DEFAULTS value; in production it stays
+    empty (and a provider whose secret is empty is not enabled).
+    """
     environ = os.environ if environ is None else environ
     values = {}
     for f in fields(Settings):
         name = env_name(f.name)
         if name in environ:
             values[f.name] = _PARSERS[f.name](name, environ[name])
+    if values.get("paysync_env") == "development":
+        for field_name, default in DEV_DEFAULTS.items():
+            values.setdefault(field_name, default)
     settings = Settings(**values)
     if settings.retry_max_seconds < settings.retry_base_seconds:
         raise ConfigError("RETRY_MAX_SECONDS must be >= RETRY_BASE_SECONDS")

@@ -60,7 +60,7 @@ def build_platform(settings: Settings, *, db_path: str | None = None, dispatch: 
     if dispatch:
         policy = DeliveryPolicy(
             url=settings.sandbox_callback_url,
-            secret=settings.sandbox_webhook_secret,
+            secret=settings.sandbox_webhook_secret[0] if settings.sandbox_webhook_secret else "",
             max_attempts=settings.sandbox_webhook_max_attempts,
             backoff_seconds=settings.sandbox_webhook_backoff_seconds,
         )

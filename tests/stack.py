@@ -54,7 +54,13 @@ class Stack:
 
     def __init__(self, tmp_path: Path, **env: str) -> None:
         self.tmp_path = tmp_path
-        self.env = {"AMQP_URL": "", "SANDBOX_WEBHOOK_SECRET": SECRET, "LOG_LEVEL": "INFO", **env}
+        self.env = {
+            "PAYSYNC_ENV": "development",
+            "AMQP_URL": "",
+            "SANDBOX_WEBHOOK_SECRET": SECRET,
+            "LOG_LEVEL": "INFO",
+            **env,
+        }
         self.procs: list[Proc] = []
         self.proxies: list[TcpProxy] = []
 

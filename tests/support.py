@@ -20,7 +20,7 @@ from sqlalchemy import insert
 
 from payments.db import utcnow
 from payments.schema import payment
-from payments.settings import Settings
+from payments.settings import DEV_DEFAULTS, Settings
 from sandbox import signing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,16 +28,24 @@ SECRET = "whsec_test_secret"
 
 
 def make_settings(**overrides: Any) -> Settings:
-    """Settings for tests: the test secret, fast retries, then ``overrides``."""
-    base = Settings(sandbox_webhook_secret=SECRET, retry_base_seconds=0.01, retry_max_seconds=0.05)
+    """Settings for tests: development, the test secret, fast retries, then ``overrides``."""
+    base = Settings(
+        paysync_env="development",
+        merchant_api_token=DEV_DEFAULTS["merchant_api_token"],
+        ops_token=DEV_DEFAULTS["ops_token"],
+        sandbox_webhook_secret=(SECRET,),
+        retry_base_seconds=0.01,
+        retry_max_seconds=0.05,
+    )
     return replace(base, **overrides)
 
 
 def env_for(settings_env: dict[str, str]) -> dict[str, str]:
-    """A process environment: this one, the venv's bin first on PATH, plus the given settings."""
+    """A process environment: this one, the venv's bin first on PATH, development, plus the given settings."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     env["PYTHONPATH"] = str(ROOT)
+    env.setdefault("PAYSYNC_ENV", "development")
     env.setdefault("SANDBOX_WEBHOOK_SECRET", SECRET)
     env.update(settings_env)
     return env

@@ -82,7 +82,11 @@ def cases(payment_id: str) -> list[Case]:
             "malformed_callback",
             CB_REJECTED,
         ),
-        Case("oversized body", *signed(oversized), 413, "request_entity_too_large", None),
+        # Refused, and still on record: its first CALLBACK_MAX_BODY_BYTES, rejected (invariant 2).
+        Case("oversized body", *signed(oversized), 413, "body_too_large", CB_REJECTED),
+        Case(
+            "wrong content type", *_content_type(payment_id, "text/plain"), 415, "unsupported_content_type", CB_REJECTED
+        ),
         # Header bytes past ASCII arrive as latin-1 text: a bad signature (401), not a 500 retried into status 4.
         Case(
             "non-ascii signature",
@@ -93,6 +97,11 @@ def cases(payment_id: str) -> list[Case]:
         ),
         Case("non-ascii timestamp", *_signature_header(payment_id, "t=\u00b2"), 401, "invalid_signature", CB_REJECTED),
     ]
+
+
+def _content_type(payment_id: str, content_type: str) -> tuple[bytes, dict]:
+    body, headers = signed(sandbox_event(payment_id))
+    return body, {**headers, "Content-Type": content_type}
 
 
 def _signature_header(payment_id: str, part: str) -> tuple[bytes, dict]:
@@ -123,7 +132,12 @@ def test_a_body_of_exactly_256_kib_is_accepted_and_one_byte_more_is_413(engine):
     assert client.post("/callbacks/sandbox", data=at_limit, headers=signed(at_limit)[1]).status_code == 200
     over = exactly(MAX_BODY + 1, payment_id)
     assert client.post("/callbacks/sandbox", data=over, headers=signed(over)[1]).status_code == 413
-    assert [bytes(r.callback_data) for r in callback_rows(engine)] == [at_limit]
+    rows = callback_rows(engine)
+    assert [(bytes(r.callback_data), r.status) for r in rows] == [
+        (at_limit, CB_PENDING),
+        (over[:MAX_BODY], CB_REJECTED),
+    ]
+    assert rows[1].result.startswith("rejected: body_too_large")
 
 
 def _client(engine):  # noqa: ANN001, ANN202
@@ -148,7 +162,7 @@ def test_each_delivery_gets_its_documented_answer_and_status_and_no_row_is_lost(
             continue
         assert len(rows) == before + 1, f"{case.name}: the delivery must be stored"
         row = rows[-1]
-        assert bytes(row.callback_data) == case.body, case.name
+        assert bytes(row.callback_data) == case.body[:MAX_BODY], case.name
         assert row.status == case.stored_status, case.name
         assert row.provider == "sandbox" and row.remote_addr
         if case.stored_status == CB_REJECTED:
@@ -204,17 +218,18 @@ def test_the_real_gunicorn_gateway_answers_every_case_and_loses_no_row(mariadb, 
                     assert answer.json()["error"]["code"] == case.error_code, case.name
             except OSError:
                 # gunicorn may answer 413 and close before the client finished sending the oversized body
-                status = 413 if case.stored_status is None else -1
+                status = 413 if case.error_code == "body_too_large" else -1
             assert status == case.http_status, case.name
             if case.stored_status is not None:
-                expected.append((case.body, case.stored_status))
-        # Chunked bodies carry no Content-Length: the limit must hold for them too, without truncating.
+                expected.append((case.body[:MAX_BODY], case.stored_status))
+        # Chunked bodies carry no Content-Length: the limit must hold for them too, and the row says it is cut.
         over = exactly(MAX_BODY + 10_000, payment_id)
         try:
             status = post(port, _chunked(over), signed(over)[1]).status_code
         except OSError:
             status = 413
         assert status == 413
+        expected.append((over[:MAX_BODY], CB_REJECTED))
         at_limit = exactly(MAX_BODY, payment_id)
         assert post(port, _chunked(at_limit), signed(at_limit)[1]).status_code == 200
         expected.append((at_limit, CB_PENDING))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import create_app
@@ -55,3 +57,49 @@ def test_it_still_answers_when_the_database_is_down(mariadb):
         assert samples(response.get_data(as_text=True))[("paysync_database_up", ())] == 0
     finally:
         proxy.close()
+
+
+OUTSIDE = {"REMOTE_ADDR": "203.0.113.7"}
+
+
+def test_only_allowed_sources_or_the_ops_token_may_scrape(engine, settings):
+    client = create_app(settings, engine=engine).test_client()
+    ops = settings.ops_token[0]
+    assert client.get("/metrics").status_code == 200  # loopback is allowed by default
+    assert client.get("/metrics", environ_base={"REMOTE_ADDR": "10.1.2.3"}).status_code == 200
+    refused = client.get("/metrics", environ_base=OUTSIDE)
+    assert refused.status_code == 403 and refused.get_json()["error"]["code"] == "forbidden"
+    # A header anyone can write is not believed; a wrong token or the merchant's token is not the ops token.
+    assert client.get("/metrics", environ_base=OUTSIDE, headers={"X-Forwarded-For": "127.0.0.1"}).status_code == 403
+    for token in ("nope", settings.merchant_api_token[0]):
+        headers = {"Authorization": f"Bearer {token}"}
+        assert client.get("/metrics", environ_base=OUTSIDE, headers=headers).status_code == 403
+    headers = {"Authorization": f"Bearer {ops}"}
+    assert client.get("/metrics", environ_base=OUTSIDE, headers=headers).status_code == 200
+
+
+def test_with_no_allowed_sources_even_loopback_needs_the_token(engine, settings):
+    client = create_app(replace(settings, metrics_allow_cidrs=()), engine=engine).test_client()
+    assert client.get("/metrics").status_code == 403
+    headers = {"Authorization": f"Bearer {settings.ops_token[0]}"}
+    assert client.get("/metrics", headers=headers).status_code == 200
+
+
+def test_settled_counts_are_cached_and_what_can_pile_up_is_not(engine, settings):
+    providers = build_providers(settings)
+    client = create_app(replace(settings, metrics_settled_cache_seconds=3600), engine=engine).test_client()
+
+    def callbacks() -> dict[str, float]:
+        got = samples(client.get("/metrics").get_data(as_text=True))
+        return {labels[0][1]: v for (name, labels), v in got.items() if name == "paysync_callbacks"}
+
+    assert callbacks()["processed"] == 0
+    body, headers = signed(sandbox_event(create_payment(engine)))
+    log_id = store_callback(engine, provider="sandbox", body=body, headers=headers, remote_addr=None)
+    assert callbacks()["pending"] == 1  # read on every scrape
+    process_callback(engine, providers, log_id, RetryPolicy())
+    after = callbacks()
+    assert after["pending"] == 0 and after["processed"] == 0  # the settled count is the cached one
+    fresh = create_app(replace(settings, metrics_settled_cache_seconds=0), engine=engine).test_client()
+    got = samples(fresh.get("/metrics").get_data(as_text=True))
+    assert got[("paysync_callbacks", (("status", "processed"),))] == 1

@@ -31,7 +31,7 @@ class NoPublisher:
 def app(mariadb):
     settings = make_settings(
         database_url=mariadb.url.render_as_string(hide_password=False),
-        merchant_api_token=TOKEN,
+        merchant_api_token=(TOKEN,),
         merchant_max_amount=1_000_000,
     )
     return create_app(settings, engine=mariadb, publisher=NoPublisher())
@@ -224,3 +224,49 @@ def test_get_shows_status_ledger_and_sources(client):
     assert [e["event_type"] for e in shown["ledger"]] == ["PaymentRequested"]
     assert shown["provider_calls"] == [] and shown["callbacks"] == []
     assert client.get("/payments/pay_nope", headers=AUTH).status_code == 404
+
+
+@pytest.mark.mariadb
+def test_get_lists_only_verified_callbacks_and_rejected_ones_apart_with_their_reason(app, client, mariadb):
+    from payments.backoff import RetryPolicy
+    from payments.callbacks import process_callback, store_callback
+    from tests.support import create_payment, sandbox_event, signed
+
+    payment_id = create_payment(mariadb, amount=1999)
+    other_id = create_payment(mariadb)
+
+    def deliver(event, **sign) -> None:
+        data, headers = signed(event, **sign)
+        answer = client.post("/callbacks/sandbox", data=data, headers=headers)
+        assert answer.status_code in (200, 401), answer.get_data(as_text=True)
+
+    def store(data: bytes, headers: dict) -> int:  # as the gateway stores, with the unverified index
+        index = app.extensions["paysync"]["providers"]["sandbox"].peek_callback(data)
+        return store_callback(mariadb, provider="sandbox", body=data, headers=headers, remote_addr="x", index=index)
+
+    # A forgery that claims our payment succeeded: stored, rejected, and not shown as what it claims.
+    deliver(sandbox_event(payment_id, amount=1999, event_type="charge.failed"), secret="whsec_forged_" + "f" * 20)
+    # A genuine success, processed; and a forgery about another payment, which is not ours to show.
+    deliver(sandbox_event(payment_id, amount=1999))
+    deliver(sandbox_event(other_id), secret="whsec_forged_" + "f" * 20)
+    # Stored but not processed yet: a genuine one is listed as verified, a forged one (its rejection not yet
+    # recorded) as rejected, by verifying the stored row now.
+    late_body, late_headers = signed(sandbox_event(payment_id, amount=1999))
+    late = store(late_body, late_headers)
+    forged_body, forged_headers = signed(sandbox_event(payment_id, amount=1999), secret="whsec_forged_" + "f" * 20)
+    unmarked = store(forged_body, forged_headers)
+    with mariadb.connect() as conn:
+        genuine = conn.exec_driver_sql("SELECT id FROM payment_callback_log WHERE status = 0 ORDER BY id").scalars()
+        genuine = [i for i in genuine if i not in (late, unmarked)][0]
+    process_callback(mariadb, app.extensions["paysync"]["providers"], genuine, RetryPolicy())
+
+    shown = client.get(f"/payments/{payment_id}", headers=AUTH).get_json()
+    assert shown["status"] == "Succeeded"
+    assert [c["source"] for c in shown["callbacks"]] == [f"callback:{genuine}", f"callback:{late}"]
+    assert all(c["event_type"] == "charge.succeeded" for c in shown["callbacks"])
+    rejected = shown["rejected_callbacks"]
+    assert len(rejected) == 2 and rejected[1]["source"] == f"callback:{unmarked}"
+    assert all(r["reason"].startswith("invalid_signature") for r in rejected)
+    assert all(set(r) == {"source", "reason", "received_at"} for r in rejected)  # nothing of what they claim
+    assert "charge.failed" not in json.dumps(shown)
+    assert client.get(f"/payments/{other_id}", headers=AUTH).get_json()["rejected_callbacks"][0]["reason"]

@@ -153,7 +153,7 @@ def runtime_for(engine, **overrides):
 
 
 def webhook_settings(receiver: Receiver, **more) -> dict:
-    return {"merchant_webhook_url": receiver.url, "merchant_webhook_secret": WEBHOOK_SECRET, **more}
+    return {"merchant_webhook_url": receiver.url, "merchant_webhook_secret": (WEBHOOK_SECRET,), **more}
 
 
 def add_event(engine, event_type: str = "PaymentSucceeded", payment_id: str | None = None, now=None) -> str:

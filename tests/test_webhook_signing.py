@@ -124,10 +124,10 @@ def test_settings_need_a_secret_when_the_webhook_url_is_set():
     settings = load_settings(
         {"MERCHANT_WEBHOOK_URL": "https://orders.example.com/hooks", "MERCHANT_WEBHOOK_SECRET": SPEC_SECRET}
     )
-    assert settings.merchant_webhook_secret == SPEC_SECRET
+    assert settings.merchant_webhook_secret == (SPEC_SECRET,)
     assert settings.events_exchange == "paysync.events"
 
 
 def test_settings_default_to_no_webhook():
     settings = load_settings({})
-    assert settings.merchant_webhook_url == "" and settings.merchant_webhook_secret == ""
+    assert settings.merchant_webhook_url == "" and settings.merchant_webhook_secret == ()

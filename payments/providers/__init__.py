@@ -1,25 +1,33 @@
-"""Provider adapters, by the name used in URLs and the ``provider`` columns."""
+"""Provider adapters, by the name used in URLs and the ``provider`` columns.
+
+A provider exists only when its configuration enables it
+(``payments.settings.PROVIDERS``: its secrets are set). One that is not
+enabled has no callback route (404, nothing stored) and cannot be named in
+POST /payments (400). A new adapter adds its factory to ``FACTORIES`` and its
+settings to ``payments.settings.PROVIDERS``.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from payments.errors import UnknownProvider
 from payments.providers.base import Provider
 from payments.providers.sandbox import LegacySandboxProvider, SandboxProvider
-from payments.settings import Settings
+from payments.settings import Settings, enabled_providers
+
+FACTORIES: dict[str, Callable[[Settings], Provider]] = {
+    "sandbox": lambda s: SandboxProvider(s.sandbox_webhook_secret, s.callback_tolerance_seconds, s.sandbox_api_url),
+    "sandbox_legacy": lambda s: LegacySandboxProvider(
+        s.sandbox_webhook_secret, s.callback_tolerance_seconds, s.sandbox_api_url
+    ),
+}
+"""How to build each adapter from the settings, by provider name."""
 
 
 def build_providers(settings: Settings) -> dict[str, Provider]:
-    """Every configured adapter, keyed by provider name."""
-    providers: dict[str, Provider] = {
-        "sandbox": SandboxProvider(
-            settings.sandbox_webhook_secret, settings.callback_tolerance_seconds, settings.sandbox_api_url
-        ),
-    }
-    if settings.sandbox_legacy_enabled:
-        providers["sandbox_legacy"] = LegacySandboxProvider(
-            settings.sandbox_webhook_secret, settings.callback_tolerance_seconds, settings.sandbox_api_url
-        )
-    return providers
+    """The adapters this configuration enables, keyed by provider name."""
+    return {name: FACTORIES[name](settings) for name in enabled_providers(settings) if name in FACTORIES}
 
 
 def get_provider(providers: dict[str, Provider], name: str) -> Provider:

@@ -162,6 +162,9 @@ class Provider:
     capabilities: Capabilities = Capabilities()
     callback_headers: tuple[str, ...] = ()
     """Request headers stored with each raw callback (needed to re-verify it later)."""
+    callback_content_types: tuple[str, ...] = ()
+    """Media types its notifications come as (Content-Type without parameters); empty: any. A delivery naming
+    another is rejected (415); Content-Type must then be one of ``callback_headers``, to re-verify it later."""
 
     def parse_callback(self, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
         """Verify and read one notification; raise CallbackRejected (status 3) if it is not genuine or not readable."""

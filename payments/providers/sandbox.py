@@ -118,14 +118,16 @@ class SandboxProvider(Provider):
     name = "sandbox"
     capabilities = Capabilities(idempotency_keys=True, query_by_merchant_id=True)
     callback_headers = (signing.HEADER, "Content-Type", "User-Agent")
+    callback_content_types = ("application/json",)
 
     def __init__(
         self,
-        webhook_secret: str,
+        webhook_secret: str | tuple[str, ...],
         tolerance_seconds: int = signing.DEFAULT_TOLERANCE_SECONDS,
         api_url: str = "http://127.0.0.1:8100",
     ) -> None:
-        self._secret = webhook_secret
+        # Rotation: every listed secret is accepted (SANDBOX_WEBHOOK_SECRET is a comma-separated list).
+        self._secrets = (webhook_secret,) if isinstance(webhook_secret, str) else tuple(webhook_secret)
         self._tolerance = tolerance_seconds
         self._api_url = api_url.rstrip("/")
         self._local = threading.local()  # one requests.Session (connection pool) per thread
@@ -202,13 +204,19 @@ class SandboxProvider(Provider):
         return list(csv.DictReader(io.StringIO(response.text)))
 
     def parse_callback(self, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
-        """Verify the Sandbox-Signature header, then read the event."""
-        try:
-            signing.verify(self._secret, body, _header(headers, signing.HEADER), now=now, tolerance=self._tolerance)
-        except signing.TimestampError as exc:
-            raise TimestampOutOfTolerance(str(exc)) from None
-        except signing.SignatureError as exc:
-            raise SignatureInvalid(str(exc)) from None
+        """Verify the Sandbox-Signature header against each configured secret, then read the event."""
+        header = _header(headers, signing.HEADER)
+        error: Exception = signing.SignatureError("no webhook secret configured")
+        for secret in self._secrets:
+            try:
+                signing.verify(secret, body, header, now=now, tolerance=self._tolerance)
+                break
+            except signing.TimestampError as exc:
+                raise TimestampOutOfTolerance(str(exc)) from None
+            except signing.SignatureError as exc:
+                error = exc
+        else:
+            raise SignatureInvalid(str(error)) from None
         try:
             payload = json.loads(body)
         except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly deep nesting
