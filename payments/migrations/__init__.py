@@ -31,6 +31,7 @@ from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, MetaData, inspect, text
 
 from payments.errors import PaysyncError
@@ -93,7 +94,7 @@ def upgrade(engine: Engine, target: str = "head") -> Upgrade:
         before = current_revision(conn)
         if before == head:
             return Upgrade(before, head, recognised_unversioned=False)
-        if before is not None and script_directory().get_revision(before) is None:
+        if before is not None and not _known(before):
             raise SchemaMismatch(
                 f"the database is at revision {before}, which this code does not have (newer code's database?)"
             )
@@ -116,6 +117,13 @@ def upgrade(engine: Engine, target: str = "head") -> Upgrade:
             command.stamp(config, FIRST_REVISION)
         command.upgrade(config, target)
         return Upgrade(before, current_revision(conn) or "", recognised_unversioned=unversioned)
+
+
+def _known(revision: str) -> bool:
+    try:
+        return script_directory().get_revision(revision) is not None
+    except CommandError:
+        return False
 
 
 def _paysync_tables(conn: Connection) -> set[str]:
