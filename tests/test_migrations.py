@@ -305,6 +305,15 @@ def test_a_database_at_a_revision_this_code_does_not_have_is_refused(scratch):
         init_db(engine)
 
 
+def test_a_recorded_revision_without_its_tables_is_refused(scratch):
+    engine = scratch()
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {VERSION_TABLE} (version_num VARCHAR(32) NOT NULL PRIMARY KEY)"))
+        conn.execute(text(f"INSERT INTO {VERSION_TABLE} VALUES ('{FIRST_REVISION}')"))
+    with pytest.raises(SchemaMismatch, match=f"says revision {FIRST_REVISION} but paysync's tables are missing"):
+        init_db(engine)
+
+
 def test_init_db_waits_while_another_holds_the_migration_lock(scratch):
     engine = scratch()
     other = make_engine(engine.url.render_as_string(hide_password=False))

@@ -8,7 +8,9 @@
   only if it matches; otherwise nothing is touched and :class:`SchemaMismatch`
   lists what differs;
 - a database at an earlier revision gets the later ones;
-- a database at the newest revision costs one SELECT.
+- a database at the newest revision is left alone (two cheap queries);
+- a database whose version table names a revision this code lacks, or
+  whose tables are gone, is refused.
 
 Revisions only go forward and never drop data; there is no downgrade.
 Two processes upgrading at once are serialised: on MariaDB/MySQL by
@@ -92,6 +94,11 @@ def upgrade(engine: Engine, target: str = "head") -> Upgrade:
     head = head_revision() if target == "head" else target
     with _migration_lock(engine) as conn:
         before = current_revision(conn)
+        if before is not None and not _paysync_tables(conn):
+            raise SchemaMismatch(
+                f"{VERSION_TABLE} says revision {before} but paysync's tables are missing: restore them, "
+                f"or drop {VERSION_TABLE} to build the schema afresh"
+            )
         if before == head:
             return Upgrade(before, head, recognised_unversioned=False)
         if before is not None and not _known(before):
