@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 
 from payments.db import make_engine, schema_sql
 from payments.errors import ConfigError, PaysyncError
@@ -63,16 +64,17 @@ def _init_db(url: str) -> int:
 
 
 def _migration_diff(url: str | None, message: str) -> int:
-    from payments.migrations.draft import draft_revision, throwaway_sqlite_url
+    from payments.migrations.draft import draft_revision
 
-    engine = make_engine(url or throwaway_sqlite_url())
-    try:
-        draft = draft_revision(engine, message)
-    except PaysyncError as exc:
-        print(f"paysync: migration-diff: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        engine.dispose()
+    with tempfile.TemporaryDirectory(prefix="paysync-migration-diff-") as scratch:
+        engine = make_engine(url or f"sqlite:///{scratch}/head.db")
+        try:
+            draft = draft_revision(engine, message)
+        except PaysyncError as exc:
+            print(f"paysync: migration-diff: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            engine.dispose()
     if not draft.differences:
         print(f"no differences: the head revision matches payments/schema.py (compared on {engine.dialect.name})")
         return 0

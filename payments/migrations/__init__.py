@@ -44,8 +44,6 @@ FIRST_REVISION = "0001"
 LOCK_TIMEOUT_SECONDS = 60
 """How long an init-db waits for another one (MariaDB) before giving up."""
 
-__all__ = ["VERSION_TABLE", "SchemaMismatch", "Upgrade", "head_revision", "upgrade"]
-
 
 class SchemaMismatch(PaysyncError):
     """The database is not in a state any revision describes; init-db changed nothing."""
@@ -123,7 +121,7 @@ def upgrade(engine: Engine, target: str = "head") -> Upgrade:
         if unversioned:
             command.stamp(config, FIRST_REVISION)
         command.upgrade(config, target)
-        return Upgrade(before, current_revision(conn) or "", recognised_unversioned=unversioned)
+        return Upgrade(before, head, recognised_unversioned=unversioned)
 
 
 def _known(revision: str) -> bool:
@@ -155,7 +153,7 @@ def revision_schema(revision: str, dialect_name: str) -> tuple[MetaData, list[st
     offline = {"as_sql": True, "output_buffer": io.StringIO()}
     context = MigrationContext.configure(dialect_name=dialect_name, opts=offline)
     tables, statements = MetaData(), []
-    impl = context.impl
+    impl = context.impl  # this context's own object: wrapping its methods affects nothing else
     create_table, execute = impl.create_table, impl.execute
 
     def record_table(table, **kw):  # noqa: ANN001, ANN202

@@ -11,7 +11,6 @@ finished revision: see README "How to change the schema".
 from __future__ import annotations
 
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,11 +83,6 @@ def downgrade() -> None:
     raise NotImplementedError("paysync migrations are forward-only: restore a backup to go back")
 '''
     return Draft(found, revision, f"{revision}_{slug}.py", text)
-
-
-def throwaway_sqlite_url() -> str:
-    """A SQLite file in a new temporary directory (left for the OS to clean)."""
-    return f"sqlite:///{tempfile.mkdtemp(prefix='paysync-migration-diff-')}/head.db"
 
 
 def _alembic_ops(conn: Connection, schema: MetaData) -> list[str]:
