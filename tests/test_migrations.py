@@ -53,8 +53,9 @@ from tests.support import ROOT, env_for
 REVISIONS = [script.revision for script in reversed(list(script_directory().walk_revisions()))]
 DATA = Path(__file__).parent / "data"
 WRITE_A_MIGRATION = (
-    "payments/schema.py and payments/migrations disagree: add a revision under payments/migrations/versions "
-    "(README 'How to change the schema'; `python -m payments migration-diff` drafts one).\n"
+    "payments/schema.py and payments/migrations disagree: write a migration, a revision under "
+    "payments/migrations/versions (README 'How to change the schema'; `python -m payments migration-diff` "
+    "drafts one).\n"
 )
 
 
