@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import functools
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from alembic import command
 from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
+from alembic.runtime.environment import EnvironmentContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, MetaData, inspect, text
@@ -115,13 +115,22 @@ def upgrade(engine: Engine, target: str = "head") -> Upgrade:
                 )
         if conn.in_transaction() and conn.dialect.name != "sqlite":
             conn.commit()  # let Alembic commit each revision on its own (see env.py)
-        config = Config()
-        config.set_main_option("script_location", str(MIGRATIONS_DIR))
-        config.attributes["connection"] = conn
+        script = script_directory()
         if unversioned:
-            command.stamp(config, FIRST_REVISION)
-        command.upgrade(config, target)
+            _run_env(conn, lambda rev, _context: script._stamp_revs((FIRST_REVISION,), rev), FIRST_REVISION)
+        _run_env(conn, lambda rev, _context: script._upgrade_revs(target, rev), target)
         return Upgrade(before, head, recognised_unversioned=unversioned)
+
+
+def _run_env(conn: Connection, steps: Callable, destination: str) -> None:
+    # What alembic.command.stamp/upgrade do, with the revisions read once per process instead of
+    # once per call (the test suite builds a schema for nearly every test). env.py runs the steps.
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["connection"] = conn
+    script = script_directory()
+    with EnvironmentContext(config, script, fn=steps, destination_rev=destination):
+        script.run_env()
 
 
 def _known(revision: str) -> bool:
