@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
 from sqlalchemy import Engine, text  # noqa: E402
 
 from payments.db import init_db, make_engine  # noqa: E402
+from payments.migrations import VERSION_TABLE  # noqa: E402
 from payments.schema import metadata  # noqa: E402
 from sandbox import signing  # noqa: E402
 
@@ -59,6 +60,7 @@ def prepare_database(url: str) -> Engine:
         for table in reversed(metadata.sorted_tables):
             conn.execute(text(f"DROP TABLE IF EXISTS `{table.name}`"))
         conn.execute(text("DROP TABLE IF EXISTS bench_insert_only"))
+        conn.execute(text(f"DROP TABLE IF EXISTS {VERSION_TABLE}"))
     init_db(engine)
     with engine.begin() as conn:
         conn.execute(text(INSERT_ONLY_DDL))

@@ -1,11 +1,14 @@
-"""``python -m payments init-db`` creates the schema; ``schema-sql`` prints the MySQL DDL."""
+"""``python -m payments``: ``init-db`` migrates the schema, ``schema-sql`` prints the MySQL DDL,
+``migration-diff`` drafts the next migration."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 
-from payments.db import init_db, make_engine, schema_sql
+from payments.db import make_engine, schema_sql
+from payments.errors import PaysyncError
 from payments.settings import start_process
 
 
@@ -13,17 +16,71 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point for the payments command line."""
     parser = argparse.ArgumentParser(prog="python -m payments")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("init-db", help="create every missing table, index and trigger in DATABASE_URL")
+    sub.add_parser("init-db", help="upgrade DATABASE_URL to the newest schema revision (creates it when empty)")
     sub.add_parser("schema-sql", help="print the MySQL/MariaDB DDL (what schema.sql holds)")
+    diff = sub.add_parser(
+        "migration-diff",
+        help="print what payments/schema.py has that the newest revision lacks, as a draft revision file",
+    )
+    diff.add_argument(
+        "--url",
+        help="a scratch database to upgrade to head and compare (default: a throwaway SQLite file)",
+    )
+    diff.add_argument("-m", "--message", default="describe the change", help="the draft revision's title")
     args = parser.parse_args(argv)
     if args.command == "schema-sql":
         sys.stdout.write(schema_sql())
         return 0
+    if args.command == "migration-diff":
+        return _migration_diff(args.url, args.message)
     settings = start_process("paysync")
-    engine = make_engine(settings.database_url)
-    init_db(engine)
-    print(f"schema ready in {engine.url.render_as_string(hide_password=True)}")
+    return _init_db(settings.database_url)
+
+
+def _init_db(url: str) -> int:
+    from payments.migrations import upgrade
+
+    engine = make_engine(url)
+    where = engine.url.render_as_string(hide_password=True)
+    try:
+        done = upgrade(engine)
+    except PaysyncError as exc:
+        print(f"paysync: init-db: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.dispose()
+    if done.before == done.after:
+        print(f"schema already at revision {done.after} in {where}")
+    else:
+        was = "empty" if done.before is None else f"at revision {done.before}"
+        if done.recognised_unversioned:
+            was = "made before migrations, recognised as revision 0001"
+        print(f"schema upgraded to revision {done.after} in {where} (was {was})")
     return 0
+
+
+def _migration_diff(url: str | None, message: str) -> int:
+    from payments.migrations.draft import draft_revision
+
+    with tempfile.TemporaryDirectory(prefix="paysync-migration-diff-") as scratch:
+        engine = make_engine(url or f"sqlite:///{scratch}/head.db")
+        try:
+            draft = draft_revision(engine, message)
+        except PaysyncError as exc:
+            print(f"paysync: migration-diff: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            engine.dispose()
+    if not draft.differences:
+        print(f"no differences: the head revision matches payments/schema.py (compared on {engine.dialect.name})")
+        return 0
+    sys.stdout.write(draft.text)
+    print(
+        f"{len(draft.differences)} difference(s); read the draft, then save it as "
+        f"payments/migrations/versions/{draft.filename}",
+        file=sys.stderr,
+    )
+    return 1
 
 
 if __name__ == "__main__":

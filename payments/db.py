@@ -90,11 +90,10 @@ def _sqlite_engine(url: str, **kwargs: Any) -> Engine:
 
 
 def init_db(engine: Engine) -> None:
-    """Create every table, index and trigger that is missing; safe to run again."""
-    metadata.create_all(engine, checkfirst=True)
-    with engine.begin() as conn:
-        for statement in trigger_ddl(engine.dialect.name):
-            conn.exec_driver_sql(statement)
+    """Bring the schema to the newest migration (payments/migrations); safe to run again, and concurrently."""
+    from payments.migrations import upgrade  # Alembic is only needed here, not by every process that imports db
+
+    upgrade(engine)
 
 
 def schema_sql() -> str:

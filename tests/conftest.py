@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import text
 
 from payments.db import init_db, make_engine
+from payments.migrations import VERSION_TABLE
 from payments.schema import metadata
 from payments.settings import Settings
 from tests.support import make_settings
@@ -46,11 +47,16 @@ def mariadb_engine():
 
 
 def _create_database(engine) -> None:
-    """CREATE DATABASE IF NOT EXISTS for the URL's database, so each checkout can use its own."""
+    """Create the URL's database afresh, so each checkout has its own and init_db builds it from the first revision.
+
+    Dropped first: a database left by an earlier run of another branch may hold
+    tables its migrations do not know.
+    """
     server = make_engine(engine.url.set(database="").render_as_string(hide_password=False))
     try:
         with server.begin() as conn:
-            conn.execute(text(f"CREATE DATABASE IF NOT EXISTS `{engine.url.database}` CHARACTER SET utf8mb4"))
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{engine.url.database}`"))
+            conn.execute(text(f"CREATE DATABASE `{engine.url.database}` CHARACTER SET utf8mb4"))
     finally:
         server.dispose()
 
@@ -61,6 +67,7 @@ def truncate_all(engine) -> None:
         if engine.dialect.name == "sqlite":
             # SQLite has no TRUNCATE; the ledger triggers refuse DELETE, so drop and recreate instead.
             metadata.drop_all(conn)
+            conn.execute(text(f"DROP TABLE IF EXISTS {VERSION_TABLE}"))
         else:
             conn.execute(text("SET FOREIGN_KEY_CHECKS = 0"))
             for table in metadata.sorted_tables:

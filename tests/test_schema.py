@@ -1,4 +1,8 @@
-"""schema.sql is the MySQL/MariaDB DDL the code creates: generated from it, and identical once applied."""
+"""schema.sql is the MySQL/MariaDB DDL the code creates: generated from it, and identical once applied.
+
+Identical except for column order, which is not compared: init-db builds the schema through the
+migrations, whose ADD COLUMN appends (tests/schema_describe.py).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import pytest
 from sqlalchemy import text
 
 from payments.db import init_db, make_engine, schema_sql
+from tests.schema_describe import describe
 from tests.support import ROOT
 
 SCHEMA_FILE = ROOT / "schema.sql"
@@ -27,28 +32,6 @@ def split_statements(sql: str) -> list[str]:
         if lines:
             statements.append("\n".join(lines))
     return statements
-
-
-def describe(engine) -> dict[str, list[tuple]]:  # noqa: ANN001
-    """Tables, columns, indexes and triggers of the engine's database, as comparable rows."""
-    queries = {
-        "tables": """SELECT TABLE_NAME, ENGINE, TABLE_COLLATION, TABLE_COMMENT FROM information_schema.TABLES
-                     WHERE TABLE_SCHEMA = DATABASE() ORDER BY TABLE_NAME""",
-        "columns": """SELECT TABLE_NAME, COLUMN_NAME, ORDINAL_POSITION, COLUMN_TYPE, IS_NULLABLE, COLUMN_DEFAULT,
-                             EXTRA, CHARACTER_SET_NAME, COLLATION_NAME, COLUMN_COMMENT
-                      FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()
-                      ORDER BY TABLE_NAME, ORDINAL_POSITION""",
-        "indexes": """SELECT TABLE_NAME, INDEX_NAME, NON_UNIQUE, SEQ_IN_INDEX, COLUMN_NAME, SUB_PART
-                      FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE()
-                      ORDER BY TABLE_NAME, INDEX_NAME, SEQ_IN_INDEX""",
-        "checks": """SELECT TABLE_NAME, CONSTRAINT_NAME, CHECK_CLAUSE FROM information_schema.CHECK_CONSTRAINTS
-                     WHERE CONSTRAINT_SCHEMA = DATABASE() ORDER BY TABLE_NAME, CONSTRAINT_NAME""",
-        "triggers": """SELECT TRIGGER_NAME, EVENT_MANIPULATION, EVENT_OBJECT_TABLE, ACTION_TIMING, ACTION_ORIENTATION,
-                              ACTION_STATEMENT
-                       FROM information_schema.TRIGGERS WHERE TRIGGER_SCHEMA = DATABASE() ORDER BY TRIGGER_NAME""",
-    }
-    with engine.connect() as conn:
-        return {name: [tuple(row) for row in conn.execute(text(sql))] for name, sql in queries.items()}
 
 
 @pytest.fixture

@@ -1,0 +1,272 @@
+-- schema.sql as it stood before migrations (commit 135280c): what init-db created on MariaDB then.
+-- tests/test_migrations.py builds an unversioned database from it; never regenerate it.
+
+CREATE TABLE alert (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	rule VARCHAR(64) NOT NULL COMMENT 'callback_backlog, callback_failure_rate, callback_gave_up, …',
+	dedupe_key VARCHAR(191) NOT NULL,
+	open_key VARCHAR(191) COMMENT '= dedupe_key while pending/firing, NULL once resolved',
+	severity VARCHAR(16) NOT NULL,
+	status VARCHAR(16) NOT NULL COMMENT 'pending (condition seen, not long enough), firing, resolved',
+	message VARCHAR(500) NOT NULL,
+	details TEXT COMMENT 'JSON',
+	first_seen_at DATETIME(6) NOT NULL,
+	last_seen_at DATETIME(6) NOT NULL,
+	fired_at DATETIME(6),
+	resolved_at DATETIME(6),
+	notified_at DATETIME(6) COMMENT 'when channels were last told',
+	PRIMARY KEY (id),
+	CONSTRAINT uq_alert_open_key UNIQUE (open_key)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Alerts: at most one open row per dedupe key; resolved rows stay as history.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_alert_status ON alert (status);
+
+CREATE TABLE event_delivery (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	event_id VARCHAR(40) NOT NULL COMMENT 'outbox.event_id of a domain event',
+	destination VARCHAR(16) NOT NULL COMMENT 'amqp (the paysync.events exchange) or webhook',
+	status SMALLINT NOT NULL COMMENT '0 pending 1 delivered 2 gave up (manual)',
+	attempts INTEGER NOT NULL COMMENT 'failed attempts so far',
+	next_attempt_at DATETIME(6) NOT NULL,
+	last_error VARCHAR(500),
+	last_http_status SMALLINT COMMENT 'webhook: the merchant''s last answer',
+	delivered_at DATETIME(6),
+	created_at DATETIME(6) NOT NULL,
+	updated_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (id),
+	CONSTRAINT uq_event_delivery UNIQUE (event_id, destination),
+	CONSTRAINT ck_event_delivery_status CHECK (status IN (0, 1, 2))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Per-destination delivery state of domain events, so one destination''s outage never re-sends the other.' COLLATE utf8mb4_bin;
+
+CREATE TABLE idempotency_request (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	scope VARCHAR(32) NOT NULL COMMENT 'the endpoint family, e.g. payments',
+	idempotency_key VARCHAR(255) NOT NULL,
+	request_digest VARCHAR(64) NOT NULL COMMENT 'sha256 of the canonical request',
+	status VARCHAR(16) NOT NULL COMMENT 'started (in flight), done',
+	response_status SMALLINT,
+	response_body TEXT COMMENT 'the first answer, replayed verbatim',
+	payment_id VARCHAR(40),
+	locked_at DATETIME(6) NOT NULL COMMENT 'a started request older than the lock timeout may be taken over',
+	created_at DATETIME(6) NOT NULL,
+	updated_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (id),
+	CONSTRAINT uq_idempotency_request_key UNIQUE (scope, idempotency_key),
+	CONSTRAINT ck_idempotency_request_status CHECK (status IN ('started', 'done'))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Merchant Idempotency-Key records: in-flight detection (409) and replay of the first answer.' COLLATE utf8mb4_bin;
+
+CREATE TABLE ledger_entry (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	ledger_event_id BIGINT NOT NULL,
+	account VARCHAR(64) NOT NULL,
+	amount_minor BIGINT NOT NULL COMMENT 'signed: debit > 0, credit < 0; an event''s lines sum to 0',
+	currency VARCHAR(3) NOT NULL,
+	PRIMARY KEY (id)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Double-entry lines of ledger events; append-only like ledger_event.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_ledger_entry_account ON ledger_entry (account);
+
+CREATE INDEX idx_ledger_entry_event ON ledger_entry (ledger_event_id);
+
+CREATE TABLE ledger_event (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	event_type VARCHAR(40) NOT NULL COMMENT 'PaymentRequested, PaymentConfirmed, PaymentFailed, Refund…, ReconciliationAdjusted',
+	payment_id VARCHAR(40),
+	refund_id VARCHAR(40),
+	amount_minor BIGINT NOT NULL,
+	currency VARCHAR(3) NOT NULL,
+	source_type VARCHAR(32) NOT NULL COMMENT 'api, callback, provider_call, query, reconciliation',
+	source_id VARCHAR(64),
+	dedupe_key VARCHAR(191) NOT NULL COMMENT 'one business effect, one row: e.g. PaymentConfirmed:pay_…',
+	details TEXT COMMENT 'JSON: the path walked, the previous status, …',
+	created_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (id),
+	CONSTRAINT uq_ledger_event_dedupe UNIQUE (dedupe_key)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Append-only business events; UPDATE and DELETE are refused by triggers.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_ledger_event_payment ON ledger_event (payment_id);
+
+CREATE TABLE manual_review (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	kind VARCHAR(40) NOT NULL COMMENT 'callback_gave_up, conflicting_report, unresolved_payment, …',
+	payment_id VARCHAR(40),
+	refund_id VARCHAR(40),
+	callback_log_id BIGINT,
+	reason VARCHAR(500) NOT NULL,
+	details TEXT COMMENT 'JSON',
+	status VARCHAR(16) NOT NULL COMMENT 'open, resolved',
+	resolution VARCHAR(500),
+	resolved_by VARCHAR(64),
+	created_at DATETIME(6) NOT NULL,
+	resolved_at DATETIME(6),
+	PRIMARY KEY (id)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='The manual queue: what automation refused to decide.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_manual_review_payment ON manual_review (payment_id);
+
+CREATE INDEX idx_manual_review_status ON manual_review (status, created_at);
+
+CREATE TABLE outbox (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	event_id VARCHAR(40) NOT NULL COMMENT 'unique id receivers dedupe on (evt_<ULID>)',
+	event_type VARCHAR(64) NOT NULL COMMENT 'ChargeRequested, RefundRequested, PaymentSucceeded, …',
+	aggregate_id VARCHAR(40) NOT NULL COMMENT 'payment_id or refund_id',
+	payload TEXT NOT NULL COMMENT 'JSON',
+	status SMALLINT NOT NULL COMMENT '0 pending 1 done 2 dead (manual)',
+	attempts INTEGER NOT NULL,
+	next_attempt_at DATETIME(6) NOT NULL,
+	last_error VARCHAR(500),
+	created_at DATETIME(6) NOT NULL,
+	updated_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (id),
+	CONSTRAINT uq_outbox_event_id UNIQUE (event_id)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Work to send, written in the same transaction as the change that caused it.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_outbox_aggregate ON outbox (aggregate_id);
+
+CREATE INDEX idx_outbox_due ON outbox (status, next_attempt_at);
+
+CREATE TABLE payment (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	payment_id VARCHAR(40) NOT NULL COMMENT 'business number, fixed for life (pay_<ULID>)',
+	order_no VARCHAR(64) NOT NULL COMMENT 'the merchant''s order number',
+	amount_minor BIGINT NOT NULL COMMENT 'integer minor units',
+	currency VARCHAR(3) NOT NULL,
+	provider VARCHAR(32) NOT NULL,
+	provider_transaction_id VARCHAR(128),
+	status VARCHAR(16) NOT NULL,
+	idempotency_key VARCHAR(255) COMMENT 'the merchant''s key; also sent to the provider',
+	request_digest VARCHAR(64) COMMENT 'sha256 of the canonical create request',
+	description VARCHAR(500),
+	error_code VARCHAR(64),
+	status_source VARCHAR(128) COMMENT 'what caused the last status change: callback:<id>, call:<id>, query:<id>',
+	next_query_at DATETIME(6),
+	query_attempts INTEGER NOT NULL,
+	deadline_at DATETIME(6) COMMENT 'after this an unresolved payment goes to manual review',
+	created_at DATETIME(6) NOT NULL,
+	updated_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (id),
+	CONSTRAINT uq_payment_payment_id UNIQUE (payment_id),
+	CONSTRAINT uq_payment_provider_txn UNIQUE (provider_transaction_id),
+	CONSTRAINT uq_payment_idempotency_key UNIQUE (idempotency_key),
+	CONSTRAINT ck_payment_amount_positive CHECK (amount_minor > 0),
+	CONSTRAINT ck_payment_status CHECK (status IN ('Created', 'Pending', 'Succeeded', 'Failed', 'Unknown'))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='One row per payment; status changes only through the state machine''s guarded UPDATEs.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_payment_order_no ON payment (order_no);
+
+CREATE INDEX idx_payment_status_query ON payment (status, next_query_at);
+
+CREATE TABLE payment_callback_log (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	provider VARCHAR(32) NOT NULL COMMENT 'provider name from the URL',
+	callback_data MEDIUMBLOB NOT NULL COMMENT 'raw request body, byte for byte',
+	headers TEXT NOT NULL COMMENT 'JSON object of the selected request headers',
+	remote_addr VARCHAR(64),
+	order_no VARCHAR(64) COMMENT 'our payment_id (or refund_id) named by the callback',
+	payment_order_no VARCHAR(128) COMMENT 'the provider''s transaction id',
+	provider_event_id VARCHAR(128),
+	event_type VARCHAR(64),
+	status SMALLINT NOT NULL COMMENT '0 pending 1 processed 2 failed 3 rejected 4 gave up',
+	result VARCHAR(500) COMMENT 'what processing did, or why it failed',
+	retry_count INTEGER NOT NULL,
+	last_retry_time DATETIME(6),
+	next_retry_at DATETIME(6) NOT NULL COMMENT 'earliest time a sweep may take the row',
+	create_time DATETIME(6) NOT NULL,
+	update_time DATETIME(6) NOT NULL,
+	PRIMARY KEY (id),
+	CONSTRAINT ck_callback_status CHECK (status IN (0, 1, 2, 3, 4))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Every callback delivery exactly as received; the truth the consumer and compensator work from.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_callback_create_time ON payment_callback_log (create_time);
+
+CREATE INDEX idx_callback_event ON payment_callback_log (provider, provider_event_id);
+
+CREATE INDEX idx_callback_order_no ON payment_callback_log (order_no);
+
+CREATE INDEX idx_callback_sweep ON payment_callback_log (status, next_retry_at);
+
+CREATE TABLE processed_event (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	provider VARCHAR(32) NOT NULL,
+	provider_event_id VARCHAR(128) NOT NULL,
+	callback_log_id BIGINT NOT NULL COMMENT 'the delivery that was applied',
+	processed_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (id),
+	CONSTRAINT uq_processed_event UNIQUE (provider, provider_event_id)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='The inbox: one row per provider event ever applied; makes processing idempotent.' COLLATE utf8mb4_bin;
+
+CREATE TABLE provider_breaker (
+	provider VARCHAR(32) NOT NULL,
+	state VARCHAR(16) NOT NULL COMMENT 'closed, open',
+	consecutive_failures INTEGER NOT NULL,
+	open_count INTEGER NOT NULL COMMENT 'opens since it last closed: drives the backoff',
+	opened_at DATETIME(6),
+	retry_at DATETIME(6) COMMENT 'while open: when the next probe may go out',
+	updated_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (provider),
+	CONSTRAINT ck_provider_breaker_state CHECK (state IN ('closed', 'open'))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Circuit breaker per provider, shared by every compensator process.' COLLATE utf8mb4_bin;
+
+CREATE TABLE provider_call (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	payment_id VARCHAR(40),
+	refund_id VARCHAR(40),
+	provider VARCHAR(32) NOT NULL,
+	operation VARCHAR(16) NOT NULL COMMENT 'charge, query, refund, settlement',
+	idempotency_key VARCHAR(255) COMMENT 'the key sent with the call, if any',
+	request_digest VARCHAR(64) NOT NULL COMMENT 'sha256 of the canonical request parameters',
+	http_status SMALLINT COMMENT 'NULL: no HTTP answer (timeout, reset)',
+	response TEXT COMMENT 'raw answer, scrubbed of secrets and truncated',
+	error_code VARCHAR(64) COMMENT 'decline code or why the answer was Unknown',
+	latency_ms INTEGER,
+	outcome VARCHAR(16) COMMENT 'Succeeded, Failed, Pending, Unknown, NotFound; NULL: sent, no outcome recorded (crash)',
+	started_at DATETIME(6) NOT NULL COMMENT 'written and committed before the request goes out',
+	finished_at DATETIME(6),
+	PRIMARY KEY (id)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Evidence of every outbound call; payment.status_source names the call:<id> or query:<id> that moved it.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_provider_call_payment ON provider_call (payment_id);
+
+CREATE INDEX idx_provider_call_refund ON provider_call (refund_id);
+
+CREATE INDEX idx_provider_call_started ON provider_call (started_at);
+
+CREATE TABLE refund (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	refund_id VARCHAR(40) NOT NULL COMMENT 'business number, fixed for life (re_<ULID>)',
+	payment_id VARCHAR(40) NOT NULL,
+	amount_minor BIGINT NOT NULL,
+	currency VARCHAR(3) NOT NULL,
+	provider VARCHAR(32) NOT NULL,
+	provider_refund_id VARCHAR(128),
+	status VARCHAR(16) NOT NULL,
+	idempotency_key VARCHAR(255),
+	request_digest VARCHAR(64),
+	error_code VARCHAR(64),
+	status_source VARCHAR(128),
+	next_query_at DATETIME(6),
+	query_attempts INTEGER NOT NULL,
+	deadline_at DATETIME(6),
+	created_at DATETIME(6) NOT NULL,
+	updated_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (id),
+	CONSTRAINT uq_refund_refund_id UNIQUE (refund_id),
+	CONSTRAINT uq_refund_provider_refund_id UNIQUE (provider_refund_id),
+	CONSTRAINT uq_refund_idempotency_key UNIQUE (idempotency_key),
+	CONSTRAINT ck_refund_amount_positive CHECK (amount_minor > 0),
+	CONSTRAINT ck_refund_status CHECK (status IN ('Created', 'Pending', 'Succeeded', 'Failed', 'Unknown'))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='One row per refund; same state machine as payments.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_refund_payment ON refund (payment_id);
+
+CREATE INDEX idx_refund_status_query ON refund (status, next_query_at);
+
+CREATE TRIGGER IF NOT EXISTS ledger_event_no_update BEFORE UPDATE ON ledger_event FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'ledger_event is append-only';
+
+CREATE TRIGGER IF NOT EXISTS ledger_event_no_delete BEFORE DELETE ON ledger_event FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'ledger_event is append-only';
+
+CREATE TRIGGER IF NOT EXISTS ledger_entry_no_update BEFORE UPDATE ON ledger_entry FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'ledger_entry is append-only';
+
+CREATE TRIGGER IF NOT EXISTS ledger_entry_no_delete BEFORE DELETE ON ledger_entry FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'ledger_entry is append-only';
+
