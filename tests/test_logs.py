@@ -104,8 +104,11 @@ def _paysync_loggers() -> list[str]:
 
     for package in (payments, gateway, consumer, compensator):
         for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-            if module.name not in ("gateway.wsgi", "gateway.gunicorn_conf"):  # these start a process
-                importlib.import_module(module.name)
+            if module.name in ("gateway.wsgi", "gateway.gunicorn_conf"):  # these start a process
+                continue
+            if module.name.startswith("payments.migrations.") and module.name != "payments.migrations.compare":
+                continue  # Alembic scripts: they run inside Alembic's context, not on import
+            importlib.import_module(module.name)
     names = [n for n in logging.root.manager.loggerDict if n.startswith("paysync")]
     assert len(names) > 10, names
     return sorted(names)
