@@ -8,6 +8,7 @@ names the variable.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -187,10 +188,27 @@ class Settings:
     """Failed attempts at one destination before an event gives up into the manual queue."""
     event_delivery_deadline_seconds: int = 3 * 86400
     """An event not delivered this long after it was written gives up into the manual queue."""
+    alipay_app_id: str = ""
+    """Our Alipay application id (APPID); with the two key settings it enables the "alipay" provider."""
+    alipay_app_private_key_file: str = ""
+    """PEM file of our RSA2 application private key (signs every openapi request)."""
+    alipay_public_key_files: tuple[str, ...] = ()
+    """Comma-separated PEM files of Alipay's public keys (rotation: every listed key is accepted)."""
+    alipay_gateway_url: str = "https://openapi.alipay.com/gateway.do"
+    """Alipay's openapi gateway (production by default)."""
+    alipay_notify_url: str = ""
+    """Our public POST /callbacks/alipay URL, sent as notify_url with each precreate; empty: none sent."""
+    alipay_source_cidrs: tuple[str, ...] = ()
+    """Comma-separated networks Alipay notifications may come from; empty: any source."""
     log_level: str = "INFO"
     """Python logging level name."""
     failpoints: str = ""
     """Test-only: comma-separated failpoint names at which the process SIGKILLs itself (payments/failpoints.py)."""
+
+    @property
+    def alipay_enabled(self) -> bool:
+        """True when any Alipay setting is given (then all three of app id and keys are required)."""
+        return bool(self.alipay_app_id or self.alipay_app_private_key_file or self.alipay_public_key_files)
 
     @property
     def has_broker(self) -> bool:
@@ -271,6 +289,12 @@ _PARSERS = {
     "events_exchange": lambda n, v: v.strip() or "paysync.events",
     "event_delivery_max_attempts": lambda n, v: _int(n, v, 1, 1000),
     "event_delivery_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),
+    "alipay_app_id": lambda n, v: _app_id(n, v),
+    "alipay_app_private_key_file": lambda n, v: v.strip(),
+    "alipay_public_key_files": lambda n, v: _list(v),
+    "alipay_gateway_url": lambda n, v: _url(n, v, ("http://", "https://")) or "https://openapi.alipay.com/gateway.do",
+    "alipay_notify_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "alipay_source_cidrs": lambda n, v: _cidrs(n, v),
     "log_level": lambda n, v: _log_level(n, v),
     "failpoints": lambda n, v: v.strip(),
 }
@@ -309,6 +333,53 @@ def _sandbox_faults(name: str, raw: str) -> str:
     return raw.strip()
 
 
+def _list(raw: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in raw.split(",") if item.strip())
+
+
+def _app_id(name: str, raw: str) -> str:
+    value = raw.strip()
+    if value and (len(value) > 32 or not value.isascii() or not value.isalnum()):
+        raise ConfigError(f"{name} must be the application id Alipay assigned (up to 32 letters and digits)")
+    return value
+
+
+def _cidrs(name: str, raw: str) -> tuple[str, ...]:
+    networks = []
+    for item in _list(raw):
+        try:
+            networks.append(str(ipaddress.ip_network(item, strict=False)))
+        except ValueError:
+            raise ConfigError(f"{name}: {item[:64]!r} is not an IP network such as 110.75.0.0/16") from None
+    return tuple(networks)
+
+
+def _require_alipay(settings: Settings) -> None:
+    if not settings.alipay_enabled:
+        return
+    for name, value in (
+        ("ALIPAY_APP_ID", settings.alipay_app_id),
+        ("ALIPAY_APP_PRIVATE_KEY_FILE", settings.alipay_app_private_key_file),
+        ("ALIPAY_PUBLIC_KEY_FILES", settings.alipay_public_key_files),
+    ):
+        if not value:
+            raise ConfigError(f"{name} is required when any of ALIPAY_APP_ID and the ALIPAY_* key files is set")
+
+
+def check_alipay_settings(settings: Settings) -> None:
+    """When Alipay is enabled: its three settings present, its keys readable RSA of 2048+ bits.
+
+    Raises ConfigError naming the variable, the file and why; the production
+    start-up check calls this (build_providers reads the keys the same way).
+    """
+    _require_alipay(settings)
+    if settings.alipay_enabled:
+        from payments.providers import alipay_sign
+
+        alipay_sign.load_private_key("ALIPAY_APP_PRIVATE_KEY_FILE", settings.alipay_app_private_key_file)
+        alipay_sign.load_public_keys("ALIPAY_PUBLIC_KEY_FILES", settings.alipay_public_key_files)
+
+
 def _log_level(name: str, raw: str) -> str:
     value = raw.strip().upper()
     if value not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
@@ -336,6 +407,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("QUERY_MAX_SECONDS must be >= QUERY_BASE_SECONDS")
     if settings.breaker_max_open_seconds < settings.breaker_open_seconds:
         raise ConfigError("BREAKER_MAX_OPEN_SECONDS must be >= BREAKER_OPEN_SECONDS")
+    _require_alipay(settings)
     if settings.merchant_webhook_url and not settings.merchant_webhook_secret:
         raise ConfigError("MERCHANT_WEBHOOK_SECRET (whsec_…) is required when MERCHANT_WEBHOOK_URL is set")
     return settings

@@ -19,6 +19,11 @@ def build_providers(settings: Settings) -> dict[str, Provider]:
         providers["sandbox_legacy"] = LegacySandboxProvider(
             settings.sandbox_webhook_secret, settings.callback_tolerance_seconds, settings.sandbox_api_url
         )
+    if settings.alipay_enabled:
+        # Reads and parses the keys once, here at start; an unreadable or weak one stops the process.
+        from payments.providers import alipay
+
+        providers["alipay"] = alipay.from_settings(settings)
     return providers
 
 
