@@ -144,10 +144,5 @@ def provider_for(
 ) -> AlipayProvider:
     """An adapter with our app key, trusting the platform's key (plus any ``public_keys`` given)."""
     public_keys = kwargs.pop("public_keys", [keys.alipay.public_key()])
-    return AlipayProvider(
-        APP_ID,
-        app or keys.app,
-        public_keys,
-        server.gateway if server else "http://127.0.0.1:9/gateway.do",
-        **kwargs,
-    )
+    gateway = kwargs.pop("gateway", None) or (server.gateway if server else "http://127.0.0.1:9/gateway.do")
+    return AlipayProvider(APP_ID, app or keys.app, public_keys, gateway, **kwargs)

@@ -432,3 +432,34 @@ def test_the_bill_downloads_through_the_bill_api_and_parses(keys, fake_alipay):
     assert lines[1].refund_reference == "re_fake_1" and lines[0].fee_minor == 6 and lines[1].fee_minor == -3
     assert provider.settlement(day, 5)[0]["merchant_reference"] == "pay_fake_1"
     assert verified_calls(fake_alipay, "alipay.data.dataservice.bill.downloadurl.query")
+
+
+def test_the_fake_runs_as_its_own_process_and_stops_on_sigterm(keys):
+    import subprocess
+    import sys
+
+    from tests.support import ROOT, env_for
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sandbox.fakes.alipay", "--port", "0", "--app-id", APP_ID],
+        cwd=ROOT,
+        env=env_for(
+            {
+                "PAYSYNC_ENV": "development",
+                "FAKE_ALIPAY_APP_PUBLIC_KEYS": keys.files["app.pub"],
+                "FAKE_ALIPAY_PRIVATE_KEY": keys.files["alipay"],
+                "FAKE_ALIPAY_FAULTS": '{"script": [{"fault": "system_error"}]}',
+            }
+        ),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        banner = process.stdout.readline()
+        url = banner.split(" on ")[1].strip()
+        provider = provider_for(keys, gateway=url)
+        assert isinstance(provider.charge(charge(), None, 5), Unknown)  # the scripted 20000
+        assert isinstance(provider.charge(charge(), None, 5), Pending)
+    finally:
+        process.terminate()
+        assert process.wait(10) == 0
