@@ -345,13 +345,16 @@ def _apply_outcome(
         return Result.REVIEW
 
     unresolved_values: dict[str, Any] = {}
+    qr_code = getattr(outcome, "qr_code", None)
+    if qr_code and not current.get("qr_code") and status not in TERMINAL:
+        unresolved_values["qr_code"] = qr_code
     if report in (PaymentStatus.PENDING, PaymentStatus.UNKNOWN):
         attempts = current["query_attempts"] + (1 if query else 0)
         if report == PaymentStatus.PENDING and not query:
             delay = ctx.settings.query_pending_after_seconds
         else:
             delay = query_delay(ctx.settings, attempts + 1, ctx.rng)
-        unresolved_values = {"next_query_at": now + timedelta(seconds=delay), "query_attempts": attempts}
+        unresolved_values.update({"next_query_at": now + timedelta(seconds=delay), "query_attempts": attempts})
         if report == PaymentStatus.UNKNOWN and not provider.capabilities.safe_to_resend:
             unresolved_values["next_query_at"] = None
 

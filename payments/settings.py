@@ -12,7 +12,7 @@ import ipaddress
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -207,6 +207,18 @@ class Settings:
     """Failed attempts at one destination before an event gives up into the manual queue."""
     event_delivery_deadline_seconds: int = 3 * 86400
     """An event not delivered this long after it was written gives up into the manual queue."""
+    alipay_app_id: str = ""
+    """Our Alipay application id (APPID); with the two key settings it enables the "alipay" provider."""
+    alipay_app_private_key_file: str = ""
+    """PEM file of our RSA2 application private key (signs every openapi request)."""
+    alipay_public_key_files: tuple[str, ...] = ()
+    """Comma-separated PEM files of Alipay's public keys (rotation: every listed key is accepted)."""
+    alipay_gateway_url: str = "https://openapi.alipay.com/gateway.do"
+    """Alipay's openapi gateway (production by default)."""
+    alipay_notify_url: str = ""
+    """Our public POST /callbacks/alipay URL, sent as notify_url with each precreate; empty: none sent."""
+    alipay_source_cidrs: tuple[str, ...] = ()
+    """Comma-separated networks Alipay notifications may come from; empty: any source."""
     log_level: str = "INFO"
     """Python logging level name."""
     failpoints: str = ""
@@ -296,6 +308,12 @@ _PARSERS = {
     "events_exchange": lambda n, v: v.strip() or "paysync.events",
     "event_delivery_max_attempts": lambda n, v: _int(n, v, 1, 1000),
     "event_delivery_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),
+    "alipay_app_id": lambda n, v: _app_id(n, v),
+    "alipay_app_private_key_file": lambda n, v: v.strip(),
+    "alipay_public_key_files": lambda n, v: _list(v),
+    "alipay_gateway_url": lambda n, v: _url(n, v, ("http://", "https://")) or "https://openapi.alipay.com/gateway.do",
+    "alipay_notify_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "alipay_source_cidrs": lambda n, v: _cidrs(n, v),
     "log_level": lambda n, v: _log_level(n, v),
     "failpoints": lambda n, v: v.strip(),
 }
@@ -362,6 +380,41 @@ def _sandbox_faults(name: str, raw: str) -> str:
     return raw.strip()
 
 
+def _list(raw: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in raw.split(",") if item.strip())
+
+
+def _app_id(name: str, raw: str) -> str:
+    value = raw.strip()
+    if value and (len(value) > 32 or not value.isascii() or not value.isalnum()):
+        raise ConfigError(f"{name} must be the application id Alipay assigned (up to 32 letters and digits)")
+    return value
+
+
+def _cidrs(name: str, raw: str) -> tuple[str, ...]:
+    networks = []
+    for item in _list(raw):
+        try:
+            networks.append(str(ipaddress.ip_network(item, strict=False)))
+        except ValueError:
+            raise ConfigError(f"{name}: {item[:64]!r} is not an IP network such as 110.75.0.0/16") from None
+    return tuple(networks)
+
+
+def check_alipay_settings(settings: Settings) -> None:
+    """When Alipay is enabled: its three settings present, its keys readable RSA of 2048+ bits.
+
+    Raises ConfigError naming the variable, the file and why; the production
+    start-up check calls this (build_providers reads the keys the same way).
+    """
+    _check_complete(settings)
+    if "alipay" in enabled_providers(settings):
+        from payments.providers import alipay_sign
+
+        alipay_sign.load_private_key("ALIPAY_APP_PRIVATE_KEY_FILE", settings.alipay_app_private_key_file)
+        alipay_sign.load_public_keys("ALIPAY_PUBLIC_KEY_FILES", settings.alipay_public_key_files)
+
+
 def _log_level(name: str, raw: str) -> str:
     value = raw.strip().upper()
     if value not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
@@ -392,15 +445,28 @@ ALWAYS_REQUIRED_SECRETS = ("merchant_api_token", "ops_token")
 class ProviderSettings:
     """How one provider is enabled by configuration."""
 
-    secrets: tuple[str, ...]
-    """Its secret settings (field names): any of them set enables it, then all must be, and in production strong."""
+    secrets: tuple[str, ...] = ()
+    """Its secret strings (field names): in production each must be strong (see ``_weakness``)."""
+    required: tuple[str, ...] = ()
+    """Its other settings that must all be given once any of its settings is (ids, key files)."""
     switch: str | None = None
     """A boolean setting that must also be true (an optional variant of another provider)."""
+    check: Callable[[Settings], None] | None = None
+    """Validates what a length check cannot (key files readable, keys strong); raises ConfigError."""
+
+    @property
+    def settings(self) -> tuple[str, ...]:
+        """Every setting that enables the provider: any of them set, and all must be."""
+        return self.secrets + tuple(f for f in self.required if f not in self.secrets)
 
 
 PROVIDERS: dict[str, ProviderSettings] = {
     "sandbox": ProviderSettings(secrets=("sandbox_webhook_secret",)),
     "sandbox_legacy": ProviderSettings(secrets=("sandbox_webhook_secret",), switch="sandbox_legacy_enabled"),
+    "alipay": ProviderSettings(
+        required=("alipay_app_id", "alipay_app_private_key_file", "alipay_public_key_files"),
+        check=lambda s: check_alipay_settings(s),
+    ),
 }
 """Every provider paysync knows, and the settings that enable it. A new adapter adds its line here."""
 
@@ -411,9 +477,19 @@ def enabled_providers(settings: Settings) -> list[str]:
     for name, spec in PROVIDERS.items():
         if spec.switch and not getattr(settings, spec.switch):
             continue
-        if any(getattr(settings, secret) for secret in spec.secrets):
+        if any(getattr(settings, f) for f in spec.settings):
             enabled.append(name)
     return enabled
+
+
+def _check_complete(settings: Settings) -> None:
+    """A provider with some of its settings given and others not is refused in either environment."""
+    for name in enabled_providers(settings):
+        spec = PROVIDERS[name]
+        missing = [env_name(f) for f in spec.settings if not getattr(settings, f)]
+        if missing:
+            given = ", ".join(env_name(f) for f in spec.settings if getattr(settings, f))
+            raise ConfigError(f"{missing[0]} is required: provider {name} is partly configured ({given} set)")
 
 
 def _weakness(settings: Settings, field_name: str) -> str | None:
@@ -438,10 +514,10 @@ def check_deployment(settings: Settings) -> str | None:
     either environment.
     """
     enabled = enabled_providers(settings)
+    _check_complete(settings)
     for name in enabled:
-        missing = [env_name(f) for f in PROVIDERS[name].secrets if not getattr(settings, f)]
-        if missing:
-            raise ConfigError(f"{missing[0]} is empty but provider {name} is partly configured")
+        if PROVIDERS[name].check is not None:
+            PROVIDERS[name].check(settings)
     if settings.sandbox_legacy_enabled and "sandbox_legacy" not in enabled:
         raise ConfigError("SANDBOX_LEGACY_ENABLED=true needs SANDBOX_WEBHOOK_SECRET")
     names = list(ALWAYS_REQUIRED_SECRETS)
@@ -503,6 +579,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("QUERY_MAX_SECONDS must be >= QUERY_BASE_SECONDS")
     if settings.breaker_max_open_seconds < settings.breaker_open_seconds:
         raise ConfigError("BREAKER_MAX_OPEN_SECONDS must be >= BREAKER_OPEN_SECONDS")
+    _check_complete(settings)
     if settings.merchant_webhook_url and not settings.merchant_webhook_secret:
         raise ConfigError("MERCHANT_WEBHOOK_SECRET (whsec_…) is required when MERCHANT_WEBHOOK_URL is set")
     return settings

@@ -21,8 +21,16 @@ FACTORIES: dict[str, Callable[[Settings], Provider]] = {
     "sandbox_legacy": lambda s: LegacySandboxProvider(
         s.sandbox_webhook_secret, s.callback_tolerance_seconds, s.sandbox_api_url
     ),
+    "alipay": lambda s: _alipay(s),
 }
 """How to build each adapter from the settings, by provider name."""
+
+
+def _alipay(settings: Settings) -> Provider:
+    # Imported here: only a configured merchant loads its keys (read and parsed once, at start).
+    from payments.providers import alipay
+
+    return alipay.from_settings(settings)
 
 
 def build_providers(settings: Settings) -> dict[str, Provider]:

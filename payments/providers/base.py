@@ -93,6 +93,8 @@ class Pending:
     provider_transaction_id: str | None = None
     raw: Mapping[str, Any] = field(default_factory=dict)
     evidence: Evidence | None = None
+    qr_code: str | None = None
+    """What the buyer scans to pay (Alipay ``qr_code``, WeChat ``code_url``), when the provider gives one."""
 
 
 AMOUNT_MISMATCH = "answer_for_another_amount"
