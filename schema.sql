@@ -144,6 +144,7 @@ CREATE TABLE payment (
 	next_query_at DATETIME(6),
 	query_attempts INTEGER NOT NULL,
 	deadline_at DATETIME(6) COMMENT 'after this an unresolved payment goes to manual review',
+	qr_code VARCHAR(512) COMMENT 'what the payer scans (WeChat code_url, Alipay qr_code), once the provider gave one',
 	created_at DATETIME(6) NOT NULL,
 	updated_at DATETIME(6) NOT NULL,
 	PRIMARY KEY (id),

@@ -360,6 +360,7 @@ def get_payment(engine: Engine, payment_id: str) -> dict[str, Any] | None:
             "status": row["status"],
             "status_source": row["status_source"],
             "provider_transaction_id": row["provider_transaction_id"],
+            "qr_code": row["qr_code"],
             "error_code": row["error_code"],
             "next_query_at": _iso(row["next_query_at"]),
             "query_attempts": row["query_attempts"],

@@ -107,6 +107,12 @@ payment = Table(
     Column("next_query_at", TS, nullable=True),
     Column("query_attempts", Integer, nullable=False, default=0),
     Column("deadline_at", TS, nullable=True, comment="after this an unresolved payment goes to manual review"),
+    Column(
+        "qr_code",
+        String(512),
+        nullable=True,
+        comment="what the payer scans (WeChat code_url, Alipay qr_code), once the provider gave one",
+    ),
     Column("created_at", TS, nullable=False),
     Column("updated_at", TS, nullable=False),
     UniqueConstraint("payment_id", name="uq_payment_payment_id"),

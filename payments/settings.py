@@ -8,7 +8,9 @@ names the variable.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from decimal import Decimal, InvalidOperation
@@ -191,6 +193,26 @@ class Settings:
     """Python logging level name."""
     failpoints: str = ""
     """Test-only: comma-separated failpoint names at which the process SIGKILLs itself (payments/failpoints.py)."""
+    wechatpay_mchid: str = ""
+    """WeChat Pay merchant number (商户号); setting any WECHATPAY_* key below enables the wechatpay provider."""
+    wechatpay_appid: str = ""
+    """The APPID bound to the merchant number, sent with every Native order."""
+    wechatpay_apiv3_key: str = ""
+    """The 32-character APIv3 key: decrypts notification resources (AEAD_AES_256_GCM)."""
+    wechatpay_merchant_private_key_file: str = ""
+    """PEM file of the merchant API certificate's private key (apiclient_key.pem): signs our requests."""
+    wechatpay_merchant_serial: str = ""
+    """Serial number of the merchant API certificate (serial_no in our Authorization header)."""
+    wechatpay_platform_keys: tuple[tuple[str, str], ...] = ()
+    """(ID, PEM path) pairs: platform certificate serials or PUB_KEY_ID_… public key ids; all accepted (rotation)."""
+    wechatpay_api_base: str = "https://api.mch.weixin.qq.com"
+    """Where paysync calls WeChat Pay API v3 (a fake platform in tests)."""
+    wechatpay_notify_url: str = ""
+    """Our public POST /callbacks/wechatpay URL, sent as notify_url with orders and refunds (required when enabled)."""
+    wechatpay_order_expire_seconds: int = 7200
+    """time_expire of a Native order, counted from the payment's creation (WeChat's code_url lives 2 hours)."""
+    wechatpay_source_cidrs: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    """Networks WeChat Pay notifications may come from; empty: any source."""
 
     @property
     def has_broker(self) -> bool:
@@ -273,7 +295,79 @@ _PARSERS = {
     "event_delivery_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),
     "log_level": lambda n, v: _log_level(n, v),
     "failpoints": lambda n, v: v.strip(),
+    "wechatpay_mchid": lambda n, v: _matching(n, v, _MCHID, "digits, at most 32"),
+    "wechatpay_appid": lambda n, v: _matching(n, v, _APPID, "letters and digits, at most 32"),
+    "wechatpay_apiv3_key": lambda n, v: _apiv3_key(n, v),
+    "wechatpay_merchant_private_key_file": lambda n, v: v.strip(),
+    "wechatpay_merchant_serial": lambda n, v: _matching(n, v, _HEX_SERIAL, "a hexadecimal certificate serial"),
+    "wechatpay_platform_keys": lambda n, v: _platform_keys(n, v),
+    "wechatpay_api_base": lambda n, v: (_url(n, v, ("http://", "https://")) or "https://api.mch.weixin.qq.com").rstrip(
+        "/"
+    ),
+    "wechatpay_notify_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "wechatpay_order_expire_seconds": lambda n, v: _int(n, v, 60, 7 * 86400),
+    "wechatpay_source_cidrs": lambda n, v: parse_cidrs(n, v),
 }
+
+_MCHID = re.compile(r"[0-9]{1,32}", re.ASCII)
+_APPID = re.compile(r"[0-9A-Za-z_]{1,32}", re.ASCII)
+_HEX_SERIAL = re.compile(r"[0-9A-Fa-f]{1,64}", re.ASCII)
+_PUB_KEY_ID = re.compile(r"PUB_KEY_ID_[0-9A-Za-z_]{1,64}", re.ASCII)
+
+WECHATPAY_REQUIRED = (
+    "wechatpay_mchid",
+    "wechatpay_appid",
+    "wechatpay_apiv3_key",
+    "wechatpay_merchant_private_key_file",
+    "wechatpay_merchant_serial",
+    "wechatpay_platform_keys",
+    "wechatpay_notify_url",
+)
+"""Settings a WeChat Pay merchant must give; any one of them set enables the provider."""
+
+
+def _matching(name: str, raw: str, pattern: re.Pattern[str], what: str) -> str:
+    value = raw.strip()
+    if value and not pattern.fullmatch(value):
+        raise ConfigError(f"{name} must be {what}, got {value[:40]!r}")
+    return value
+
+
+def _apiv3_key(name: str, raw: str) -> str:
+    value = raw.strip()
+    # AES-256 takes the key's 32 ASCII characters as its 32 bytes; say the length, never the key.
+    if value and (len(value.encode()) != 32 or not value.isascii() or not value.isprintable()):
+        raise ConfigError(f"{name} must be the 32-character APIv3 key, got {len(value.encode())} bytes")
+    return value
+
+
+def _platform_keys(name: str, raw: str) -> tuple[tuple[str, str], ...]:
+    pairs: list[tuple[str, str]] = []
+    for item in (part.strip() for part in raw.split(",")):
+        if not item:
+            continue
+        key_id, sep, path = (s.strip() for s in item.partition("="))
+        if not sep or not key_id or not path:
+            raise ConfigError(f"{name} entries must be ID=path.pem, got {item[:80]!r}")
+        if not (_HEX_SERIAL.fullmatch(key_id) or _PUB_KEY_ID.fullmatch(key_id)):
+            raise ConfigError(f"{name}: {key_id[:40]!r} is neither a certificate serial (hex) nor a PUB_KEY_ID_… id")
+        if any(key_id.upper() == known.upper() for known, _ in pairs):
+            raise ConfigError(f"{name}: {key_id} is listed twice")
+        pairs.append((key_id, path))
+    return tuple(pairs)
+
+
+def parse_cidrs(name: str, raw: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """A comma-separated list of networks (``203.0.113.0/24, 2001:db8::/32``; a bare address is a /32 or /128)."""
+    networks = []
+    for item in (part.strip() for part in raw.split(",")):
+        if not item:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(item, strict=True))
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {item[:60]!r} is not a network ({exc})") from None
+    return tuple(networks)
 
 
 def _webhook_secret(name: str, raw: str) -> str:
@@ -338,4 +432,19 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("BREAKER_MAX_OPEN_SECONDS must be >= BREAKER_OPEN_SECONDS")
     if settings.merchant_webhook_url and not settings.merchant_webhook_secret:
         raise ConfigError("MERCHANT_WEBHOOK_SECRET (whsec_…) is required when MERCHANT_WEBHOOK_URL is set")
+    check_wechatpay_complete(settings)
     return settings
+
+
+def wechatpay_enabled(settings: Settings) -> bool:
+    """True when any WeChat Pay merchant setting is given: the provider is then registered (and must be complete)."""
+    return any(getattr(settings, name) for name in WECHATPAY_REQUIRED)
+
+
+def check_wechatpay_complete(settings: Settings) -> None:
+    """Refuse a partly configured WeChat Pay merchant, naming every missing variable."""
+    if not wechatpay_enabled(settings):
+        return
+    missing = [env_name(name) for name in WECHATPAY_REQUIRED if not getattr(settings, name)]
+    if missing:
+        raise ConfigError(f"WeChat Pay is partly configured: {', '.join(missing)} missing")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from payments.errors import UnknownProvider
 from payments.providers.base import Provider
 from payments.providers.sandbox import LegacySandboxProvider, SandboxProvider
-from payments.settings import Settings
+from payments.settings import Settings, wechatpay_enabled
 
 
 def build_providers(settings: Settings) -> dict[str, Provider]:
@@ -19,6 +19,11 @@ def build_providers(settings: Settings) -> dict[str, Provider]:
         providers["sandbox_legacy"] = LegacySandboxProvider(
             settings.sandbox_webhook_secret, settings.callback_tolerance_seconds, settings.sandbox_api_url
         )
+    if wechatpay_enabled(settings):
+        # Imported here: only a configured merchant pays for loading its keys (ConfigError if unusable).
+        from payments.providers.wechatpay import WechatPayProvider
+
+        providers["wechatpay"] = WechatPayProvider.from_settings(settings)
     return providers
 
 
