@@ -383,3 +383,60 @@ def test_a_transaction_for_another_order_or_merchant_is_unknown():
     assert read_transaction(mine, PAYMENT, "1900000109").reason == "answer_for_another_payment"
     unknown_state = {**mine, "mchid": "1900000109", "trade_state": "EXPLODED"}
     assert read_transaction(unknown_state, PAYMENT, "1900000109").reason == "unknown_trade_state"
+
+
+@pytest.mark.slow
+def test_the_fake_runs_as_a_process_with_a_generated_key_set(tmp_path):
+    """``python -m sandbox.fakes.wechatpay --keygen`` then ``--port``: what ``make chaos`` would start."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import requests
+
+    from payments.settings import load_settings
+    from tests.support import ROOT, free_port, wait_for_port
+
+    out = subprocess.run(
+        [sys.executable, "-m", "sandbox.fakes.wechatpay", "--keygen", str(tmp_path / "keys")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    env = dict(line.split("=", 1) for line in out.stdout.splitlines())
+    port = free_port()
+    fake_env = {k: v for k, v in env.items() if k.startswith("WECHATPAY_FAKE_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sandbox.fakes.wechatpay", "--port", str(port)],
+        cwd=ROOT,
+        env={**os.environ, **fake_env, "WECHATPAY_FAKE_SEED": "7"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port)
+        ours = {k: v for k, v in env.items() if not k.startswith("WECHATPAY_FAKE_")}
+        settings = load_settings(
+            {
+                **ours,
+                "WECHATPAY_API_BASE": f"http://127.0.0.1:{port}",
+                "WECHATPAY_NOTIFY_URL": f"http://127.0.0.1:{free_port()}/callbacks/wechatpay",
+            }
+        )
+        adapter = WechatPayProvider.from_settings(settings)
+        assert isinstance(adapter.charge(order(), None, 5), Pending)
+        requests.post(f"http://127.0.0.1:{port}/_fake/orders/{PAYMENT}/pay", json={"notify": False}, timeout=5)
+        assert isinstance(adapter.query(PAYMENT, 5, order()), Succeeded)
+        requests.post(
+            f"http://127.0.0.1:{port}/_fake/keys/active",
+            json={"key_id": settings.wechatpay_platform_keys[1][0]},
+            timeout=5,
+        )
+        assert isinstance(adapter.query(PAYMENT, 5, order()), Succeeded)  # the PUB_KEY_ID key signs now
+        state = requests.get(f"http://127.0.0.1:{port}/_fake/state", timeout=5).json()
+        assert state["auth"]["refused"] == [] and state["auth"]["ok"] == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import functools
 import hashlib
 import json
 import os
@@ -289,7 +290,6 @@ class FakeWechatPay:
         self.bills: dict[str, bytes] = {}
         self._nonces: dict[str, float] = {}
         self.active_key = config.platform_keys[0][0]
-        self._stray_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -327,6 +327,11 @@ class FakeWechatPay:
         with self.lock:
             self.faults = faults
             self.rng = random.Random(faults.seed)  # noqa: S311
+
+    @functools.cached_property
+    def _stray_key(self) -> rsa.RSAPrivateKey:
+        """A key nobody configured, for bad_signature_rate (made on first use: RSA keys are slow to make)."""
+        return rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
     def key(self, key_id: str) -> rsa.RSAPrivateKey:
         """The platform private key ``key_id``; KeyError if not loaded."""
