@@ -118,7 +118,13 @@ def relay_charge(ctx: Context, outbox_id: int, provider_name: str) -> Result:
         return prepared
     call_id, current = prepared
     outcome = provider.charge(
-        ChargeRequest(current["payment_id"], int(current["amount_minor"]), current["currency"]),
+        ChargeRequest(
+            current["payment_id"],
+            int(current["amount_minor"]),
+            current["currency"],
+            description=current["description"],
+            created_at=current["created_at"],
+        ),
         current["idempotency_key"],
         ctx.settings.provider_timeout_seconds,
     )
@@ -357,6 +363,9 @@ def _apply_outcome(
         unresolved_values.update({"next_query_at": now + timedelta(seconds=delay), "query_attempts": attempts})
         if report == PaymentStatus.UNKNOWN and not provider.capabilities.safe_to_resend:
             unresolved_values["next_query_at"] = None
+
+    if isinstance(outcome, Pending) and outcome.qr_code:
+        unresolved_values["qr_code"] = outcome.qr_code  # shown by GET /payments/<id> until the payer scans it
 
     if decision.verdict == Verdict.NOOP:
         if status in TERMINAL:

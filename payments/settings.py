@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -223,6 +224,26 @@ class Settings:
     """Python logging level name."""
     failpoints: str = ""
     """Test-only: comma-separated failpoint names at which the process SIGKILLs itself (payments/failpoints.py)."""
+    wechatpay_mchid: str = ""
+    """WeChat Pay merchant number (商户号); setting any WECHATPAY_* key below enables the wechatpay provider."""
+    wechatpay_appid: str = ""
+    """The APPID bound to the merchant number, sent with every Native order."""
+    wechatpay_apiv3_key: str = ""
+    """The 32-character APIv3 key: decrypts notification resources (AEAD_AES_256_GCM)."""
+    wechatpay_merchant_private_key_file: str = ""
+    """PEM file of the merchant API certificate's private key (apiclient_key.pem): signs our requests."""
+    wechatpay_merchant_serial: str = ""
+    """Serial number of the merchant API certificate (serial_no in our Authorization header)."""
+    wechatpay_platform_keys: tuple[tuple[str, str], ...] = ()
+    """(ID, PEM path) pairs: platform certificate serials or PUB_KEY_ID_… public key ids; all accepted (rotation)."""
+    wechatpay_api_base: str = "https://api.mch.weixin.qq.com"
+    """Where paysync calls WeChat Pay API v3 (a fake platform in tests)."""
+    wechatpay_notify_url: str = ""
+    """Our public POST /callbacks/wechatpay URL, sent as notify_url with orders and refunds (required when enabled)."""
+    wechatpay_order_expire_seconds: int = 7200
+    """time_expire of a Native order, counted from the payment's creation (WeChat's code_url lives 2 hours)."""
+    wechatpay_source_cidrs: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    """Networks WeChat Pay notifications may come from; empty: any source."""
 
     @property
     def has_broker(self) -> bool:
@@ -316,7 +337,55 @@ _PARSERS = {
     "alipay_source_cidrs": lambda n, v: _cidrs(n, v),
     "log_level": lambda n, v: _log_level(n, v),
     "failpoints": lambda n, v: v.strip(),
+    "wechatpay_mchid": lambda n, v: _matching(n, v, _MCHID, "digits, at most 32"),
+    "wechatpay_appid": lambda n, v: _matching(n, v, _APPID, "letters and digits, at most 32"),
+    "wechatpay_apiv3_key": lambda n, v: _apiv3_key(n, v),
+    "wechatpay_merchant_private_key_file": lambda n, v: v.strip(),
+    "wechatpay_merchant_serial": lambda n, v: _matching(n, v, _HEX_SERIAL, "a hexadecimal certificate serial"),
+    "wechatpay_platform_keys": lambda n, v: _platform_keys(n, v),
+    "wechatpay_api_base": lambda n, v: (_url(n, v, ("http://", "https://")) or "https://api.mch.weixin.qq.com").rstrip(
+        "/"
+    ),
+    "wechatpay_notify_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "wechatpay_order_expire_seconds": lambda n, v: _int(n, v, 60, 7 * 86400),
+    "wechatpay_source_cidrs": lambda n, v: _cidrs(n, v),
 }
+
+_MCHID = re.compile(r"[0-9]{1,32}", re.ASCII)
+_APPID = re.compile(r"[0-9A-Za-z_]{1,32}", re.ASCII)
+_HEX_SERIAL = re.compile(r"[0-9A-Fa-f]{1,64}", re.ASCII)
+_PUB_KEY_ID = re.compile(r"PUB_KEY_ID_[0-9A-Za-z_]{1,64}", re.ASCII)
+
+
+def _matching(name: str, raw: str, pattern: re.Pattern[str], what: str) -> str:
+    value = raw.strip()
+    if value and not pattern.fullmatch(value):
+        raise ConfigError(f"{name} must be {what}, got {value[:40]!r}")
+    return value
+
+
+def _apiv3_key(name: str, raw: str) -> str:
+    value = raw.strip()
+    # AES-256 takes the key's 32 ASCII characters as its 32 bytes; say the length, never the key.
+    if value and (len(value.encode()) != 32 or not value.isascii() or not value.isprintable()):
+        raise ConfigError(f"{name} must be the 32-character APIv3 key, got {len(value.encode())} bytes")
+    return value
+
+
+def _platform_keys(name: str, raw: str) -> tuple[tuple[str, str], ...]:
+    pairs: list[tuple[str, str]] = []
+    for item in (part.strip() for part in raw.split(",")):
+        if not item:
+            continue
+        key_id, sep, path = (s.strip() for s in item.partition("="))
+        if not sep or not key_id or not path:
+            raise ConfigError(f"{name} entries must be ID=path.pem, got {item[:80]!r}")
+        if not (_HEX_SERIAL.fullmatch(key_id) or _PUB_KEY_ID.fullmatch(key_id)):
+            raise ConfigError(f"{name}: {key_id[:40]!r} is neither a certificate serial (hex) nor a PUB_KEY_ID_… id")
+        if any(key_id.upper() == known.upper() for known, _ in pairs):
+            raise ConfigError(f"{name}: {key_id} is listed twice")
+        pairs.append((key_id, path))
+    return tuple(pairs)
 
 
 def _env(name: str, raw: str) -> str:
@@ -338,13 +407,14 @@ def _secrets(name: str, raw: str) -> tuple[str, ...]:
 
 
 def _cidrs(name: str, raw: str) -> tuple[str, ...]:
-    values = tuple(v.strip() for v in raw.split(",") if v.strip())
-    for value in values:
+    """Comma-separated networks (a bare address is a /32 or /128), kept as normalised CIDR strings."""
+    networks = []
+    for value in (v.strip() for v in raw.split(",") if v.strip()):
         try:
-            ipaddress.ip_network(value, strict=False)
+            networks.append(str(ipaddress.ip_network(value, strict=False)))
         except ValueError:
             raise ConfigError(f"{name} must be comma-separated CIDRs such as 10.0.0.0/8, got {value[:64]!r}") from None
-    return values
+    return tuple(networks)
 
 
 def _webhook_secrets(name: str, raw: str) -> tuple[str, ...]:
@@ -391,16 +461,6 @@ def _app_id(name: str, raw: str) -> str:
     return value
 
 
-def _cidrs(name: str, raw: str) -> tuple[str, ...]:
-    networks = []
-    for item in _list(raw):
-        try:
-            networks.append(str(ipaddress.ip_network(item, strict=False)))
-        except ValueError:
-            raise ConfigError(f"{name}: {item[:64]!r} is not an IP network such as 110.75.0.0/16") from None
-    return tuple(networks)
-
-
 def check_alipay_settings(settings: Settings) -> None:
     """When Alipay is enabled: its three settings present, its keys readable RSA of 2048+ bits.
 
@@ -413,6 +473,12 @@ def check_alipay_settings(settings: Settings) -> None:
 
         alipay_sign.load_private_key("ALIPAY_APP_PRIVATE_KEY_FILE", settings.alipay_app_private_key_file)
         alipay_sign.load_public_keys("ALIPAY_PUBLIC_KEY_FILES", settings.alipay_public_key_files)
+
+
+def _check_wechatpay(settings: Settings) -> None:
+    from payments.providers import wechatpay
+
+    wechatpay.validate(settings)
 
 
 def _log_level(name: str, raw: str) -> str:
@@ -466,6 +532,18 @@ PROVIDERS: dict[str, ProviderSettings] = {
     "alipay": ProviderSettings(
         required=("alipay_app_id", "alipay_app_private_key_file", "alipay_public_key_files"),
         check=lambda s: check_alipay_settings(s),
+    ),
+    "wechatpay": ProviderSettings(
+        secrets=("wechatpay_apiv3_key",),
+        required=(
+            "wechatpay_mchid",
+            "wechatpay_appid",
+            "wechatpay_merchant_private_key_file",
+            "wechatpay_merchant_serial",
+            "wechatpay_platform_keys",
+            "wechatpay_notify_url",
+        ),
+        check=lambda s: _check_wechatpay(s),
     ),
 }
 """Every provider paysync knows, and the settings that enable it. A new adapter adds its line here."""

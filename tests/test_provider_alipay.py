@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from payments.errors import ConfigError, MalformedCallback, SignatureInvalid, TimestampOutOfTolerance
 from payments.providers import alipay_sign as sig
 from payments.providers import build_providers
-from payments.providers.alipay import NOTIFY_RETRY_WINDOW_SECONDS, parse_form, read_notify, source_allowed
+from payments.providers.alipay import NOTIFY_RETRY_WINDOW_SECONDS, parse_form, read_notify
 from payments.providers.base import (
     AMOUNT_MISMATCH,
     ChargeRequest,
@@ -32,6 +32,7 @@ from payments.providers.base import (
     Unknown,
 )
 from payments.settings import check_alipay_settings, load_settings
+from payments.sources import source_allowed
 from payments.states import PaymentStatus
 from sandbox.fakes.alipay import rsa2_sign, sign_string
 from tests.alipay_support import (  # noqa: F401

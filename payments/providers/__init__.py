@@ -22,6 +22,7 @@ FACTORIES: dict[str, Callable[[Settings], Provider]] = {
         s.sandbox_webhook_secret, s.callback_tolerance_seconds, s.sandbox_api_url
     ),
     "alipay": lambda s: _alipay(s),
+    "wechatpay": lambda s: _wechatpay(s),
 }
 """How to build each adapter from the settings, by provider name."""
 
@@ -31,6 +32,12 @@ def _alipay(settings: Settings) -> Provider:
     from payments.providers import alipay
 
     return alipay.from_settings(settings)
+
+
+def _wechatpay(settings: Settings) -> Provider:
+    from payments.providers.wechatpay import WechatPayProvider
+
+    return WechatPayProvider.from_settings(settings)
 
 
 def build_providers(settings: Settings) -> dict[str, Provider]:

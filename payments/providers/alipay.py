@@ -636,19 +636,3 @@ def read_close(node: Mapping[str, Any], payment_id: str) -> QueryOutcome:
         return Unknown("answer_for_another_payment", raw=node)
     trade_no = node.get("trade_no") if isinstance(node.get("trade_no"), str) else None
     return Failed("TRADE_CLOSED", definitive=True, raw=node, provider_transaction_id=trade_no or None)
-
-
-# --------------------------------------------------------------------------------------------- source check (pure)
-
-
-def source_allowed(remote_addr: str | None, cidrs: Sequence[str]) -> bool:
-    """True when no allow-list is set, or ``remote_addr`` lies in one of ``cidrs`` (ALIPAY_SOURCE_CIDRS)."""
-    if not cidrs:
-        return True
-    try:
-        address = ipaddress.ip_address((remote_addr or "").strip())
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return any(address in ipaddress.ip_network(cidr) for cidr in cidrs)

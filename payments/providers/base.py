@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Literal
 
 from payments.errors import CallbackRejected, PaysyncError
@@ -129,6 +130,10 @@ class ChargeRequest:
     payment_id: str
     amount_minor: int
     currency: str
+    description: str | None = None
+    """The payment's description, for providers that show one to the payer (WeChat requires one)."""
+    created_at: datetime | None = None
+    """When the payment was created (naive UTC): fixes a provider-side expiry that must not change on re-send."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,8 @@ class RefundRequest:
     provider_transaction_id: str
     amount_minor: int
     currency: str
+    payment_amount_minor: int | None = None
+    """The refunded payment's full amount, for providers that want it with every refund (WeChat's amount.total)."""
 
 
 class ProviderUnavailable(PaysyncError):

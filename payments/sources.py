@@ -1,0 +1,45 @@
+"""Source checks: is a remote address inside a list of allowed networks? Pure.
+
+Used for provider notifications (``ALIPAY_SOURCE_CIDRS``, ``WECHATPAY_SOURCE_CIDRS``,
+``STRIPE_SOURCE_CIDRS``: an empty list allows any source) and for ``/metrics``
+(``METRICS_ALLOW_CIDRS``: an empty list allows none). The caller decides which
+address to check (the peer's, or the client's named by a trusted proxy); this
+module only answers the membership question, so it is tested without a request.
+Settings hold the networks as normalised CIDR strings (``payments.settings``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from functools import lru_cache
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@lru_cache(maxsize=64)
+def networks(cidrs: tuple[str, ...]) -> tuple[Network, ...]:
+    """The parsed networks of a settings tuple (cached: settings are read once, checked on every request)."""
+    return tuple(ipaddress.ip_network(c, strict=False) for c in cidrs)
+
+
+def in_networks(remote_addr: str | None, cidrs: Sequence[str]) -> bool:
+    """True when ``remote_addr`` lies in one of ``cidrs``; an unreadable address (None, garbage) lies in none.
+
+    An IPv4-mapped IPv6 address (``::ffff:203.0.113.5``, what a dual-stack
+    socket reports) is checked as the IPv4 address it carries.
+    """
+    if not remote_addr or not cidrs:
+        return False
+    try:
+        address = ipaddress.ip_address(remote_addr.strip().split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return any(address.version == net.version and address in net for net in networks(tuple(cidrs)))
+
+
+def source_allowed(remote_addr: str | None, cidrs: Sequence[str]) -> bool:
+    """A provider's allow-list: True when none is configured, or ``remote_addr`` lies in it."""
+    return not cidrs or in_networks(remote_addr, cidrs)
