@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Iterable
-from functools import lru_cache
 
 from flask import request
 

@@ -27,7 +27,6 @@ same number returns the same order, never a second one; our ``refund_id`` is
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import tempfile
 import threading
