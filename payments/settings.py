@@ -411,9 +411,10 @@ def _cidrs(name: str, raw: str) -> tuple[str, ...]:
     networks = []
     for value in (v.strip() for v in raw.split(",") if v.strip()):
         try:
-            networks.append(str(ipaddress.ip_network(value, strict=False)))
-        except ValueError:
-            raise ConfigError(f"{name} must be comma-separated CIDRs such as 10.0.0.0/8, got {value[:64]!r}") from None
+            # strict: 10.0.0.1/8 is a typo for some network, and an allow-list must not guess which.
+            networks.append(str(ipaddress.ip_network(value, strict=True)))
+        except ValueError as exc:
+            raise ConfigError(f"{name} must be comma-separated CIDRs such as 10.0.0.0/8: {exc}") from None
     return tuple(networks)
 
 
@@ -523,7 +524,7 @@ class ProviderSettings:
     @property
     def settings(self) -> tuple[str, ...]:
         """Every setting that enables the provider: any of them set, and all must be."""
-        return self.secrets + tuple(f for f in self.required if f not in self.secrets)
+        return self.required + tuple(f for f in self.secrets if f not in self.required)
 
 
 PROVIDERS: dict[str, ProviderSettings] = {
@@ -538,6 +539,7 @@ PROVIDERS: dict[str, ProviderSettings] = {
         required=(
             "wechatpay_mchid",
             "wechatpay_appid",
+            "wechatpay_apiv3_key",
             "wechatpay_merchant_private_key_file",
             "wechatpay_merchant_serial",
             "wechatpay_platform_keys",
@@ -567,7 +569,8 @@ def _check_complete(settings: Settings) -> None:
         missing = [env_name(f) for f in spec.settings if not getattr(settings, f)]
         if missing:
             given = ", ".join(env_name(f) for f in spec.settings if getattr(settings, f))
-            raise ConfigError(f"{missing[0]} is required: provider {name} is partly configured ({given} set)")
+            verb = "is" if len(missing) == 1 else "are"
+            raise ConfigError(f"{', '.join(missing)} {verb} required: provider {name} is partly configured ({given} set)")
 
 
 def _weakness(settings: Settings, field_name: str) -> str | None:

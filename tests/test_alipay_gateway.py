@@ -185,6 +185,7 @@ def new_payment(app, amount=1000):
             {"order_no": f"o-{time.monotonic_ns()}", "amount": amount, "currency": "CNY", "provider": "alipay"}
         ),
         headers={"Authorization": "Bearer dev-merchant-token", "Idempotency-Key": f"k-{time.monotonic_ns()}"},
+        content_type="application/json",
     )
     assert answer.status_code == 201, answer.get_data(as_text=True)
     return answer.get_json()["payment_id"]

@@ -269,7 +269,7 @@ def test_the_fake_platform_orders_pays_and_notifies_through_a_served_gateway(mar
         threading.Thread(target=web.serve_forever, daemon=True).start()
         try:
             base = f"http://127.0.0.1:{web.server_port}"
-            auth = {"Authorization": f"Bearer {settings.merchant_api_token}"}
+            auth = {"Authorization": f"Bearer {settings.merchant_api_token[0]}"}
             created = requests.post(
                 f"{base}/payments",
                 json={
