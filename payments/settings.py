@@ -570,7 +570,9 @@ def _check_complete(settings: Settings) -> None:
         if missing:
             given = ", ".join(env_name(f) for f in spec.settings if getattr(settings, f))
             verb = "is" if len(missing) == 1 else "are"
-            raise ConfigError(f"{', '.join(missing)} {verb} required: provider {name} is partly configured ({given} set)")
+            raise ConfigError(
+                f"{', '.join(missing)} {verb} required: provider {name} is partly configured ({given} set)"
+            )
 
 
 def _weakness(settings: Settings, field_name: str) -> str | None:
