@@ -43,13 +43,15 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from chaos_invariants import Database, Row, core_rows, progress_sample, read_database, scan_logs
+from chaos_invariants import Database, Row, core_rows, progress_sample, read_database
 from chaos_kills import KillPlan, KillSchedule
 from chaos_load import LoadDriver
 from chaos_mix import Mix, RunContext, SandboxMix
 from chaos_stack import ExternalServer, PrivateMariaDB, PrivateRabbitMQ, Supervised, free_port, remove_tree, wait_for
 from common import ROOT  # the bench directory is on sys.path when run as a script
 from sqlalchemy import create_engine, text
+
+from tests.leaks import scan_logs  # the same scan the security tests make
 
 MERCHANT_TOKEN = "chaos-merchant-token-0123456789abcdef"
 OPS_TOKEN = "chaos-ops-token-0123456789abcdef"
@@ -419,7 +421,8 @@ def progress_line(t: float, sample: dict[str, Any] | None, driver: LoadDriver, t
     return (
         f"[{t:7.1f}s] answered {driver.answered}/{total}  in db {s.get('payments', '?')}  "
         f"terminal {s.get('terminal', '?')}  open {s.get('open', '?')}  unknown {s.get('unknown', '?')}  "
-        f"callbacks waiting {s.get('callbacks_waiting', '?')}  kills {len(kills)}{last}"
+        f"callbacks waiting {s.get('callbacks_waiting', '?')}  outbox {s.get('outbox_pending', '?')}  "
+        f"kills {len(kills)}{last}"
     )
 
 

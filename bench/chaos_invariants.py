@@ -9,10 +9,8 @@ own truth (``chaos_mix``).
 
 from __future__ import annotations
 
-import re
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, text
@@ -250,44 +248,3 @@ def core_rows(db: Database, load: Any, explained: dict[int, str]) -> list[Row]:
         )
     )
     return rows
-
-
-# --- secrets in logs ------------------------------------------------------------------------------------------
-
-# Written independently of payments.logs on purpose: a scrubber is not checked by itself.
-_CARD = re.compile(r"(?<![0-9A-Za-z])[2-6]\d{3}(?:[ .-]?\d){9,15}(?![0-9A-Za-z])")
-_CVV = re.compile(r"(?i)\b(?:cvv2?|cvc2?|csc)\b[\"']?\s*[:=]\s*[\"']?\d{3,4}\b")
-
-
-def _luhn(digits: str) -> bool:
-    total = 0
-    for i, ch in enumerate(reversed(digits)):
-        d = int(ch)
-        if i % 2:
-            d = d * 2 - 9 if d > 4 else d * 2
-        total += d
-    return total % 10 == 0
-
-
-def leaks_in(text_: str, secrets: list[str]) -> list[str]:
-    """Card numbers (Luhn-valid, 13-19 digits), CVV values and the given secrets found in ``text_``."""
-    found = []
-    for match in _CARD.finditer(text_):
-        digits = re.sub(r"\D", "", match.group(0))
-        if 13 <= len(digits) <= 19 and _luhn(digits):
-            found.append(f"card number {digits[:4]}…{digits[-2:]}")
-    found += [f"CVV {m.group(0)[:6]}…" for m in _CVV.finditer(text_)]
-    found += [f"secret {s[:6]}…" for s in secrets if s and s in text_]
-    return found
-
-
-def scan_logs(paths: list[Path], secrets: list[str]) -> list[str]:
-    """Every leak in every log file, as "file: what"."""
-    findings = []
-    for path in paths:
-        try:
-            content = path.read_text(errors="replace")
-        except OSError:
-            continue
-        findings += [f"{path.name}: {leak}" for leak in leaks_in(content, secrets)]
-    return findings
