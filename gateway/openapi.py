@@ -129,9 +129,7 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                     "responses": {
                         "200": {
                             "description": "The payment",
-                            "content": {
-                                "application/json": {"schema": {"$ref": "#/components/schemas/PaymentDetail"}}
-                            },
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/PaymentDetail"}}},
                         },
                         "401": _error_response("Missing or wrong bearer token"),
                         "404": _error_response("No such payment"),
