@@ -166,3 +166,26 @@ def test_schemathesis_stateful_create_then_read(api_schema, gateway):  # noqa: F
             suppress_health_check=list(HealthCheck),
         )
     )
+
+
+@pytest.mark.mariadb
+def test_reading_a_payment_with_the_database_down_is_the_documented_503(mariadb):
+    from payments.db import make_engine
+    from tests.stack import db_url, url_via
+    from tests.support import TcpProxy, create_payment
+
+    payment_id = create_payment(mariadb)
+    proxy = TcpProxy("127.0.0.1", mariadb.url.port or 3306)
+    engine = make_engine(url_via(db_url(mariadb), proxy.port))
+    try:
+        app = create_app(make_settings(database_url=db_url(mariadb), merchant_api_token=MERCHANT_TOKEN), engine=engine)
+        client = app.test_client()
+        auth = {"Authorization": f"Bearer {MERCHANT_TOKEN}"}
+        assert client.get(f"/payments/{payment_id}", headers=auth).status_code == 200
+        proxy.cut()
+        answer = client.get(f"/payments/{payment_id}", headers=auth)
+        assert answer.status_code == 503 and answer.get_json()["error"]["code"] == "storage_unavailable"
+        assert "503" in _document()["paths"]["/payments/{payment_id}"]["get"]["responses"]
+    finally:
+        proxy.close()
+        engine.dispose()
