@@ -1,7 +1,7 @@
 """``make chaos``: the whole system under faults, then a table of every invariant with its figure.
 
     make chaos                                   # 10,000 payments, private MariaDB and RabbitMQ
-    make chaos CHAOS_ARGS="--payments 300 --process-kills 3 --rate 15"   # the small variant make test runs
+    make chaos CHAOS_ARGS="--payments 300 --process-kills 3 --rate 10"   # the small variant make test runs
     make chaos CHAOS_ARGS="--database-url mysql+pymysql://root@127.0.0.1:3306/paysync_chaos --amqp-url amqp://…"
 
 1. A private stack (``chaos_stack``): a MariaDB server and a RabbitMQ node of
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -183,78 +184,86 @@ def print_table(rows: list[Row]) -> None:
                 print(f"          - {e}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    run_id = uuid.uuid4().hex[:8]
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="paysync-chaos-"))
-    work.mkdir(parents=True, exist_ok=True)
-    log_dir = work / "logs"
-    log_dir.mkdir(exist_ok=True)
-    database = ExternalServer(args.database_url, "mariadb") if args.database_url else PrivateMariaDB(work)
-    broker = ExternalServer(args.amqp_url, "rabbitmq") if args.amqp_url else PrivateRabbitMQ(work)
-    procs: list[Supervised] = []
-    engine = None
-    ok = False
-    try:
-        print(f"chaos run {run_id}: seed {args.seed}, {args.payments} payments, work directory {work}", flush=True)
-        for server in (database, broker):
+class ChaosRun:
+    """One run: the stack, the merchant, the schedule, the sampler; ``main`` calls its phases in order."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.run_id = uuid.uuid4().hex[:8]
+        self.work = args.work_dir or Path(tempfile.mkdtemp(prefix="paysync-chaos-"))
+        self.log_dir = self.work / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.database = ExternalServer(args.database_url, "mariadb") if args.database_url else PrivateMariaDB(self.work)
+        self.broker = ExternalServer(args.amqp_url, "rabbitmq") if args.amqp_url else PrivateRabbitMQ(self.work)
+        self.procs: list[Supervised] = []
+        self.engine: Any = None
+        self.mixes = build_mixes(args)
+        self.started = time.monotonic()
+
+    def clock(self) -> float:
+        """Seconds since the load started."""
+        return time.monotonic() - self.started
+
+    def start_stack(self) -> None:
+        """Servers, schema, the mixes' platforms, the gateway, consumers and compensators."""
+        args = self.args
+        print(f"chaos run {self.run_id}: seed {args.seed}, {args.payments} payments, work directory {self.work}")
+        for server in (self.database, self.broker):
             took = server.start()
             where = f"private, ready in {took:.1f} s" if took else "external"
             print(f"  {server.kind}: {where} ({server.url})", flush=True)
         env = base_env()
         if args.database_url:
-            empty_database(database.url)
-        prepare = subprocess_run(["python", "-m", "payments", "init-db"], {**env, "DATABASE_URL": database.url})
+            empty_database(self.database.url)
+        prepare = subprocess_run(["python", "-m", "payments", "init-db"], {**env, "DATABASE_URL": self.database.url})
         if prepare.returncode != 0:
             raise RuntimeError(f"init-db failed: {prepare.stderr[-2000:]}")
-        engine = create_engine(database.url, pool_pre_ping=True, pool_size=4, connect_args={"connect_timeout": 3})
-
+        self.engine = create_engine(
+            self.database.url, pool_pre_ping=True, pool_size=4, connect_args={"connect_timeout": 3}
+        )
         gateway_port = free_port()
-        ctx = RunContext(run_id, args.seed, work, log_dir, f"http://127.0.0.1:{gateway_port}", env)
-        mixes = build_mixes(args)
+        self.ctx = RunContext(self.run_id, args.seed, self.work, self.log_dir, f"http://127.0.0.1:{gateway_port}", env)
         paysync = {
             **env,
             **TUNING,
-            "DATABASE_URL": database.url,
-            "AMQP_URL": broker.url,
+            "DATABASE_URL": self.database.url,
+            "AMQP_URL": self.broker.url,
             "MERCHANT_API_TOKEN": MERCHANT_TOKEN,
             "OPS_TOKEN": OPS_TOKEN,
             "PORT": str(gateway_port),
             "WEB_WORKERS": "3",
         }
-        if args.amqp_url:  # someone else's broker: queues and exchange of this run's own
-            paysync["AMQP_QUEUE"] = f"paysync_chaos_{run_id}"
-            paysync["EVENTS_EXCHANGE"] = f"paysync_chaos_events_{run_id}"
-        for mix in mixes:
+        if args.amqp_url:  # someone else's broker: a queue and an exchange of this run's own
+            paysync["AMQP_QUEUE"] = f"paysync_chaos_{self.run_id}"
+            paysync["EVENTS_EXCHANGE"] = f"paysync_chaos_events_{self.run_id}"
+        for mix in self.mixes:
             paysync.update(mix.paysync_env())
-            procs += mix.start(ctx)
-
-        gateway = Supervised("web", "web", paysync, log_dir)
-        gateway.start()
-        procs.append(gateway)
-        wait_for(lambda: healthy(ctx.gateway_url), 60, "gateway")
-        consumers = [Supervised(f"consumer-{i}", "consumer", paysync, log_dir) for i in (1, 2)]
-        compensators = [Supervised(f"compensator-{i}", "compensator", paysync, log_dir) for i in (1, 2)]
-        for proc in consumers + compensators:
+            self.procs += mix.start(self.ctx)
+        self.gateway = Supervised("web", "web", paysync, self.log_dir)
+        self.gateway.start()
+        self.procs.append(self.gateway)
+        wait_for(lambda: healthy(self.ctx.gateway_url), 60, "gateway")
+        self.consumers = [Supervised(f"consumer-{i}", "consumer", paysync, self.log_dir) for i in (1, 2)]
+        self.compensators = [Supervised(f"compensator-{i}", "compensator", paysync, self.log_dir) for i in (1, 2)]
+        for proc in self.consumers + self.compensators:
             proc.start()
-            procs.append(proc)
+            self.procs.append(proc)
 
+    def drive(self) -> None:
+        """The load and the kill schedule together, with a progress line; returns when both are done."""
+        args = self.args
         payments = []
-        share = args.payments // len(mixes)
-        for i, mix in enumerate(mixes):
-            count = share + (args.payments - share * len(mixes) if i == 0 else 0)
-            payments += mix.payments(ctx, count, args.replay_share)
-
-        driver = LoadDriver(
-            ctx.gateway_url, MERCHANT_TOKEN, concurrency=args.concurrency, rate=args.rate, seed=args.seed
+        share = args.payments // len(self.mixes)
+        for i, mix in enumerate(self.mixes):
+            count = share + (args.payments - share * len(self.mixes) if i == 0 else 0)
+            payments += mix.payments(self.ctx, count, args.replay_share)
+        self.total = len(payments)
+        self.driver = LoadDriver(
+            self.ctx.gateway_url, MERCHANT_TOKEN, concurrency=args.concurrency, rate=args.rate, seed=args.seed
         )
-        started = time.monotonic()
-
-        def clock() -> float:
-            return time.monotonic() - started
-
-        sampler = Sampler(engine, clock)
-        schedule = KillSchedule(
+        self.started = time.monotonic()
+        self.sampler = Sampler(self.engine, self.clock)
+        self.schedule = KillSchedule(
             KillPlan(
                 interval=args.kill_interval,
                 kill_until=args.kill_until,
@@ -264,126 +273,141 @@ def main(argv: list[str] | None = None) -> int:
                 downtime=args.downtime,
             ),
             args.seed,
-            gateway,
-            consumers,
-            compensators,
-            {"rabbitmq": broker, "mariadb": database},
-            progress=lambda: driver.answered / max(1, len(payments)),
-            clock=clock,
+            self.gateway,
+            self.consumers,
+            self.compensators,
+            {"rabbitmq": self.broker, "mariadb": self.database},
+            progress=lambda: self.driver.answered / max(1, self.total),
+            clock=self.clock,
         )
-        sampler.start()
-        schedule.start()
-        load = threading.Thread(target=driver.run, args=(payments,), name="merchant", daemon=True)
+        self.sampler.start()
+        self.schedule.start()
+        load = threading.Thread(target=self.driver.run, args=(payments,), name="merchant", daemon=True)
         load.start()
-        next_line = 0.0
-        while load.is_alive() or not schedule.done:
-            if clock() >= next_line:
-                print(progress_line(clock(), sampler.latest, driver, len(payments), schedule), flush=True)
-                next_line = clock() + args.progress_interval
+        self.next_line = 0.0
+        while load.is_alive() or not self.schedule.done:
+            self.progress()
             time.sleep(0.2)
-        load_seconds = driver.result.finished - driver.result.started
-        print(
-            f"load done in {load_seconds:.1f} s; waiting for convergence (deadline {args.deadline:.0f} s)", flush=True
-        )
+        self.load_seconds = self.driver.result.finished - self.driver.result.started
+        self.load_end = self.clock()
+        print(f"load done in {self.load_seconds:.1f} s; waiting for convergence (up to {args.deadline:.0f} s)")
 
-        load_end = clock()
-        converged_at = None
-        while clock() - load_end < args.deadline:
-            if converged(sampler.latest, len(driver.result.created)) and all(m.quiet() for m in mixes):
-                if event_deliveries_pending(engine) == 0 and converged(sampler.latest, len(driver.result.created)):
-                    converged_at = clock()
-                    break
-            if clock() >= next_line:
-                print(progress_line(clock(), sampler.latest, driver, len(payments), schedule), flush=True)
-                next_line = clock() + args.progress_interval
-            time.sleep(1.0)
-        sampler.stop()
+    def progress(self) -> None:
+        """Print the progress line when it is due."""
+        if self.clock() >= self.next_line:
+            print(progress_line(self.clock(), self.sampler.latest, self.driver, self.total, self.schedule), flush=True)
+            self.next_line = self.clock() + self.args.progress_interval
 
-        for mix in mixes:
+    def converge(self) -> float | None:
+        """Wait until the database and every platform are quiet; the time it happened, or None past the deadline."""
+        created = len(self.driver.result.created)
+        try:
+            while self.clock() - self.load_end < self.args.deadline:
+                if converged(self.sampler.latest, created) and all(m.quiet() for m in self.mixes):
+                    if event_deliveries_pending(self.engine) == 0 and converged(self.sampler.latest, created):
+                        return self.clock()
+                self.progress()
+                time.sleep(1.0)
+            return None
+        finally:
+            self.sampler.stop()
+
+    def report(self, converged_at: float | None) -> bool:
+        """Observe, evaluate, print the table, write the JSON; True when every row holds."""
+        args, schedule = self.args, self.schedule
+        for mix in self.mixes:
             mix.observe()
-        db = read_database(engine)
-        rows, explained = evaluate(db, driver, mixes)
-        last_fault = schedule.last_fault_at
-        secrets = [MERCHANT_TOKEN, OPS_TOKEN] + [s for m in mixes for s in m.secrets()]
-        leaks = scan_logs(sorted(log_dir.glob("*.log")), secrets)
+        rows, explained = evaluate(read_database(self.engine), self.driver, self.mixes)
+        secrets = [MERCHANT_TOKEN, OPS_TOKEN] + [s for m in self.mixes for s in m.secrets()]
+        leaks = scan_logs(sorted(self.log_dir.glob("*.log")), secrets)
         rows.append(
             Row("card numbers, CVVs and secrets in the logs", "0", str(len(leaks)), not leaks, leaks[:5], "logs")
         )
-        rows.append(
-            Row(
-                "time to converge",
-                f"within {args.deadline:.0f} s of the load's end",
-                (
-                    f"{converged_at - load_end:.1f} s after the load, {converged_at - (last_fault or 0):.1f} s after "
-                    f"the last fault, {converged_at:.1f} s in all"
-                )
-                if converged_at is not None
-                else "did not converge",
-                converged_at is not None,
-                section="run",
-            )
+        last_fault = schedule.last_fault_at or 0.0
+        took = (
+            f"{converged_at - self.load_end:.1f} s after the load, {converged_at - last_fault:.1f} s after the "
+            f"last fault, {converged_at:.1f} s in all"
+            if converged_at is not None
+            else "did not converge"
         )
+        rows.append(
+            Row("time to converge", f"within {args.deadline:.0f} s of the load's end", took, converged_at is not None)
+        )
+        rows[-1].section = "run"
         counts = schedule.counts()
-        rows.append(
-            Row(
-                "kills made",
-                "as planned",
-                ", ".join(f"{k} {n}" for k, n in sorted(counts.items())) or "none",
-                not schedule.errors and kills_as_planned(counts, schedule, database, broker),
-                schedule.errors[:5],
-                "run",
-            )
-        )
+        made = ", ".join(f"{k} {n}" for k, n in sorted(counts.items())) or "none"
+        late = [k.kind for k in schedule.kills if k.at > self.load_end]
+        if late:
+            made += f" ({', '.join(late)} after the load had ended)"
+        as_planned = not schedule.errors and kills_as_planned(counts, schedule, self.database, self.broker)
+        rows.append(Row("kills made", "as planned", made, as_planned, schedule.errors[:5], "run"))
         print_table(rows)
-        retries = dict(driver.result.retries)
+        retries = dict(self.driver.result.retries)
         print(f"\n  merchant retries: {retries or 'none'}")
-        for mix in mixes:
+        for mix in self.mixes:
             print(f"  {mix.name}: {json.dumps(mix.summary())}")
         ok = all(r.ok for r in rows)
-        print(f"\nchaos run {run_id}: {'every invariant held' if ok else 'INVARIANTS VIOLATED'}")
+        print(f"\nchaos run {self.run_id}: {'every invariant held' if ok else 'INVARIANTS VIOLATED'}")
         if args.json_out:
+            result = {
+                "run_id": self.run_id,
+                "ok": ok,
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "rows": [r.to_dict() for r in rows],
+                "explained_reviews": explained,
+                "load_seconds": round(self.load_seconds, 2),
+                "converge_seconds_after_load": round(converged_at - self.load_end, 2) if converged_at else None,
+                "converged_at": round(converged_at, 2) if converged_at else None,
+                "last_fault_at": schedule.last_fault_at,
+                "kills": [k.to_dict() for k in schedule.kills],
+                "kill_counts": counts,
+                "restarts": {p.label: p.starts - 1 for p in self.procs},
+                "merchant_retries": retries,
+                "mixes": {m.name: m.summary() for m in self.mixes},
+                "timeseries": self.sampler.series,
+            }
             args.json_out.parent.mkdir(parents=True, exist_ok=True)
-            args.json_out.write_text(
-                json.dumps(
-                    {
-                        "run_id": run_id,
-                        "ok": ok,
-                        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                        "rows": [r.to_dict() for r in rows],
-                        "explained_reviews": explained,
-                        "load_seconds": round(load_seconds, 2),
-                        "converge_seconds_after_load": round(converged_at - load_end, 2) if converged_at else None,
-                        "converged_at": round(converged_at, 2) if converged_at else None,
-                        "last_fault_at": last_fault,
-                        "kills": [k.to_dict() for k in schedule.kills],
-                        "kill_counts": counts,
-                        "restarts": {p.label: p.starts - 1 for p in procs},
-                        "merchant_retries": retries,
-                        "mixes": {m.name: m.summary() for m in mixes},
-                        "timeseries": sampler.series,
-                    },
-                    indent=1,
-                )
-            )
+            args.json_out.write_text(json.dumps(result, indent=1))
             print(f"json: {args.json_out}")
+        return ok
+
+    def print_logs(self) -> None:
+        """The tail of every process log, after a harness failure."""
+        for path in sorted(self.log_dir.glob("*.log")):
+            tail = path.read_text(errors="replace").splitlines()[-15:]
+            print(f"--- {path.name} ---\n" + "\n".join(tail), file=sys.stderr)
+
+    def stop(self, keep: bool) -> None:
+        """Stop every process and private server; remove the work directory unless it is to be kept."""
+        for proc in reversed(self.procs):
+            proc.stop()
+        if self.engine is not None:
+            self.engine.dispose()
+        if self.args.amqp_url:
+            delete_broker_objects(self.args.amqp_url, self.run_id)
+        for server in (self.broker, self.database):
+            server.stop()
+        if keep:
+            print(f"work directory kept: {self.work}")
+        elif self.args.work_dir is None:
+            remove_tree(self.work)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start, drive, converge, report; 0 when every invariant held, 1 on a violation, 2 if the run broke."""
+    run = ChaosRun(parse_args(argv))
+    ok = False
+    try:
+        run.start_stack()
+        run.drive()
+        ok = run.report(run.converge())
         return 0 if ok else 1
     except Exception as exc:
         print(f"chaos run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        for path in sorted(log_dir.glob("*.log")):
-            tail = path.read_text(errors="replace").splitlines()[-15:]
-            print(f"--- {path.name} ---\n" + "\n".join(tail), file=sys.stderr)
+        run.print_logs()
         return 2
     finally:
-        for proc in reversed(procs):
-            proc.stop()
-        if engine is not None:
-            engine.dispose()
-        for server in (broker, database):
-            server.stop()
-        if args.keep or (not ok and args.work_dir is None):
-            print(f"work directory kept: {work}")
-        elif args.work_dir is None:
-            remove_tree(work)
+        run.stop(keep=run.args.keep or (not ok and run.args.work_dir is None))
 
 
 def evaluate(db: Database, driver: LoadDriver, mixes: list[Mix]) -> tuple[list[Row], dict[int, str]]:
@@ -427,16 +451,31 @@ def progress_line(t: float, sample: dict[str, Any] | None, driver: LoadDriver, t
 
 
 def healthy(base_url: str) -> bool:
+    """True when the gateway answers /healthz."""
     try:
         return requests.get(f"{base_url}/healthz", timeout=2).status_code == 200
     except requests.RequestException:
         return False
 
 
-def subprocess_run(command: list[str], env: dict[str, str]) -> Any:
-    import subprocess
-
+def subprocess_run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run a paysync command to completion from the repository root."""
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def delete_broker_objects(amqp_url: str, run_id: str) -> None:
+    """Delete the queue (and its dead-letter queue) and the exchange a run made on someone else's broker."""
+    import pika
+
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+        channel = conn.channel()
+        for queue in (f"paysync_chaos_{run_id}", f"paysync_chaos_{run_id}.dlq"):
+            channel.queue_delete(queue)
+        channel.exchange_delete(f"paysync_chaos_events_{run_id}")
+        conn.close()
+    except Exception as exc:
+        print(f"warning: could not delete the run's queues on {amqp_url.split('@')[-1]}: {type(exc).__name__}")
 
 
 def empty_database(url: str) -> None:

@@ -47,7 +47,7 @@ def test_the_small_chaos_run_holds_every_invariant(tmp_path):
         str(ROOT / "bench" / "chaos.py"),
         "--payments=300",
         "--process-kills=3",
-        "--rate=15",
+        "--rate=10",
         "--kill-interval=2",
         "--deadline=300",
         f"--json-out={out}",
