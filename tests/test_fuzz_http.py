@@ -190,8 +190,12 @@ def test_fuzzed_create_payment_never_500(gateway):  # noqa: F811
 
 
 def test_fuzzed_get_payment_never_500(gateway):  # noqa: F811
+    # Ids that reach the route: a "/" (even as %2F, which the server decodes) or a bare "." / ".." segment
+    # (which the client normalises away) names another path, where 404 is the right answer.
+    route_ids = st.text(min_size=1, max_size=300).filter(lambda t: "/" not in t and t not in (".", ".."))
+
     @FUZZ
-    @given(payment_id=st.text(min_size=1, max_size=300), auth=st.booleans())
+    @given(payment_id=route_ids, auth=st.booleans())
     def one(payment_id: str, auth: bool) -> None:
         headers = gateway.merchant() if auth else {}
         answer = gateway.request("GET", "/payments/" + quote(payment_id, safe=""), headers=headers)
