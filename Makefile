@@ -8,7 +8,7 @@ SANDBOX_PORT ?= 8100
 # `make run` is for a developer's machine: development fills in dev tokens and secrets, and says so once.
 PAYSYNC_ENV ?= development
 
-.PHONY: run test lint format venv bench-ingest bench-drain bench-charges bench-events clean
+.PHONY: run test lint format venv chaos bench-ingest bench-drain bench-charges bench-events clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "paysync needs Python 3.11 or newer")'
@@ -38,6 +38,11 @@ lint: venv
 format: venv
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# The full-stack fault run on a private MariaDB and RabbitMQ (needs mariadb-server and rabbitmq-server
+# installed, not running). E.g. CHAOS_ARGS="--payments 1000 --json-out bench/results/chaos.json".
+chaos: venv
+	$(BIN)/python bench/chaos.py $(CHAOS_ARGS)
 
 # Needs MariaDB, RabbitMQ and wrk (sudo apt-get install -y wrk). E.g. BENCH_ARGS="--duration 5 --repeats 1".
 bench-ingest: venv

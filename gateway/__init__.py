@@ -47,12 +47,14 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, publishe
     from gateway.callbacks import bp as callbacks_bp
     from gateway.health import bp as health_bp
     from gateway.metrics import bp as metrics_bp
+    from gateway.openapi import bp as openapi_bp
     from gateway.payments_api import bp as payments_bp
 
     app.register_blueprint(callbacks_bp)
     app.register_blueprint(health_bp)
     app.register_blueprint(metrics_bp)
     app.register_blueprint(payments_bp)
+    app.register_blueprint(openapi_bp)
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Any:

@@ -12,6 +12,8 @@ from payments.sources import in_networks
 
 def bearer_ok(tokens: Iterable[str]) -> bool:
     """True when the request's ``Authorization: Bearer`` matches one of ``tokens`` (rotation: any listed one)."""
+    if isinstance(tokens, str):  # a bare string would be compared a character at a time
+        raise TypeError("bearer_ok takes a tuple of tokens (the settings' rotation list), not a string")
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not given:
         return False

@@ -70,7 +70,11 @@ def show(payment_id: str) -> Any:
     """Status, provider transaction id, ledger history, provider calls and callbacks of one payment."""
     if not _authorized():
         return _unauthorized()
-    found = get_payment(ext("engine"), payment_id[:40], ext("providers"))
+    try:
+        found = get_payment(ext("engine"), payment_id[:40], ext("providers"))
+    except SQLAlchemyError as exc:
+        log.error("payment not read, answering 503: %s", type(exc).__name__)
+        return error_response("storage_unavailable", "payment not readable right now; retry later", 503)
     if found is None:
         return error_response("not_found", "no such payment", 404)
     return jsonify(found)

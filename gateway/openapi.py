@@ -1,0 +1,225 @@
+"""``GET /openapi.json``: the OpenAPI 3.1 description of the merchant API.
+
+Built from the same constants the request parser enforces (providers that are
+enabled, currencies, lengths, the largest amount), so the document cannot
+drift from what the API accepts; ``tests/test_openapi.py`` checks it against
+the app's routes and real answers, and schemathesis fuzzes the API from it.
+
+Refunds (``POST /payments/{payment_id}/refunds``,
+``GET /payments/{payment_id}/refunds/{refund_id}``) are not described yet:
+they do not exist yet, and the test that keeps this document true fails as
+soon as a merchant route exists that it does not describe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, jsonify
+
+from gateway import ext
+from payments.charges import ISO_4217, MAX_DESCRIPTION_LENGTH, MAX_KEY_LENGTH, MAX_ORDER_NO_LENGTH
+
+bp = Blueprint("openapi", __name__)
+
+PAYMENT_STATUSES = ["Created", "Pending", "Succeeded", "Failed", "Unknown"]
+
+IDEMPOTENCY_KEY_PATTERN = r"^[ -~]*[!-~][ -~]*$"
+"""Printable ASCII with at least one non-space character (what a merchant should send)."""
+
+
+def _error_response(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
+
+
+def document(providers: list[str], max_amount: int) -> dict[str, Any]:
+    """The OpenAPI 3.1 document for a gateway with these providers enabled and this amount limit."""
+    payment_id = {"type": "string", "minLength": 1, "maxLength": 40, "description": "paysync's number (pay_…)"}
+    payment = {
+        "type": "object",
+        "required": ["payment_id", "order_no", "amount", "currency", "provider", "status", "created_at"],
+        "properties": {
+            "payment_id": payment_id,
+            "order_no": {"type": "string"},
+            "amount": {"type": "integer", "description": "minor units"},
+            "currency": {"type": "string"},
+            "provider": {"type": "string"},
+            "description": {"type": ["string", "null"]},
+            "status": {"type": "string", "enum": PAYMENT_STATUSES},
+            "provider_transaction_id": {"type": ["string", "null"]},
+            "created_at": {"type": "string"},
+        },
+    }
+    timestamp = {"type": ["string", "null"], "description": "ISO 8601, UTC"}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "paysync merchant API",
+            "version": "1",
+            "description": (
+                "Create payments and read their status. Every request needs `Authorization: Bearer "
+                "<MERCHANT_API_TOKEN>`. Amounts are integers in minor units. Errors are "
+                '`{"error": {"code", "message"}}`. Refund routes will be described here once they exist.'
+            ),
+        },
+        "security": [{"bearer": []}],
+        "paths": {
+            "/payments": {
+                "post": {
+                    "operationId": "createPayment",
+                    "summary": "Create a payment (idempotent per Idempotency-Key)",
+                    "description": (
+                        "The same key with the same body answers the first answer again (header "
+                        "`Idempotent-Replayed: true`); the same key with another body is refused with 422; "
+                        "while the first request with a key is still in flight, 409. Retry a 503 or a lost "
+                        "answer with the same key."
+                    ),
+                    "parameters": [
+                        {
+                            "name": "Idempotency-Key",
+                            "in": "header",
+                            "required": True,
+                            "schema": {
+                                "type": "string",
+                                "minLength": 1,
+                                "maxLength": MAX_KEY_LENGTH,
+                                "pattern": IDEMPOTENCY_KEY_PATTERN,
+                            },
+                        }
+                    ],
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CreatePayment"}}},
+                    },
+                    "responses": {
+                        "201": {
+                            "description": "Created, or the first answer replayed",
+                            "headers": {
+                                "Idempotent-Replayed": {
+                                    "description": "true when this is the stored answer of an earlier request",
+                                    "schema": {"type": "string", "enum": ["true"]},
+                                }
+                            },
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Payment"}}},
+                            "links": {
+                                "GetPayment": {
+                                    "operationId": "getPayment",
+                                    "parameters": {"payment_id": "$response.body#/payment_id"},
+                                }
+                            },
+                        },
+                        "400": _error_response("Malformed request; nothing was written"),
+                        "401": _error_response("Missing or wrong bearer token"),
+                        "409": _error_response("A request with this Idempotency-Key is still in flight"),
+                        "413": _error_response("Body too large"),
+                        "415": _error_response("Body is not JSON"),
+                        "422": _error_response("This Idempotency-Key was used with a different request"),
+                        "503": _error_response("Storage unavailable; retry with the same key"),
+                    },
+                }
+            },
+            "/payments/{payment_id}": {
+                "get": {
+                    "operationId": "getPayment",
+                    "summary": "A payment: status, provider transaction id, ledger, provider calls, callbacks",
+                    "parameters": [{"name": "payment_id", "in": "path", "required": True, "schema": payment_id}],
+                    "responses": {
+                        "200": {
+                            "description": "The payment",
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/PaymentDetail"}}},
+                        },
+                        "401": _error_response("Missing or wrong bearer token"),
+                        "404": _error_response("No such payment"),
+                        "503": _error_response("Storage unavailable"),
+                    },
+                }
+            },
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "CreatePayment": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["order_no", "amount", "currency", "provider"],
+                    "properties": {
+                        "order_no": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": MAX_ORDER_NO_LENGTH,
+                            "pattern": r"\S",
+                            "description": "the merchant's order number",
+                        },
+                        "amount": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": max_amount,
+                            "description": "minor units (fen, cents); never a float",
+                        },
+                        "currency": {"type": "string", "enum": sorted(ISO_4217)},
+                        "provider": {"type": "string", "enum": sorted(providers)},
+                        "description": {"type": ["string", "null"], "maxLength": MAX_DESCRIPTION_LENGTH},
+                    },
+                },
+                "Payment": payment,
+                "PaymentDetail": {
+                    "allOf": [{"$ref": "#/components/schemas/Payment"}],
+                    "type": "object",
+                    "required": ["updated_at", "ledger", "provider_calls", "callbacks"],
+                    "properties": {
+                        "status_source": {"type": ["string", "null"]},
+                        "error_code": {"type": ["string", "null"]},
+                        "next_query_at": timestamp,
+                        "query_attempts": {"type": ["integer", "null"]},
+                        "deadline_at": timestamp,
+                        "updated_at": timestamp,
+                        "ledger": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["event_type", "amount", "currency", "entries"],
+                                "properties": {
+                                    "event_type": {"type": "string"},
+                                    "amount": {"type": "integer"},
+                                    "currency": {"type": "string"},
+                                    "entries": {
+                                        "type": "array",
+                                        "items": {
+                                            "type": "object",
+                                            "required": ["account", "amount"],
+                                            "properties": {
+                                                "account": {"type": "string"},
+                                                "amount": {"type": "integer"},
+                                            },
+                                        },
+                                    },
+                                },
+                            },
+                        },
+                        "provider_calls": {"type": "array", "items": {"type": "object"}},
+                        "callbacks": {"type": "array", "items": {"type": "object"}},
+                    },
+                },
+                "Error": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "required": ["code", "message"],
+                            "properties": {"code": {"type": "string"}, "message": {"type": "string"}},
+                        }
+                    },
+                },
+            },
+        },
+    }
+
+
+@bp.get("/openapi.json")
+def openapi() -> Any:
+    """The document for this gateway's configuration (no token needed: it holds no secret)."""
+    return jsonify(document(list(ext("providers")), ext("settings").merchant_max_amount))
