@@ -8,7 +8,9 @@ names the variable.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from decimal import Decimal, InvalidOperation
@@ -191,6 +193,14 @@ class Settings:
     """Python logging level name."""
     failpoints: str = ""
     """Test-only: comma-separated failpoint names at which the process SIGKILLs itself (payments/failpoints.py)."""
+    stripe_api_key: str = ""
+    """Stripe secret (sk_…) or restricted (rk_…) key, sent as Bearer; with STRIPE_WEBHOOK_SECRETS it enables stripe."""
+    stripe_webhook_secrets: tuple[str, ...] = ()
+    """The endpoint's whsec_… signing secrets, comma-separated; every listed one verifies (rotation)."""
+    stripe_api_base: str = "https://api.stripe.com"
+    """Where paysync calls the Stripe API (a fake platform in tests)."""
+    stripe_source_cidrs: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    """Networks Stripe webhooks may come from; empty: any source (the gateway's source check reads it)."""
 
     @property
     def has_broker(self) -> bool:
@@ -273,7 +283,54 @@ _PARSERS = {
     "event_delivery_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),
     "log_level": lambda n, v: _log_level(n, v),
     "failpoints": lambda n, v: v.strip(),
+    "stripe_api_key": lambda n, v: _stripe_api_key(n, v),
+    "stripe_webhook_secrets": lambda n, v: _stripe_webhook_secrets(n, v),
+    "stripe_api_base": lambda n, v: (_url(n, v, ("http://", "https://")) or "https://api.stripe.com").rstrip("/"),
+    "stripe_source_cidrs": lambda n, v: parse_cidrs(n, v),
 }
+
+_STRIPE_API_KEY = re.compile(r"(sk|rk)_(live|test)_[0-9A-Za-z]{16,247}", re.ASCII)
+_STRIPE_WEBHOOK_SECRET = re.compile(r"whsec_[0-9A-Za-z+/=_-]{16,250}", re.ASCII)
+
+
+def _stripe_api_key(name: str, raw: str) -> str:
+    value = raw.strip()
+    # Say what is wrong and how long the value is, never the value (invariant 9).
+    if value and not _STRIPE_API_KEY.fullmatch(value):
+        raise ConfigError(
+            f"{name} must be a Stripe secret key sk_live_…/sk_test_… (or restricted rk_…) with at least 16 "
+            f"characters after the prefix; got {len(value)} characters"
+        )
+    return value
+
+
+def _stripe_webhook_secrets(name: str, raw: str) -> tuple[str, ...]:
+    secrets: list[str] = []
+    for position, item in enumerate((part.strip() for part in raw.split(",")), start=1):
+        if not item:
+            continue
+        if not _STRIPE_WEBHOOK_SECRET.fullmatch(item):
+            raise ConfigError(
+                f"{name}: entry {position} must be an endpoint signing secret whsec_… with at least 16 characters "
+                f"after the prefix; got {len(item)} characters"
+            )
+        if item in secrets:
+            raise ConfigError(f"{name}: entry {position} repeats an earlier secret")
+        secrets.append(item)
+    return tuple(secrets)
+
+
+def parse_cidrs(name: str, raw: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """A comma-separated list of networks (``203.0.113.0/24, 2001:db8::/32``; a bare address is a /32 or /128)."""
+    networks = []
+    for item in (part.strip() for part in raw.split(",")):
+        if not item:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(item, strict=True))
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {item[:60]!r} is not a network ({exc})") from None
+    return tuple(networks)
 
 
 def _webhook_secret(name: str, raw: str) -> str:
@@ -338,4 +395,39 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("BREAKER_MAX_OPEN_SECONDS must be >= BREAKER_OPEN_SECONDS")
     if settings.merchant_webhook_url and not settings.merchant_webhook_secret:
         raise ConfigError("MERCHANT_WEBHOOK_SECRET (whsec_…) is required when MERCHANT_WEBHOOK_URL is set")
+    check_stripe_complete(settings)
     return settings
+
+
+def stripe_enabled(settings: Settings) -> bool:
+    """True when STRIPE_API_KEY or STRIPE_WEBHOOK_SECRETS is given: the stripe provider is then registered."""
+    return bool(settings.stripe_api_key or settings.stripe_webhook_secrets)
+
+
+def check_stripe_complete(settings: Settings) -> None:
+    """Refuse a half-configured Stripe merchant: the key and at least one webhook secret go together."""
+    if not stripe_enabled(settings):
+        return
+    missing = [env_name(n) for n in ("stripe_api_key", "stripe_webhook_secrets") if not getattr(settings, n)]
+    if missing:
+        raise ConfigError(f"Stripe is partly configured: {', '.join(missing)} missing")
+
+
+def validate_stripe(settings: Settings, *, production: bool) -> None:
+    """The production check for Stripe (ConfigError naming the variable and the reason); a no-op when not enabled.
+
+    Everything ``load_settings`` refuses, plus, in production: a test-mode key
+    (it charges nobody, so a production process using it is misconfigured) and
+    an API base that is not https.
+    """
+    if not stripe_enabled(settings):
+        return
+    check_stripe_complete(settings)
+    _stripe_api_key("STRIPE_API_KEY", settings.stripe_api_key)
+    _stripe_webhook_secrets("STRIPE_WEBHOOK_SECRETS", ",".join(settings.stripe_webhook_secrets))
+    if not production:
+        return
+    if settings.stripe_api_key.split("_", 2)[1] == "test":
+        raise ConfigError("STRIPE_API_KEY is a test-mode key (…_test_…); production needs a live key")
+    if not settings.stripe_api_base.startswith("https://"):
+        raise ConfigError("STRIPE_API_BASE must be https:// in production")

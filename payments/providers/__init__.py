@@ -5,7 +5,7 @@ from __future__ import annotations
 from payments.errors import UnknownProvider
 from payments.providers.base import Provider
 from payments.providers.sandbox import LegacySandboxProvider, SandboxProvider
-from payments.settings import Settings
+from payments.settings import Settings, stripe_enabled
 
 
 def build_providers(settings: Settings) -> dict[str, Provider]:
@@ -19,6 +19,10 @@ def build_providers(settings: Settings) -> dict[str, Provider]:
         providers["sandbox_legacy"] = LegacySandboxProvider(
             settings.sandbox_webhook_secret, settings.callback_tolerance_seconds, settings.sandbox_api_url
         )
+    if stripe_enabled(settings):
+        from payments.providers.stripe import StripeProvider  # only a configured merchant loads it
+
+        providers["stripe"] = StripeProvider.from_settings(settings)
     return providers
 
 

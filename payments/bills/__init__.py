@@ -1,0 +1,1 @@
+"""Settlement-file (bill) parsers, one module per provider: pure streaming generators."""
