@@ -13,10 +13,13 @@ import threading
 import time
 import uuid
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 from werkzeug.serving import WSGIRequestHandler, make_server
 
+from payments.db import utcnow
+from payments.providers.base import ChargeRequest
 from payments.settings import Settings
 from sandbox.fakes import stripe as fake
 from tests.support import make_settings
@@ -164,3 +167,14 @@ def signed(
         "Content-Type": "application/json; charset=utf-8",
         "User-Agent": "Stripe/1.0 (+https://stripe.com/docs/webhooks)",
     }
+
+
+def charge_request(
+    payment_id: str = "pay_1",
+    amount: int = 1000,
+    currency: str = "USD",
+    pm: str | None = "pm_card_visa",
+    age: float = 0.0,
+) -> ChargeRequest:
+    """What the relay sends for a payment created ``age`` seconds ago, paid with PaymentMethod ``pm``."""
+    return ChargeRequest(payment_id, amount, currency, created_at=utcnow() - timedelta(seconds=age), payment_method=pm)

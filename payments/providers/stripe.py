@@ -230,14 +230,20 @@ def read_payment_intent(data: Any, payment_id: str, expected: ChargeRequest | No
     if status in ("processing", "requires_capture", "requires_action"):
         return Pending(pi_id, raw=data)
     if status == "canceled":
-        reason = _short(data.get("cancellation_reason")) or "canceled"
-        return Failed(reason, definitive=True, raw=data, provider_transaction_id=pi_id)
+        return Failed(_canceled_code(data), definitive=True, raw=data, provider_transaction_id=pi_id)
     if status == "requires_payment_method" and isinstance(data.get("last_payment_error"), dict):
         code = _decline_code(data["last_payment_error"])
         return Failed(code, definitive=True, raw=data, provider_transaction_id=pi_id)
     if status in ("requires_payment_method", "requires_confirmation"):
         return Unknown("payment_intent_not_confirmed", raw=data)
     return Unknown("unknown_status", raw=data)
+
+
+def _canceled_code(pi: Mapping[str, Any]) -> str:
+    """Why a cancelled PaymentIntent failed: the decline that preceded our cancel, else Stripe's reason."""
+    if isinstance(pi.get("last_payment_error"), dict):
+        return _decline_code(pi["last_payment_error"])
+    return _short(pi.get("cancellation_reason")) or "canceled"
 
 
 def _decline_code(error: Mapping[str, Any]) -> str:
@@ -357,7 +363,7 @@ def _payment_event(provider: str, event_id: str, event_type: str, created: int, 
         error = obj.get("last_payment_error")
         failure = _decline_code(error) if isinstance(error, dict) else "payment_failed"
     elif event_type == "payment_intent.canceled":
-        failure = _short(obj.get("cancellation_reason")) or "canceled"
+        failure = _canceled_code(obj)
     return CallbackEvent(
         provider=provider,
         event_id=event_id,
