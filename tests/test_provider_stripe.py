@@ -30,14 +30,17 @@ from sandbox.fakes.stripe import IdempotencyRecord
 from tests.stripe_support import API_KEY, OLD_SECRET, FakeServer, charge_request, new_fake
 from tests.support import ROOT, env_for, free_port, wait_for_port
 
-TIMEOUT = 0.5
+TIMEOUT = 10.0
+"""For calls that should get an answer: generous, so a loaded machine does not turn answers into timeouts."""
+SHORT = 1.5
+"""For calls the fake holds (hang, timeout_after_commit): shorter than its hold, longer than any real answer."""
 DAY = 86400
 
 
 @pytest.fixture
 def served():
     server = FakeServer(new_fake())
-    server.platform.faults.hang_seconds = 1.5
+    server.platform.faults.hang_seconds = 4.0
     yield server
     server.close()
 
@@ -157,7 +160,8 @@ def test_an_unknown_payment_method_is_refused_outright(stripe, fake):
 )
 def test_ambiguous_answers_are_unknown_and_a_query_then_says_what_happened(stripe, fake, fault, reason, charged):
     fake.fail_next(fault, path="POST /v1/payment_intents")
-    outcome = stripe.charge(charge_request(), "k-ambiguous", TIMEOUT)
+    held = fault in ("hang", "timeout_after_commit")
+    outcome = stripe.charge(charge_request(), "k-ambiguous", SHORT if held else TIMEOUT)
     assert isinstance(outcome, Unknown) and outcome.reason == reason
 
     found = stripe.query("pay_1", TIMEOUT, charge_request())
@@ -199,7 +203,7 @@ def test_past_24_hours_the_same_key_sent_blind_makes_a_second_payment_intent_at_
 
 def test_past_24_hours_the_adapter_looks_first_and_finds_the_payment_intent_instead_of_making_another(stripe, fake):
     fake.fail_next("timeout_after_commit", path="POST /v1/payment_intents")
-    assert isinstance(stripe.charge(charge_request(), "k-late", TIMEOUT), Unknown)
+    assert isinstance(stripe.charge(charge_request(), "k-late", SHORT), Unknown)
     fake.clock.advance(DAY + 3600)  # Stripe has forgotten the key
 
     outcome = stripe.charge(charge_request(age=DAY + 3600), "k-late", TIMEOUT)
@@ -229,7 +233,7 @@ def test_a_payment_intent_too_new_for_the_lagging_search_index_is_still_found_th
     fake.config.search_lag_seconds = 1800
     stripe = StripeProvider(API_KEY, (OLD_SECRET,), served.url)
     fake.fail_next("timeout_after_commit", path="POST /v1/payment_intents")
-    stripe.charge(charge_request(), "k-lag", TIMEOUT)
+    stripe.charge(charge_request(), "k-lag", SHORT)
     assert fake.search_payment_intents({"query": "metadata['payment_id']:'pay_1'"})["data"] == [], "search lags"
 
     found = stripe.query("pay_1", TIMEOUT, charge_request())
@@ -269,7 +273,7 @@ def test_two_payment_intents_for_one_payment_are_unknown_for_review(stripe, fake
 def test_a_failed_query_is_unknown_never_a_decline(stripe, fake):
     for fault in ("5xx", "rate_limit", "hang"):
         fake.fail_next(fault, path="GET /v1/payment_intents/search")
-        assert isinstance(stripe.query("pay_1", TIMEOUT), Unknown)
+        assert isinstance(stripe.query("pay_1", SHORT if fault == "hang" else TIMEOUT), Unknown)
 
 
 # --------------------------------------------------------------------------------------------- refunds
@@ -310,7 +314,7 @@ def test_more_than_is_left_is_a_definitive_refusal(stripe, fake):
 def test_an_ambiguous_refund_is_unknown_and_its_query_finds_it(stripe, fake):
     request = _paid(stripe, fake)
     fake.fail_next("timeout_after_commit", path="POST /v1/refunds")
-    assert stripe.refund(request, "refund-key", TIMEOUT).reason == "timeout"
+    assert stripe.refund(request, "refund-key", SHORT).reason == "timeout"
     assert isinstance(stripe.query_refund("re_ours1", TIMEOUT, request), Succeeded)
 
 

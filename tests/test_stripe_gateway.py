@@ -59,12 +59,13 @@ def client(engine):
     return create_app(settings, engine=engine).test_client()
 
 
-def runtime_for(engine, api_base="http://127.0.0.1:9", **overrides):
+def runtime_for(engine, api_base="http://127.0.0.1:9", timeout=10.0, **overrides):
+    """A runtime with Stripe at ``api_base``; ``timeout`` short only where the fake is to hold an answer."""
     settings = stripe_settings(
         api_base,
         secrets_=(OLD_SECRET, NEW_SECRET),
         database_url=_db_url(engine),
-        provider_timeout_seconds=0.5,
+        provider_timeout_seconds=timeout,
         query_base_seconds=0.01,
         query_max_seconds=0.05,
         relay_max_seconds=10,
@@ -282,7 +283,7 @@ def platform(engine):
     rt = runtime_for(engine, server.url)
     gateway = Served(create_app(rt.settings, engine=engine))
     fake.config.webhook_url = gateway.url + "/callbacks/stripe"
-    fake.faults.hang_seconds = 1.5
+    fake.faults.hang_seconds = 4.0
     yield fake, rt
     server.close()
     gateway.close()
@@ -297,7 +298,7 @@ def test_a_payment_is_charged_by_the_relay_and_its_webhook_is_applied_once(platf
     (sent,) = [r for r in fake.requests if r["method"] == "POST"]
     assert sent["idempotency_key"] == p["idempotency_key"] and sent["params"]["metadata"]["payment_id"] == payment_id
 
-    assert fake.wait_idle()
+    assert fake.wait_idle(30)
     compensate_callbacks.run_once(rt)
     assert any(d["type"] == "payment_intent.succeeded" and d["status"] == 200 for d in fake.deliveries)
     assert confirmations(rt.engine, payment_id) == 1
@@ -309,7 +310,7 @@ def test_an_ambiguous_charge_becomes_unknown_and_the_query_job_resolves_it(platf
     payment_id = new_payment(rt)
     fake.fail_next("drop_webhook", count=10)
     fake.fail_next("timeout_after_commit", path="POST /v1/payment_intents")
-    relay_outbox.run_once(rt)
+    relay_outbox.run_once(short(rt))
     assert payment_row(rt.engine, payment_id)["status"] == "Unknown"
 
     _due(rt, payment_id)
@@ -342,7 +343,7 @@ def test_a_declined_charge_fails_the_payment_and_cancels_its_payment_intent(plat
     p = payment_row(rt.engine, payment_id)
     assert (p["status"], p["error_code"]) == ("Failed", "generic_decline")
     assert fake.payment_intents[p["provider_transaction_id"]]["status"] == "canceled"
-    assert fake.wait_idle()
+    assert fake.wait_idle(30)
     compensate_callbacks.run_once(rt)
     assert payment_row(rt.engine, payment_id)["status"] == "Failed"
     assert {r["status"] for r in rows(rt.engine)} == {CB_PROCESSED}
@@ -353,9 +354,9 @@ def test_catch_up_fetches_a_missed_event_through_store_then_process(platform):
     payment_id = new_payment(rt)
     fake.fail_next("drop_webhook", count=10)
     fake.fail_next("timeout_after_commit", path="POST /v1/payment_intents")
-    relay_outbox.run_once(rt)
+    relay_outbox.run_once(short(rt))
     assert payment_row(rt.engine, payment_id)["status"] == "Unknown"
-    assert fake.wait_idle() and rows(rt.engine) == [], "no webhook reached us"
+    assert fake.wait_idle(30) and rows(rt.engine) == [], "no webhook reached us"
 
     later = fake.clock.now() + 120
     assert catch_up.run_once(rt, now=later) == 1
@@ -375,8 +376,8 @@ def test_catch_up_repairs_webhooks_that_were_refused(platform, engine):
     first, second = new_payment(rt), new_payment(rt)
     fake.config.webhook_secrets = [STRANGER_SECRET]  # a secret paysync does not have: every webhook is refused
     fake.fail_next("timeout_after_commit", count=2, path="POST /v1/payment_intents")
-    relay_outbox.run_once(rt)
-    assert fake.wait_idle()
+    relay_outbox.run_once(short(rt))
+    assert fake.wait_idle(30)
     assert {r["status"] for r in rows(engine)} == {CB_REJECTED}
     assert {payment_row(engine, p)["status"] for p in (first, second)} == {"Unknown"}
 
@@ -400,6 +401,11 @@ def catch_up_types():
     from payments.providers.stripe import EVENT_TYPES
 
     return EVENT_TYPES
+
+
+def short(rt):
+    """The same runtime with a provider timeout shorter than the fake's hold (for the relay of a held charge)."""
+    return runtime_for(rt.engine, rt.settings.stripe_api_base, timeout=1.5)
 
 
 def _due(rt, payment_id):

@@ -163,8 +163,6 @@ class Reply:
     evidence: Evidence
     error: str | None = None
     """The network error's name when ``status`` is None."""
-    replayed: bool = False
-    """Stripe answered from its idempotency store (``Idempotent-Replayed: true``)."""
 
 
 def _error(data: Any) -> dict[str, Any]:
@@ -574,8 +572,7 @@ class StripeProvider(Provider):
             response=scrub(_CLIENT_SECRET.sub(r"\1[REDACTED]\2", text))[:MAX_RESPONSE_CHARS],
             latency_ms=latency,
         )
-        replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"
-        return Reply(response.status_code, data, evidence, replayed=replayed)
+        return Reply(response.status_code, data, evidence)
 
     # ----------------------------------------------------------------------------------------- charges
 
@@ -641,7 +638,11 @@ class StripeProvider(Provider):
             return replace(_not_an_answer(reply), evidence=reply.evidence)
         if reply.data.get("has_more"):
             return Unknown("review:several_payment_intents", evidence=reply.evidence)
-        ids = {pi.get("id") for pi in reply.data["data"] if isinstance(pi, dict) and isinstance(pi.get("id"), str)}
+        ids = {
+            pi["id"]
+            for pi in reply.data["data"]
+            if isinstance(pi, dict) and isinstance(pi.get("id"), str) and _metadata_is(pi, payment_id)
+        }
         # Search may not have seen the newest PaymentIntents yet: the list API has (it is consistent).
         since = int(self._clock() - self._search_lag - KEY_MARGIN_SECONDS)
         recent = self._list_ids(

@@ -771,7 +771,7 @@ class FakeStripe:
                 429, {"error": {"type": "invalid_request_error", "code": "lock_timeout", "message": "Object locked."}}
             )
         if fate == "hang":
-            time.sleep(self.faults.hang_seconds)
+            self._stopping.wait(self.faults.hang_seconds)
             return _json(503, {"error": {"type": "api_error", "message": "Timed out."}})
         if method == "GET":
             try:
@@ -780,7 +780,7 @@ class FakeStripe:
             except StripeError as exc:
                 status, body = exc.status, exc.body
             if fate == "timeout_after_commit":
-                time.sleep(self.faults.hang_seconds)
+                self._stopping.wait(self.faults.hang_seconds)
             return _json(status, body)
         key = record["idempotency_key"]
         status, text, replayed = self._post(path, params, key, fate)
@@ -790,7 +790,7 @@ class FakeStripe:
         if key:
             response.headers["Idempotency-Key"] = key
         if fate == "timeout_after_commit":
-            time.sleep(self.faults.hang_seconds)
+            self._stopping.wait(self.faults.hang_seconds)  # a stopping platform lets held answers go
         return response
 
     def _authorized(self, header: str | None) -> bool:
