@@ -145,6 +145,7 @@ CREATE TABLE payment (
 	query_attempts INTEGER NOT NULL,
 	deadline_at DATETIME(6) COMMENT 'after this an unresolved payment goes to manual review',
 	qr_code VARCHAR(512) COMMENT 'what the buyer scans (Alipay qr_code, WeChat code_url)',
+	payment_method VARCHAR(255) COMMENT 'what the provider is to charge, as the merchant named it (Stripe: a PaymentMethod id pm_…)',
 	created_at DATETIME(6) NOT NULL,
 	updated_at DATETIME(6) NOT NULL,
 	PRIMARY KEY (id),
@@ -165,6 +166,7 @@ CREATE TABLE payment_callback_log (
 	callback_data MEDIUMBLOB NOT NULL COMMENT 'raw request body, byte for byte',
 	headers TEXT NOT NULL COMMENT 'JSON object of the selected request headers',
 	remote_addr VARCHAR(64),
+	source VARCHAR(16) NOT NULL COMMENT 'webhook: POSTed to the gateway (signature checked); api: fetched by paysync from the provider''s API' DEFAULT 'webhook',
 	order_no VARCHAR(64) COMMENT 'our payment_id (or refund_id) named by the callback',
 	payment_order_no VARCHAR(128) COMMENT 'the provider''s transaction id',
 	provider_event_id VARCHAR(128),
@@ -233,6 +235,14 @@ CREATE INDEX idx_provider_call_payment ON provider_call (payment_id);
 CREATE INDEX idx_provider_call_refund ON provider_call (refund_id);
 
 CREATE INDEX idx_provider_call_started ON provider_call (started_at);
+
+CREATE TABLE provider_cursor (
+	provider VARCHAR(32) NOT NULL,
+	name VARCHAR(64) NOT NULL COMMENT 'what the cursor tracks, e.g. events',
+	value VARCHAR(255) NOT NULL COMMENT 'where the job left off, e.g. a unix time',
+	updated_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (provider, name)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Where a job reading a provider''s API left off (Stripe catch_up: created time of the newest event listed).' COLLATE utf8mb4_bin;
 
 CREATE TABLE refund (
 	id BIGINT NOT NULL AUTO_INCREMENT,

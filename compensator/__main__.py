@@ -1,7 +1,8 @@
 """``python -m compensator`` runs the scheduler; ``python -m compensator JOB --once`` runs one job once.
 
 Jobs: compensate (compensate_callbacks), evaluate_alerts, publish_events (domain events
-to RabbitMQ and the merchant's webhook). Each is registered
+to RabbitMQ and the merchant's webhook), catch_up (missed Stripe events; a no-op
+without Stripe settings). Each is registered
 with ``max_instances=1`` and coalescing, so a slow sweep is never run twice at
 once in one process and missed runs collapse into one.
 
@@ -27,7 +28,14 @@ log = logging.getLogger("paysync.compensator")
 
 def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], float]]]:
     """Job name -> (run_once, interval in seconds for these settings)."""
-    from compensator import compensate_callbacks, evaluate_alerts, publish_events, query_unresolved, relay_outbox
+    from compensator import (
+        catch_up,
+        compensate_callbacks,
+        evaluate_alerts,
+        publish_events,
+        query_unresolved,
+        relay_outbox,
+    )
 
     return {
         "compensate_callbacks": (compensate_callbacks.run_once, lambda rt: rt.settings.effective_interval_seconds),
@@ -35,6 +43,7 @@ def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], flo
         "publish_events": (publish_events.run_once, lambda rt: publish_events.INTERVAL_SECONDS),
         "relay_outbox": (relay_outbox.run_once, lambda rt: rt.settings.relay_interval_seconds),
         "query_unresolved": (query_unresolved.run_once, lambda rt: rt.settings.query_interval_seconds),
+        "catch_up": (catch_up.run_once, lambda rt: catch_up.INTERVAL_SECONDS),
     }
 
 

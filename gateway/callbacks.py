@@ -12,7 +12,7 @@ from werkzeug.exceptions import ClientDisconnected
 
 from gateway import error_response, ext
 from payments.callbacks import reject_callback, store_callback, verify_callback
-from payments.errors import BodyTooLarge, CallbackRejected
+from payments.errors import BodyTooLarge, CallbackRejected, EventIgnored
 
 bp = Blueprint("callbacks", __name__)
 log = logging.getLogger("paysync.gateway.callbacks")
@@ -58,6 +58,8 @@ def receive(provider_name: str) -> Any:
             return error_response(exc.code, str(exc), 413)
         answer = provider.reject(exc)
         return Response(answer.body, answer.status, content_type=answer.content_type)
+    except EventIgnored:
+        pass  # genuine but not ours to apply: acknowledged, and processing records it as ignored
 
     # 3. Fast path to the consumer; never waits on the broker.
     ext("publisher").publish(log_id)

@@ -24,7 +24,7 @@ from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from payments import alerts
 from payments.backoff import RetryPolicy
 from payments.db import insert_ignore, utcnow
-from payments.errors import CallbackRejected, PaysyncError, TargetNotFound, UnsupportedContentType
+from payments.errors import CallbackRejected, EventIgnored, PaysyncError, TargetNotFound, UnsupportedContentType
 from payments.providers import get_provider
 from payments.providers.base import CallbackEvent, Provider
 from payments.review import open_review
@@ -35,6 +35,8 @@ from payments.schema import (
     CB_PROCESSED,
     CB_REJECTED,
     CB_RETRYABLE,
+    SOURCE_API,
+    SOURCE_WEBHOOK,
     payment_callback_log,
     processed_event,
 )
@@ -72,6 +74,7 @@ _LOCK_ROW = (
         payment_callback_log.c.callback_data,
         payment_callback_log.c.headers,
         payment_callback_log.c.create_time,
+        payment_callback_log.c.source,
     )
     .where(payment_callback_log.c.id == bindparam("log_id"))
     .with_for_update()
@@ -93,8 +96,13 @@ def store_callback(
     remote_addr: str | None,
     index: Mapping[str, str | None] | None = None,
     now: datetime | None = None,
+    source: str = SOURCE_WEBHOOK,
 ) -> int:
-    """INSERT the raw delivery with status 0 and COMMIT; return its id. Raises if the database is unavailable."""
+    """INSERT the raw delivery with status 0 and COMMIT; return its id. Raises if the database is unavailable.
+
+    ``source`` is ``webhook`` for what the gateway received and ``api`` for an
+    event a paysync job fetched from the provider itself (never set from a request).
+    """
     now = now or utcnow()
     index = index or {}
     with engine.begin() as conn:
@@ -106,6 +114,7 @@ def store_callback(
                 # Not \u-escaped: latin-1 header text would take 6 bytes a character and overflow the column.
                 "headers": json.dumps(dict(headers), sort_keys=True, ensure_ascii=False),
                 "remote_addr": (remote_addr or "")[:64] or None,
+                "source": source,
                 "order_no": index.get("order_no"),
                 "payment_order_no": index.get("payment_order_no"),
                 "provider_event_id": index.get("provider_event_id"),
@@ -181,7 +190,15 @@ def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: in
         provider = get_provider(providers, row.provider)
         # Verified against the time it was received, so a row retried hours later still verifies.
         received = (row.create_time - datetime(1970, 1, 1)).total_seconds()
-        event = verify_callback(provider, bytes(row.callback_data), json.loads(row.headers), now=received)
+        if row.source == SOURCE_API:
+            # Written by our own fetch job from an authenticated API answer: there is no delivery signature.
+            event = provider.parse_fetched(bytes(row.callback_data))
+        else:
+            event = verify_callback(provider, bytes(row.callback_data), json.loads(row.headers), now=received)
+    except EventIgnored as exc:
+        # Genuine, but about nothing we apply (another integration's object, an event type we do not act on).
+        _finish(conn, log_id, CB_PROCESSED, f"ignored: {exc}", now)
+        return Outcome.NOOP
     except (CallbackRejected, PaysyncError) as exc:
         if not exc.permanent:
             raise

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -40,6 +41,7 @@ SCOPE = "payments"
 MAX_KEY_LENGTH = 255
 MAX_ORDER_NO_LENGTH = 64
 MAX_DESCRIPTION_LENGTH = 500
+MAX_PAYMENT_METHOD_LENGTH = 255
 CHARGE_REQUESTED = "ChargeRequested"
 """The outbox event the relay turns into a provider call."""
 
@@ -76,6 +78,9 @@ class IdempotencyConflict(InvalidRequest):
     """The key is in use: by a request still in flight (409) or by a different request (422)."""
 
 
+_PAYMENT_METHOD = re.compile(r"[0-9A-Za-z_-]+", re.ASCII)
+
+
 def _in_progress() -> IdempotencyConflict:
     return IdempotencyConflict("a request with this Idempotency-Key is in progress", "request_in_progress", 409)
 
@@ -89,20 +94,22 @@ class CreatePayment:
     currency: str
     provider: str
     description: str | None
+    payment_method: str | None = None
+    """What the provider is to charge (Stripe: a PaymentMethod id); optional for providers that need none."""
 
     def digest(self) -> str:
         """sha256 of the canonical request: same fields, same digest, whatever the JSON key order."""
-        canonical = json.dumps(
-            {
-                "order_no": self.order_no,
-                "amount": self.amount_minor,
-                "currency": self.currency,
-                "provider": self.provider,
-                "description": self.description,
-            },
-            sort_keys=True,
-            separators=(",", ":"),
-        )
+        fields: dict[str, Any] = {
+            "order_no": self.order_no,
+            "amount": self.amount_minor,
+            "currency": self.currency,
+            "provider": self.provider,
+            "description": self.description,
+        }
+        if self.payment_method is not None:
+            # Only when given, so digests of requests stored before the field existed still match.
+            fields["payment_method"] = self.payment_method
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -129,7 +136,7 @@ def parse_create(raw: bytes, providers: set[str] | frozenset[str], max_amount: i
         raise InvalidRequest("body must be a JSON object", "invalid_json") from None
     if not isinstance(data, dict):
         raise InvalidRequest("body must be a JSON object", "invalid_json")
-    allowed = {"order_no", "amount", "currency", "provider", "description"}
+    allowed = {"order_no", "amount", "currency", "provider", "description", "payment_method"}
     extra = sorted(set(data) - allowed)
     if extra:
         raise InvalidRequest(f"unknown field {extra[0][:40]!r}")
@@ -153,7 +160,17 @@ def parse_create(raw: bytes, providers: set[str] | frozenset[str], max_amount: i
     description = data.get("description")
     if description is not None and (not isinstance(description, str) or len(description) > MAX_DESCRIPTION_LENGTH):
         raise InvalidRequest(f"description must be a string of at most {MAX_DESCRIPTION_LENGTH} characters")
-    return CreatePayment(order_no, amount, currency, provider, description)
+    payment_method = data.get("payment_method")
+    if payment_method is not None and (
+        not isinstance(payment_method, str)
+        or not _PAYMENT_METHOD.fullmatch(payment_method)
+        or len(payment_method) > MAX_PAYMENT_METHOD_LENGTH
+    ):
+        raise InvalidRequest(
+            f"payment_method must be a provider's payment method id (letters, digits, _ and -, "
+            f"at most {MAX_PAYMENT_METHOD_LENGTH} characters)"
+        )
+    return CreatePayment(order_no, amount, currency, provider, description, payment_method)
 
 
 def check_key(key: str | None) -> str:
@@ -191,6 +208,7 @@ def create_payment(
         "currency": request.currency,
         "provider": request.provider,
         "description": request.description,
+        "payment_method": request.payment_method,
         "status": PaymentStatus.CREATED.value,
         "provider_transaction_id": None,
         "created_at": now.isoformat() + "Z",
@@ -239,6 +257,7 @@ def _write_payment(
             idempotency_key=key,
             request_digest=digest,
             description=request.description,
+            payment_method=request.payment_method,
             query_attempts=0,
             deadline_at=now + timedelta(seconds=deadline_seconds),
             created_at=now,
@@ -389,6 +408,7 @@ def get_payment(
             "currency": row["currency"],
             "provider": row["provider"],
             "description": row["description"],
+            "payment_method": row["payment_method"],
             "status": row["status"],
             "status_source": row["status_source"],
             "provider_transaction_id": row["provider_transaction_id"],

@@ -81,3 +81,12 @@ class StaleTransition(PaysyncError):
     """A guarded UPDATE matched no row: somebody else changed the status first."""
 
     code = "stale_transition"
+
+
+class EventIgnored(PaysyncError):
+    """A genuine (verified) notification about nothing paysync applies: another integration's object, an event
+    type we do not act on. Acknowledged so the provider stops retrying, and recorded as processed with the reason.
+    """
+
+    code = "event_ignored"
+    permanent = True

@@ -39,6 +39,7 @@ from payments.charges import CHARGE_REQUESTED
 from payments.db import utcnow
 from payments.providers.base import (
     AMOUNT_MISMATCH,
+    REVIEW_PREFIX,
     ChargeRequest,
     Failed,
     NotFound,
@@ -124,6 +125,7 @@ def relay_charge(ctx: Context, outbox_id: int, provider_name: str) -> Result:
             current["currency"],
             description=current["description"],
             created_at=current["created_at"],
+            payment_method=current["payment_method"],
         ),
         current["idempotency_key"],
         ctx.settings.provider_timeout_seconds,
@@ -268,7 +270,9 @@ def query_payment(ctx: Context, payment_id: str, provider_name: str, *, budget_o
             now=now,
             payment_id=payment_id,
         )
-    expected = ChargeRequest(current["payment_id"], int(current["amount_minor"]), current["currency"])
+    expected = ChargeRequest(
+        current["payment_id"], int(current["amount_minor"]), current["currency"], created_at=current["created_at"]
+    )
     outcome = provider.query(payment_id, ctx.settings.provider_timeout_seconds, expected)
     now = utcnow()
     with ctx.engine.begin() as conn:
@@ -333,6 +337,9 @@ def _apply_outcome(
         # The provider holds a charge under our number for another amount: a human must look.
         _conflict(conn, current, "provider's charge is for another amount or currency than ours", source, now)
         return Result.REVIEW
+    if isinstance(outcome, Unknown) and outcome.reason.startswith(REVIEW_PREFIX):
+        # Still resolved by query like any Unknown; a person is told once per payment.
+        _review(conn, current, "provider_answer_needs_review", f"{source}: {outcome.reason}", now)
     if isinstance(outcome, Succeeded):
         report = PaymentStatus.SUCCEEDED
     elif isinstance(outcome, Failed) and outcome.definitive:

@@ -48,6 +48,12 @@ CB_GAVE_UP = 4
 """Retries exhausted: in the manual queue."""
 CB_RETRYABLE = (CB_PENDING, CB_FAILED)
 
+# Where a stored delivery came from (payment_callback_log.source).
+SOURCE_WEBHOOK = "webhook"
+"""The provider POSTed it to the gateway; it is verified by its signature."""
+SOURCE_API = "api"
+"""A paysync job fetched it from the provider's API (e.g. Stripe's catch_up); the authenticated call vouches for it."""
+
 
 payment_callback_log = Table(
     "payment_callback_log",
@@ -57,6 +63,14 @@ payment_callback_log = Table(
     Column("callback_data", BLOB, nullable=False, comment="raw request body, byte for byte"),
     Column("headers", Text, nullable=False, comment="JSON object of the selected request headers"),
     Column("remote_addr", String(64), nullable=True),
+    Column(
+        "source",
+        String(16),
+        nullable=False,
+        default=SOURCE_WEBHOOK,
+        server_default=SOURCE_WEBHOOK,
+        comment="webhook: POSTed to the gateway (signature checked); api: fetched by paysync from the provider's API",
+    ),
     Column("order_no", String(64), nullable=True, comment="our payment_id (or refund_id) named by the callback"),
     Column("payment_order_no", String(128), nullable=True, comment="the provider's transaction id"),
     Column("provider_event_id", String(128), nullable=True),
@@ -108,6 +122,12 @@ payment = Table(
     Column("query_attempts", Integer, nullable=False, default=0),
     Column("deadline_at", TS, nullable=True, comment="after this an unresolved payment goes to manual review"),
     Column("qr_code", String(512), nullable=True, comment="what the buyer scans (Alipay qr_code, WeChat code_url)"),
+    Column(
+        "payment_method",
+        String(255),
+        nullable=True,
+        comment="what the provider is to charge, as the merchant named it (Stripe: a PaymentMethod id pm_…)",
+    ),
     Column("created_at", TS, nullable=False),
     Column("updated_at", TS, nullable=False),
     UniqueConstraint("payment_id", name="uq_payment_payment_id"),
@@ -247,6 +267,17 @@ provider_breaker = Table(
     Column("updated_at", TS, nullable=False),
     CheckConstraint("state IN ('closed', 'open')", name="ck_provider_breaker_state"),
     comment="Circuit breaker per provider, shared by every compensator process.",
+    **MYSQL,
+)
+
+provider_cursor = Table(
+    "provider_cursor",
+    metadata,
+    Column("provider", String(32), primary_key=True),
+    Column("name", String(64), primary_key=True, comment="what the cursor tracks, e.g. events"),
+    Column("value", String(255), nullable=False, comment="where the job left off, e.g. a unix time"),
+    Column("updated_at", TS, nullable=False),
+    comment="Where a job reading a provider's API left off (Stripe catch_up: created time of the newest event listed).",
     **MYSQL,
 )
 

@@ -242,8 +242,16 @@ class Settings:
     """Our public POST /callbacks/wechatpay URL, sent as notify_url with orders and refunds (required when enabled)."""
     wechatpay_order_expire_seconds: int = 7200
     """time_expire of a Native order, counted from the payment's creation (WeChat's code_url lives 2 hours)."""
-    wechatpay_source_cidrs: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    wechatpay_source_cidrs: tuple[str, ...] = ()
     """Networks WeChat Pay notifications may come from; empty: any source."""
+    stripe_api_key: str = ""
+    """Stripe secret (sk_…) or restricted (rk_…) key, sent as Bearer; with STRIPE_WEBHOOK_SECRETS it enables stripe."""
+    stripe_webhook_secrets: tuple[str, ...] = ()
+    """The endpoint's whsec_… signing secrets, comma-separated; every listed one verifies (rotation)."""
+    stripe_api_base: str = "https://api.stripe.com"
+    """Where paysync calls the Stripe API (a fake platform in tests)."""
+    stripe_source_cidrs: tuple[str, ...] = ()
+    """Networks Stripe webhooks may come from; empty: any source (the gateway's source check reads it)."""
 
     @property
     def has_broker(self) -> bool:
@@ -349,12 +357,46 @@ _PARSERS = {
     "wechatpay_notify_url": lambda n, v: _url(n, v, ("http://", "https://")),
     "wechatpay_order_expire_seconds": lambda n, v: _int(n, v, 60, 7 * 86400),
     "wechatpay_source_cidrs": lambda n, v: _cidrs(n, v),
+    "stripe_api_key": lambda n, v: _stripe_api_key(n, v),
+    "stripe_webhook_secrets": lambda n, v: _stripe_webhook_secrets(n, v),
+    "stripe_api_base": lambda n, v: (_url(n, v, ("http://", "https://")) or "https://api.stripe.com").rstrip("/"),
+    "stripe_source_cidrs": lambda n, v: _cidrs(n, v),
 }
 
 _MCHID = re.compile(r"[0-9]{1,32}", re.ASCII)
 _APPID = re.compile(r"[0-9A-Za-z_]{1,32}", re.ASCII)
 _HEX_SERIAL = re.compile(r"[0-9A-Fa-f]{1,64}", re.ASCII)
 _PUB_KEY_ID = re.compile(r"PUB_KEY_ID_[0-9A-Za-z_]{1,64}", re.ASCII)
+
+_STRIPE_API_KEY = re.compile(r"(sk|rk)_(live|test)_[0-9A-Za-z]{16,247}", re.ASCII)
+_STRIPE_WEBHOOK_SECRET = re.compile(r"whsec_[0-9A-Za-z+/=_-]{16,250}", re.ASCII)
+
+
+def _stripe_api_key(name: str, raw: str) -> str:
+    value = raw.strip()
+    # Say what is wrong and how long the value is, never the value (invariant 9).
+    if value and not _STRIPE_API_KEY.fullmatch(value):
+        raise ConfigError(
+            f"{name} must be a Stripe secret key sk_live_…/sk_test_… (or restricted rk_…) with at least 16 "
+            f"characters after the prefix; got {len(value)} characters"
+        )
+    return value
+
+
+def _stripe_webhook_secrets(name: str, raw: str) -> tuple[str, ...]:
+    secrets: list[str] = []
+    for position, item in enumerate((part.strip() for part in raw.split(",")), start=1):
+        if not item:
+            continue
+        if not _STRIPE_WEBHOOK_SECRET.fullmatch(item):
+            raise ConfigError(
+                f"{name}: entry {position} must be an endpoint signing secret whsec_… with at least 16 characters "
+                f"after the prefix; got {len(item)} characters"
+            )
+        if item in secrets:
+            raise ConfigError(f"{name}: entry {position} repeats an earlier secret")
+        secrets.append(item)
+    return tuple(secrets)
 
 
 def _matching(name: str, raw: str, pattern: re.Pattern[str], what: str) -> str:
@@ -547,6 +589,10 @@ PROVIDERS: dict[str, ProviderSettings] = {
         ),
         check=lambda s: _check_wechatpay(s),
     ),
+    "stripe": ProviderSettings(
+        secrets=("stripe_api_key", "stripe_webhook_secrets"),
+        check=lambda s: validate_stripe(s, production=s.paysync_env == "production"),
+    ),
 }
 """Every provider paysync knows, and the settings that enable it. A new adapter adds its line here."""
 
@@ -666,3 +712,23 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     if settings.merchant_webhook_url and not settings.merchant_webhook_secret:
         raise ConfigError("MERCHANT_WEBHOOK_SECRET (whsec_…) is required when MERCHANT_WEBHOOK_URL is set")
     return settings
+
+
+def validate_stripe(settings: Settings, *, production: bool) -> None:
+    """The production check for Stripe (ConfigError naming the variable and the reason); a no-op when not enabled.
+
+    Everything ``load_settings`` refuses, plus, in production: a test-mode key
+    (it charges nobody, so a production process using it is misconfigured) and
+    an API base that is not https.
+    """
+    if "stripe" not in enabled_providers(settings):
+        return
+    _check_complete(settings)
+    _stripe_api_key("STRIPE_API_KEY", settings.stripe_api_key)
+    _stripe_webhook_secrets("STRIPE_WEBHOOK_SECRETS", ",".join(settings.stripe_webhook_secrets))
+    if not production:
+        return
+    if settings.stripe_api_key.split("_", 2)[1] == "test":
+        raise ConfigError("STRIPE_API_KEY is a test-mode key (…_test_…); production needs a live key")
+    if not settings.stripe_api_base.startswith("https://"):
+        raise ConfigError("STRIPE_API_BASE must be https:// in production")

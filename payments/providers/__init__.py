@@ -23,6 +23,7 @@ FACTORIES: dict[str, Callable[[Settings], Provider]] = {
     ),
     "alipay": lambda s: _alipay(s),
     "wechatpay": lambda s: _wechatpay(s),
+    "stripe": lambda s: _stripe(s),
 }
 """How to build each adapter from the settings, by provider name."""
 
@@ -38,6 +39,12 @@ def _wechatpay(settings: Settings) -> Provider:
     from payments.providers.wechatpay import WechatPayProvider
 
     return WechatPayProvider.from_settings(settings)
+
+
+def _stripe(settings: Settings) -> Provider:
+    from payments.providers.stripe import StripeProvider
+
+    return StripeProvider.from_settings(settings)
 
 
 def build_providers(settings: Settings) -> dict[str, Provider]:

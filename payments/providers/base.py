@@ -100,6 +100,9 @@ class Pending:
 
 AMOUNT_MISMATCH = "answer_for_another_amount"
 """Unknown reason every adapter uses when the provider's charge for our number has another amount or currency."""
+REVIEW_PREFIX = "review:"
+"""An Unknown whose reason starts with this is also a bug or a race a person should look at (e.g. Stripe's
+idempotency_error): it is resolved by query like any Unknown, and the relay opens a manual review once."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,8 @@ class ChargeRequest:
     """The payment's description, for providers that show one to the payer (WeChat requires one)."""
     created_at: datetime | None = None
     """When the payment was created (naive UTC): fixes a provider-side expiry that must not change on re-send."""
+    payment_method: str | None = None
+    """What the provider is to charge, when the merchant names it (Stripe: a PaymentMethod id, pm_…)."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +203,17 @@ class Provider:
     def settlement(self, day: str, timeout: float) -> list[dict[str, str]]:
         """The settlement file for ``day`` (YYYY-MM-DD) as rows; raises ProviderUnavailable."""
         raise NotImplementedError
+
+    def parse_fetched(self, body: bytes) -> CallbackEvent:
+        """Read an event paysync fetched itself from the provider's API (a row with source ``api``).
+
+        Such a row was written by our own job from an authenticated API answer,
+        never by the gateway, so there is no delivery signature to check. Raise
+        MalformedCallback if it is not an event, EventIgnored if it is not ours.
+        """
+        from payments.errors import MalformedCallback
+
+        raise MalformedCallback(f"provider {self.name} has no fetched events")
 
     def peek_callback(self, body: bytes) -> dict[str, str | None]:
         """Best-effort, unverified index fields (event id, our reference) for the raw row; never raises."""

@@ -1,0 +1,220 @@
+"""Stripe's balance transactions, read as settlement lines (pure, streaming).
+
+Stripe has no daily bill file for an account's own payments; the ledger of
+money is the balance transaction list (``GET /v1/balance_transactions``, one
+object per movement of the balance). The adapter pages through a day's list
+(``created[gte]``/``created[lt]``, ``expand[]=data.source``) and hands this
+parser JSON lines: one balance transaction object per line, as the API gave
+it. The object (https://docs.stripe.com/api/balance_transactions/object)::
+
+    {"id": "txn_…", "object": "balance_transaction", "amount": 1000, "fee": 59,
+     "net": 941, "currency": "usd", "created": 1714557600, "available_on": …,
+     "status": "pending", "type": "charge", "reporting_category": "charge",
+     "fee_details": [{"amount": 59, "currency": "usd", "type": "stripe_fee", …}],
+     "source": "ch_…"  (or, expanded, the Charge / Refund / … object)}
+
+``amount`` is signed in the currency's Stripe unit (a refund is negative),
+``fee`` is what Stripe kept (negative when a fee was given back) and ``net`` =
+amount − fee. Types read here:
+
+- ``charge`` / ``payment`` → kind ``charge``, succeeded; the reference is the
+  source charge's ``payment_intent`` (our provider_transaction_id);
+- ``refund`` / ``payment_refund`` → kind ``refund``, succeeded;
+  ``refund_failure`` (the money came back) → kind ``refund``, failed; the
+  reference is the refund id and ``metadata.refund_id`` our number;
+- ``stripe_fee``, ``stripe_fx_fee``, ``tax_fee``, ``network_cost`` → kind
+  ``fee`` (fee_minor = what was taken);
+- ``adjustment``, ``payment_reversal`` → kind ``adjustment``; ``payout`` and
+  its cancel/failure → kind ``payout``; any other type → ``other``.
+
+Amounts come out as paysync minor units (``stripe_money.from_stripe``), always
+non-negative: the kind says which way the money went. A line that cannot be
+read comes out as ``invalid`` with the reason and its text, never dropped.
+The fields are named like ``payments.settlement.SettlementLine`` (recon's
+interface) so the adaptation is one mapping.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from payments.providers.stripe_money import AmountError, from_stripe, iso_currency
+
+CHARGE_TYPES = frozenset({"charge", "payment"})
+REFUND_TYPES = frozenset({"refund", "payment_refund"})
+REFUND_FAILURE_TYPES = frozenset({"refund_failure"})
+FEE_TYPES = frozenset({"stripe_fee", "stripe_fx_fee", "tax_fee", "network_cost"})
+ADJUSTMENT_TYPES = frozenset({"adjustment", "payment_reversal"})
+PAYOUT_TYPES = frozenset({"payout", "payout_cancel", "payout_failure"})
+MAX_LINE_BYTES = 1 << 20
+"""A line longer than this is invalid (a balance transaction with its source is a few kilobytes)."""
+
+
+@dataclass(frozen=True)
+class BalanceLine:
+    """One balance transaction as a settlement line: where it stands, its text, its normalised fields."""
+
+    line_no: int
+    """1-based line of the JSON-lines stream."""
+    raw: str
+    """The line's text exactly as in the stream, without the line ending."""
+    kind: str
+    """charge, refund, fee, adjustment, payout, other, info (a blank line) or invalid."""
+    status: str | None = None
+    """succeeded or failed (charge and refund lines)."""
+    provider_reference: str | None = None
+    """Charge lines: the PaymentIntent id (or the charge id if the source was not expanded); refund lines: re_…."""
+    merchant_reference: str | None = None
+    """Our payment_id / refund_id, when the source carries it in its metadata."""
+    amount_minor: int | None = None
+    """Magnitude in paysync minor units (>= 0)."""
+    fee_minor: int = 0
+    """Fee Stripe kept on this line (negative: a fee given back). A fee line's fee is its amount."""
+    currency: str | None = None
+    occurred_at: datetime | None = None
+    """``created``, naive UTC."""
+    error: str | None = None
+    """Why an invalid line could not be read."""
+    transaction_id: str | None = None
+    """The balance transaction's txn_… id."""
+    type: str | None = None
+    """Stripe's ``type``, unchanged."""
+    net_minor: int | None = None
+    """Stripe's ``net`` (signed) in paysync minor units."""
+
+    def as_row(self) -> dict[str, str]:
+        """The line in the sandbox settlement CSV's columns (what ``Provider.settlement`` returns today)."""
+        return {
+            "provider_transaction_id": self.provider_reference or "",
+            "merchant_transaction_id": self.merchant_reference or "",
+            "type": self.kind,
+            "amount": str(self.amount_minor or 0),
+            "fee": str(self.fee_minor),
+            "currency": self.currency or "",
+            "status": self.status or "",
+            "created_at": self.occurred_at.strftime("%Y-%m-%dT%H:%M:%SZ") if self.occurred_at else "",
+        }
+
+
+def parse_balance_transactions(stream: Iterable[bytes]) -> Iterator[BalanceLine]:
+    """Every line of a JSON-lines stream of balance transactions (a binary file or an iterable of chunks)."""
+    for line_no, data in enumerate(_lines(stream), start=1):
+        yield read_line(line_no, data)
+
+
+def _lines(stream: Iterable[bytes]) -> Iterator[bytes]:
+    pending = b""
+    for chunk in stream:
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            yield line.removesuffix(b"\r")
+    if pending:
+        yield pending.removesuffix(b"\r")
+
+
+def read_line(line_no: int, data: bytes) -> BalanceLine:
+    """One line; an unreadable one comes back as ``invalid`` with the reason (pure)."""
+    raw = data.decode("utf-8", "replace")
+    if not raw.strip():
+        return BalanceLine(line_no, raw, "info")
+    if len(data) > MAX_LINE_BYTES:
+        return _bad(line_no, raw[:1000], "line too long")
+    try:
+        txn = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return _bad(line_no, raw, "not a JSON object")
+    if not isinstance(txn, dict) or txn.get("object") != "balance_transaction":
+        return _bad(line_no, raw, "not a balance_transaction object")
+    txn_id = txn.get("id")
+    txn_type = txn.get("type")
+    if not isinstance(txn_id, str) or not txn_id or len(txn_id) > 128:
+        return _bad(line_no, raw, "id must be a string")
+    if not isinstance(txn_type, str) or not txn_type:
+        return _bad(line_no, raw, "type must be a string")
+    try:
+        currency = iso_currency(txn.get("currency"))
+        amount = from_stripe(txn.get("amount"), currency)
+        fee = from_stripe(txn.get("fee"), currency)
+        net = from_stripe(txn.get("net"), currency)
+    except AmountError as exc:
+        return _bad(line_no, raw, str(exc))
+    if amount - fee != net:
+        return _bad(line_no, raw, "net is not amount - fee")
+    created = txn.get("created")
+    if not isinstance(created, int) or isinstance(created, bool) or created <= 0:
+        return _bad(line_no, raw, "created must be a unix timestamp")
+    common: dict[str, Any] = {
+        "currency": currency,
+        "occurred_at": datetime.fromtimestamp(created, UTC).replace(tzinfo=None),
+        "transaction_id": txn_id,
+        "type": txn_type,
+        "net_minor": net,
+    }
+    source = txn.get("source")
+    if txn_type in CHARGE_TYPES:
+        if amount <= 0:
+            return _bad(line_no, raw, "a charge must add to the balance")
+        return BalanceLine(
+            line_no,
+            raw,
+            "charge",
+            status="succeeded",
+            provider_reference=_charge_reference(source),
+            merchant_reference=_metadata(source, "payment_id"),
+            amount_minor=amount,
+            fee_minor=fee,
+            **common,
+        )
+    if txn_type in REFUND_TYPES or txn_type in REFUND_FAILURE_TYPES:
+        failed = txn_type in REFUND_FAILURE_TYPES
+        if (amount > 0) != failed or amount == 0:
+            return _bad(line_no, raw, "a refund takes from the balance; a refund failure gives back")
+        return BalanceLine(
+            line_no,
+            raw,
+            "refund",
+            status="failed" if failed else "succeeded",
+            provider_reference=_source_id(source),
+            merchant_reference=_metadata(source, "refund_id"),
+            amount_minor=abs(amount),
+            fee_minor=fee,
+            **common,
+        )
+    if txn_type in FEE_TYPES:
+        reference = _source_id(source)
+        return BalanceLine(
+            line_no, raw, "fee", provider_reference=reference, amount_minor=abs(amount), fee_minor=-amount, **common
+        )
+    kind = "adjustment" if txn_type in ADJUSTMENT_TYPES else "payout" if txn_type in PAYOUT_TYPES else "other"
+    return BalanceLine(
+        line_no, raw, kind, provider_reference=_source_id(source), amount_minor=abs(amount), fee_minor=fee, **common
+    )
+
+
+def _source_id(source: Any) -> str | None:
+    value = source.get("id") if isinstance(source, Mapping) else source
+    return value if isinstance(value, str) and 0 < len(value) <= 128 else None
+
+
+def _charge_reference(source: Any) -> str | None:
+    if isinstance(source, Mapping):
+        intent = source.get("payment_intent")
+        intent = intent.get("id") if isinstance(intent, Mapping) else intent
+        if isinstance(intent, str) and 0 < len(intent) <= 128:
+            return intent
+    return _source_id(source)
+
+
+def _metadata(source: Any, key: str) -> str | None:
+    metadata = source.get("metadata") if isinstance(source, Mapping) else None
+    value = metadata.get(key) if isinstance(metadata, Mapping) else None
+    return value if isinstance(value, str) and 0 < len(value) <= 64 else None
+
+
+def _bad(line_no: int, raw: str, reason: str) -> BalanceLine:
+    return BalanceLine(line_no, raw, "invalid", error=reason[:255])

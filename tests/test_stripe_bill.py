@@ -1,0 +1,186 @@
+"""Stripe balance transactions read as settlement lines, on a fixture in the published object layout.
+
+The fixture follows https://docs.stripe.com/api/balance_transactions/object:
+signed ``amount`` in the currency's Stripe unit, ``fee``, ``net`` = amount − fee,
+``fee_details``, ``type``, ``reporting_category``, ``source`` (an id, or the
+expanded object with ``expand[]=data.source``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import datetime
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from payments.bills.stripe import parse_balance_transactions
+
+CREATED = 1714557600  # 2024-05-01T10:00:00Z
+
+
+def txn(txn_type: str, amount: int, fee: int, currency: str = "usd", source=None, **extra) -> dict:  # noqa: ANN001
+    return {
+        "id": f"txn_{txn_type}_{amount}",
+        "object": "balance_transaction",
+        "amount": amount,
+        "available_on": CREATED + 2 * 86400,
+        "created": CREATED,
+        "currency": currency,
+        "description": None,
+        "exchange_rate": None,
+        "fee": fee,
+        "fee_details": [
+            {
+                "amount": fee,
+                "application": None,
+                "currency": currency,
+                "description": "Stripe processing fees",
+                "type": "stripe_fee",
+            }
+        ]
+        if fee
+        else [],
+        "net": amount - fee,
+        "reporting_category": txn_type,
+        "source": source,
+        "status": "available",
+        "type": txn_type,
+        **extra,
+    }
+
+
+CHARGE = {"id": "ch_3MmlLr", "object": "charge", "amount": 1000, "payment_intent": "pi_3MmlLr", "metadata": {}}
+REFUND = {
+    "id": "re_3MmlLr",
+    "object": "refund",
+    "amount": 300,
+    "payment_intent": "pi_3MmlLr",
+    "metadata": {"refund_id": "re_ours", "payment_id": "pay_1"},
+}
+
+FIXTURE = [
+    txn("charge", 1000, 59, source=CHARGE),
+    txn("charge", 2000, 88, source="ch_unexpanded"),
+    txn(
+        "payment",
+        500,
+        18,
+        currency="jpy",
+        source={
+            "id": "py_1",
+            "object": "charge",
+            "payment_intent": {"id": "pi_jpy"},
+            "metadata": {"payment_id": "pay_jpy"},
+        },
+    ),
+    txn("refund", -300, 0, source=REFUND),
+    txn("refund_failure", 300, 0, source=REFUND),
+    txn("stripe_fee", -500, 0, source=None, description="Billing - Usage Fee"),
+    txn("adjustment", -1000, 1500, source="du_1"),
+    txn("payout", -10000, 0, source="po_1"),
+    txn("transfer", -100, 0, source="tr_1"),
+]
+
+
+def _stream(objects: list, extra_lines: tuple[bytes, ...] = ()) -> io.BytesIO:
+    lines = [json.dumps(o, separators=(",", ":")).encode() for o in objects]
+    return io.BytesIO(b"\n".join([*lines, *extra_lines]) + b"\n")
+
+
+def test_each_type_becomes_the_settlement_line_it_is():
+    lines = list(parse_balance_transactions(_stream(FIXTURE)))
+    assert [(x.kind, x.status) for x in lines] == [
+        ("charge", "succeeded"),
+        ("charge", "succeeded"),
+        ("charge", "succeeded"),
+        ("refund", "succeeded"),
+        ("refund", "failed"),
+        ("fee", None),
+        ("adjustment", None),
+        ("payout", None),
+        ("other", None),
+    ]
+    charge, unexpanded, jpy, refund, refund_failure, fee, adjustment, payout, _ = lines
+    assert (charge.provider_reference, charge.amount_minor, charge.fee_minor, charge.net_minor) == (
+        "pi_3MmlLr",
+        1000,
+        59,
+        941,
+    )
+    assert charge.currency == "USD" and charge.occurred_at == datetime(2024, 5, 1, 10, 0, 0)
+    assert charge.transaction_id == "txn_charge_1000" and charge.line_no == 1
+    assert unexpanded.provider_reference == "ch_unexpanded" and unexpanded.merchant_reference is None
+    assert (jpy.provider_reference, jpy.merchant_reference, jpy.amount_minor, jpy.currency) == (
+        "pi_jpy",
+        "pay_jpy",
+        500,
+        "JPY",
+    )
+    assert (refund.provider_reference, refund.merchant_reference, refund.amount_minor) == ("re_3MmlLr", "re_ours", 300)
+    assert refund_failure.amount_minor == 300
+    assert (fee.fee_minor, fee.amount_minor) == (500, 500)
+    assert (adjustment.amount_minor, adjustment.fee_minor, adjustment.net_minor) == (1000, 1500, -2500)
+    assert payout.amount_minor == 10000
+
+
+def test_the_raw_text_and_line_number_of_every_line_are_kept():
+    stream = _stream(FIXTURE[:2])
+    text = stream.getvalue().decode().splitlines()
+    lines = list(parse_balance_transactions(stream))
+    assert [(x.line_no, x.raw) for x in lines] == [(1, text[0]), (2, text[1])]
+
+
+def test_unreadable_lines_are_invalid_with_a_reason_and_the_rest_is_read():
+    bad = [
+        b"{not json",
+        json.dumps({"object": "charge", "id": "ch_1"}).encode(),
+        json.dumps(txn("charge", 1000, 59) | {"net": 1}).encode(),
+        json.dumps(txn("charge", -1000, 0)).encode(),
+        json.dumps(txn("refund", 300, 0)).encode(),
+        json.dumps(txn("charge", 550, 0, currency="isk")).encode(),
+        json.dumps(txn("charge", 1000, 0) | {"amount": 10.5}).encode(),
+        json.dumps(txn("charge", 1000, 0) | {"created": None}).encode(),
+        b"",
+    ]
+    lines = list(parse_balance_transactions(_stream(FIXTURE[:1], tuple(bad))))
+    assert lines[0].kind == "charge"
+    assert [x.kind for x in lines[1:]] == ["invalid"] * 8 + ["info"]
+    assert all(x.error for x in lines[1:-1])
+    assert "net" in lines[3].error
+
+
+def test_it_streams_chunks_that_cut_lines_anywhere():
+    data = _stream(FIXTURE).getvalue()
+    chunks = [data[i : i + 7] for i in range(0, len(data), 7)]
+    whole = list(parse_balance_transactions(io.BytesIO(data)))
+    assert list(parse_balance_transactions(iter(chunks))) == whole
+
+
+def test_rows_in_the_sandbox_settlement_layout():
+    charge = next(parse_balance_transactions(_stream(FIXTURE[:1])))
+    assert charge.as_row() == {
+        "provider_transaction_id": "pi_3MmlLr",
+        "merchant_transaction_id": "",
+        "type": "charge",
+        "amount": "1000",
+        "fee": "59",
+        "currency": "USD",
+        "status": "succeeded",
+        "created_at": "2024-05-01T10:00:00Z",
+    }
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=200), max_size=20))
+def test_arbitrary_bytes_never_raise_and_every_line_comes_out(chunks):
+    data = b"".join(chunks)
+    lines = list(parse_balance_transactions(iter(chunks)))
+    expected = data.split(b"\n")
+    if expected and expected[-1] == b"":
+        expected.pop()
+    assert len(lines) == len(expected)
+    for line in lines:
+        assert line.kind in ("charge", "refund", "fee", "adjustment", "payout", "other", "info", "invalid")
+        assert line.amount_minor is None or line.amount_minor >= 0
