@@ -116,10 +116,11 @@ def test_a_valid_notification_is_acknowledged_and_applied_once_and_its_redeliver
     assert compensate_callbacks.run_once(runtime_for(engine)) == 2
     p = payment_row(engine, payment_id)
     assert (p["status"], p["provider_transaction_id"]) == ("Succeeded", pi["id"])
-    first, second = rows(engine)
-    assert (first["status"], second["status"]) == (CB_PROCESSED, CB_PROCESSED)
-    assert first["provider_event_id"] == evt["id"] and first["source"] == "webhook"
-    assert second["result"].startswith("duplicate")
+    stored = rows(engine)
+    assert [r["status"] for r in stored] == [CB_PROCESSED, CB_PROCESSED]
+    assert all(r["provider_event_id"] == evt["id"] and r["source"] == "webhook" for r in stored)
+    # The sweep works rows side by side, so either delivery may be the one applied: one is, the other a duplicate.
+    assert sorted(r["result"].split(":")[0] for r in stored) == ["applied", "duplicate"]
     assert confirmations(engine, payment_id) == 1
 
 

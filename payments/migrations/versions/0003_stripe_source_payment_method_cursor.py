@@ -33,7 +33,9 @@ def upgrade() -> None:
             nullable=False,
         ),
         sa.PrimaryKeyConstraint("provider", "name"),
-        comment="Where a job reading a provider's API left off (Stripe catch_up: created time of the newest event listed).",
+        comment=(
+            "Where a job reading a provider's API left off (Stripe catch_up: created time of the newest event listed)."
+        ),
         mysql_charset="utf8mb4",
         mysql_collate="utf8mb4_bin",
         mysql_engine="InnoDB",
@@ -54,7 +56,10 @@ def upgrade() -> None:
                 sa.String(length=16),
                 server_default="webhook",
                 nullable=False,
-                comment="webhook: POSTed to the gateway (signature checked); api: fetched by paysync from the provider's API",
+                comment=(
+                    "webhook: POSTed to the gateway (signature checked); "
+                    "api: fetched by paysync from the provider's API"
+                ),
             )
         )
 
