@@ -40,13 +40,14 @@ from sqlalchemy import insert, update  # noqa: E402
 
 from bench.common import DEFAULT_AMQP_URL, free_port, loadavg, prepare_database  # noqa: E402
 from compensator import publish_events  # noqa: E402
-from payments import outbox, webhook_signing  # noqa: E402
+from payments import webhook_signing  # noqa: E402
 from payments.db import utcnow  # noqa: E402
 from payments.events import envelope  # noqa: E402
 from payments.ids import new_id  # noqa: E402
 from payments.runtime import build_runtime  # noqa: E402
 from payments.schema import outbox as outbox_table  # noqa: E402
 from payments.settings import Settings  # noqa: E402
+from payments.states import OutboxStatus  # noqa: E402
 
 SECRET = "whsec_" + base64.b64encode(b"paysync-events-bench-secret-32by").decode()
 
@@ -83,7 +84,7 @@ def add_events(engine, n: int) -> list[str]:
                 "event_type": "PaymentSucceeded",
                 "aggregate_id": payment_id,
                 "payload": json.dumps(payload),
-                "status": outbox.PENDING,
+                "status": OutboxStatus.PENDING,
                 "attempts": 0,
                 "next_attempt_at": now,
                 "created_at": now,
@@ -210,7 +211,7 @@ def main() -> None:
             print(f"  {name:7} relay {ours:7.0f} ev/s   baseline loop {base:7.0f} {unit}   ratio {ours / base:.2f}")
         print(f"  both    relay {both_relay:7.0f} ev/s")
         with engine.begin() as conn:  # let the latency run see only its own events
-            conn.execute(update(outbox_table).values(status=outbox.DONE))
+            conn.execute(update(outbox_table).values(status=OutboxStatus.DONE))
         Path(log_path).write_text("")
         lat = latency(runtimes["webhook"], log_path, 200, 10.0)
         q = statistics.quantiles(lat, n=100)

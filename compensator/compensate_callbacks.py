@@ -22,10 +22,11 @@ from datetime import datetime, timedelta
 from sqlalchemy import Engine, select
 
 from compensator.ratelimit import RateLimiter
-from payments.callbacks import Outcome, process_callback
+from payments.callbacks import CallbackResult, process_callback
 from payments.db import claim_rows, is_sqlite, utcnow
 from payments.runtime import Runtime
-from payments.schema import CB_RETRYABLE, payment_callback_log
+from payments.schema import payment_callback_log
+from payments.states import CALLBACK_RETRYABLE
 
 log = logging.getLogger("paysync.compensator.callbacks")
 
@@ -50,7 +51,7 @@ def claim_batch(
     query = (
         select(t.c.id)
         .where(
-            t.c.status.in_(CB_RETRYABLE),
+            t.c.status.in_(CALLBACK_RETRYABLE),
             t.c.next_retry_at <= now,
             t.c.create_time <= now - timedelta(seconds=grace_seconds),
         )
@@ -73,7 +74,7 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None, limiter: Rat
     workers = 1 if is_sqlite(runtime.engine) else settings.compensator_concurrency
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sweep") if workers > 1 else None
 
-    def process(log_id: int) -> Outcome:
+    def process(log_id: int) -> CallbackResult:
         return process_callback(runtime.engine, runtime.providers, log_id, runtime.callback_policy)
 
     try:
@@ -90,7 +91,7 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None, limiter: Rat
             results, stopped = _process_batch(ids, process, limiter, pool)
             for outcome in results:
                 outcomes[outcome.value] = outcomes.get(outcome.value, 0) + 1
-                if outcome not in (Outcome.SKIPPED, Outcome.MISSING):
+                if outcome not in (CallbackResult.SKIPPED, CallbackResult.MISSING):
                     done += 1
             if stopped or len(ids) < settings.compensator_batch_size:
                 break
@@ -104,17 +105,17 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None, limiter: Rat
 
 def _process_batch(
     ids: list[int],
-    process: Callable[[int], Outcome],
+    process: Callable[[int], CallbackResult],
     limiter: RateLimiter,
     pool: ThreadPoolExecutor | None,
-) -> tuple[list[Outcome], bool]:
+) -> tuple[list[CallbackResult], bool]:
     """Process claimed rows, paced by ``limiter``; return the outcomes and whether the sweep must stop.
 
     A row whose processing raises means even its failure could not be recorded
     (database gone): the sweep stops, and that row and the rows not started keep
     their lease, so a later sweep takes them again.
     """
-    outcomes: list[Outcome] = []
+    outcomes: list[CallbackResult] = []
     if pool is None:
         for log_id in ids:
             limiter.acquire()

@@ -28,6 +28,7 @@ from payments.db import claim_rows, utcnow
 from payments.outbound import Context, Result, due_for_query, query_payment
 from payments.runtime import Runtime
 from payments.schema import payment
+from payments.states import BreakerState
 
 log = logging.getLogger("paysync.compensator.query")
 
@@ -57,7 +58,7 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     def work(item: tuple[str, str]) -> Result:
         payment_id, provider = item
         budget_ok = False
-        if breaker.read(runtime.engine, provider).state == breaker.OPEN:
+        if breaker.read(runtime.engine, provider).state == BreakerState.OPEN:
             with budget_lock:
                 budget_ok = budget[provider] < settings.breaker_query_budget
                 budget[provider] += 1

@@ -23,12 +23,12 @@ from sqlalchemy import Engine, select
 
 from compensator.ratelimit import RateLimiter
 from compensator.workpool import drain
-from payments import outbox
 from payments.charges import CHARGE_REQUESTED
 from payments.db import claim_rows, utcnow
 from payments.outbound import Context, Result, relay_charge, relay_lease_seconds
 from payments.runtime import Runtime
 from payments.schema import outbox as outbox_table
+from payments.states import OutboxStatus
 
 log = logging.getLogger("paysync.compensator.relay")
 
@@ -52,7 +52,7 @@ def claim_batch(engine: Engine, now: datetime, limit: int, lease_seconds: float)
     t = outbox_table
     query = (
         select(t.c.id, t.c.payload)
-        .where(t.c.status == outbox.PENDING, t.c.next_attempt_at <= now, t.c.event_type == CHARGE_REQUESTED)
+        .where(t.c.status == OutboxStatus.PENDING, t.c.next_attempt_at <= now, t.c.event_type == CHARGE_REQUESTED)
         .order_by(t.c.next_attempt_at, t.c.id)
         .limit(limit)
     )

@@ -19,12 +19,9 @@ from sqlalchemy import Connection, select, update
 
 from payments.db import insert_ignore
 from payments.schema import alert
+from payments.states import AlertStatus
 
 log = logging.getLogger("paysync.alerts")
-
-PENDING = "pending"
-FIRING = "firing"
-RESOLVED = "resolved"
 
 
 def _dumps(details: dict[str, Any] | None) -> str | None:
@@ -41,13 +38,13 @@ def observe(
     sustain_seconds: float = 0,
     details: dict[str, Any] | None = None,
     severity: str = "warning",
-) -> str:
+) -> AlertStatus:
     """Record that the condition behind ``key`` holds now; return the alert's status.
 
     The alert fires once the condition has held for ``sustain_seconds``
     (0: at once). Safe against concurrent evaluators: the open key is UNIQUE.
     """
-    status = FIRING if sustain_seconds <= 0 else PENDING
+    status = AlertStatus.FIRING if sustain_seconds <= 0 else AlertStatus.PENDING
     inserted = conn.execute(
         insert_ignore(alert).values(
             rule=rule,
@@ -59,19 +56,19 @@ def observe(
             details=_dumps(details),
             first_seen_at=now,
             last_seen_at=now,
-            fired_at=now if status == FIRING else None,
+            fired_at=now if status == AlertStatus.FIRING else None,
         )
     ).rowcount
     if inserted:
         return status
     row = conn.execute(select(alert.c.status, alert.c.first_seen_at).where(alert.c.open_key == key)).first()
     if row is None:  # resolved between our insert and select; the next evaluation reopens it
-        return RESOLVED
+        return AlertStatus.RESOLVED
     values: dict[str, Any] = {"last_seen_at": now, "message": message[:500], "details": _dumps(details)}
     status = row.status
-    if status == PENDING and now - row.first_seen_at >= timedelta(seconds=sustain_seconds):
-        values.update(status=FIRING, fired_at=now)
-        status = FIRING
+    if status == AlertStatus.PENDING and now - row.first_seen_at >= timedelta(seconds=sustain_seconds):
+        values.update(status=AlertStatus.FIRING, fired_at=now)
+        status = AlertStatus.FIRING
     conn.execute(update(alert).where(alert.c.open_key == key).values(**values))
     return status
 
@@ -81,7 +78,7 @@ def clear(conn: Connection, *, key: str, now: datetime) -> bool:
     result = conn.execute(
         update(alert)
         .where(alert.c.open_key == key)
-        .values(status=RESOLVED, open_key=None, resolved_at=now, last_seen_at=now)
+        .values(status=AlertStatus.RESOLVED, open_key=None, resolved_at=now, last_seen_at=now)
     )
     return result.rowcount > 0
 
@@ -95,7 +92,7 @@ def deliver(conn: Connection, now: datetime, channels: list[Callable[[dict[str, 
     rows = (
         conn.execute(
             select(alert)
-            .where(alert.c.status == FIRING, alert.c.notified_at.is_(None))
+            .where(alert.c.status == AlertStatus.FIRING, alert.c.notified_at.is_(None))
             .order_by(alert.c.id)
             .with_for_update()
         )

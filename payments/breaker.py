@@ -32,11 +32,9 @@ from payments.backoff import compute_backoff
 from payments.db import insert_ignore
 from payments.schema import provider_breaker
 from payments.settings import Settings
+from payments.states import BreakerState
 
 log = logging.getLogger("paysync.breaker")
-
-CLOSED = "closed"
-OPEN = "open"
 
 
 class Admission(StrEnum):
@@ -52,7 +50,7 @@ class Admission(StrEnum):
 class Snapshot:
     """The breaker row as last read."""
 
-    state: str = CLOSED
+    state: BreakerState = BreakerState.CLOSED
     consecutive_failures: int = 0
     open_count: int = 0
     retry_at: datetime | None = None
@@ -94,7 +92,7 @@ def _forget(engine: Engine, provider: str) -> None:
 
 def admit(engine: Engine, provider: str, snapshot: Snapshot, now: datetime, probe_seconds: float) -> Admission:
     """ALLOW when closed; when open, PROBE for the one caller that takes the slot at ``retry_at``, else DENY."""
-    if snapshot.state == CLOSED:
+    if snapshot.state == BreakerState.CLOSED:
         return Admission.ALLOW
     if snapshot.retry_at is not None and now < snapshot.retry_at:
         return Admission.DENY
@@ -103,7 +101,7 @@ def admit(engine: Engine, provider: str, snapshot: Snapshot, now: datetime, prob
             update(provider_breaker)
             .where(
                 provider_breaker.c.provider == provider,
-                provider_breaker.c.state == OPEN,
+                provider_breaker.c.state == BreakerState.OPEN,
                 provider_breaker.c.retry_at <= now,
             )
             .values(retry_at=now + timedelta(seconds=probe_seconds), updated_at=now)
@@ -126,16 +124,16 @@ def record(
 ) -> None:
     """Count one call's result. Writes nothing for a healthy call while nothing is wrong (the common case)."""
     if healthy:
-        if snapshot.state == CLOSED and snapshot.consecutive_failures == 0:
+        if snapshot.state == BreakerState.CLOSED and snapshot.consecutive_failures == 0:
             return
         _forget(engine, provider)
         with engine.begin() as conn:
             closed = conn.execute(
                 update(provider_breaker)
                 .where(provider_breaker.c.provider == provider)
-                .values(state=CLOSED, consecutive_failures=0, open_count=0, retry_at=None, updated_at=now)
+                .values(state=BreakerState.CLOSED, consecutive_failures=0, open_count=0, retry_at=None, updated_at=now)
             ).rowcount
-            if snapshot.state == OPEN and closed:
+            if snapshot.state == BreakerState.OPEN and closed:
                 alerts.clear(conn, key=alert_key(provider), now=now)
                 log.warning("circuit breaker for %s closed: a probe got an answer", provider)
         return
@@ -145,7 +143,7 @@ def record(
     with engine.begin() as conn:
         conn.execute(
             insert_ignore(provider_breaker).values(
-                provider=provider, state=CLOSED, consecutive_failures=0, open_count=0, updated_at=now
+                provider=provider, state=BreakerState.CLOSED, consecutive_failures=0, open_count=0, updated_at=now
             )
         )
     with engine.begin() as conn:
@@ -155,10 +153,10 @@ def record(
         failures = row.consecutive_failures + 1
         values: dict = {"consecutive_failures": failures, "updated_at": now}
         opens = None
-        if row.state == CLOSED and failures >= settings.breaker_failure_threshold:
+        if row.state == BreakerState.CLOSED and failures >= settings.breaker_failure_threshold:
             opens = 1
-            values.update(state=OPEN, opened_at=now)
-        elif row.state == OPEN and probe:
+            values.update(state=BreakerState.OPEN, opened_at=now)
+        elif row.state == BreakerState.OPEN and probe:
             opens = row.open_count + 1
         if opens is not None:
             pause = compute_backoff(opens, settings.breaker_open_seconds, settings.breaker_max_open_seconds, rng)

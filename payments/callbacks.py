@@ -28,23 +28,14 @@ from payments.errors import CallbackRejected, PaysyncError, TargetNotFound
 from payments.providers import get_provider
 from payments.providers.base import CallbackEvent, Provider
 from payments.review import open_review
-from payments.schema import (
-    CB_FAILED,
-    CB_GAVE_UP,
-    CB_PENDING,
-    CB_PROCESSED,
-    CB_REJECTED,
-    CB_RETRYABLE,
-    payment_callback_log,
-    processed_event,
-)
-from payments.states import PaymentStatus, Verdict, decide
+from payments.schema import payment_callback_log, processed_event
+from payments.states import CALLBACK_RETRYABLE, CallbackStatus, PaymentStatus, Verdict, decide
 from payments.transitions import TARGETS, Target, apply_decision
 
 log = logging.getLogger("paysync.callbacks")
 
 
-class Outcome(StrEnum):
+class CallbackResult(StrEnum):
     """What one ``process_callback`` call did."""
 
     APPLIED = "applied"
@@ -110,7 +101,7 @@ def store_callback(
                 "payment_order_no": index.get("payment_order_no"),
                 "provider_event_id": index.get("provider_event_id"),
                 "event_type": index.get("event_type"),
-                "status": CB_PENDING,
+                "status": CallbackStatus.PENDING,
                 "retry_count": 0,
                 "next_retry_at": now,
                 "create_time": now,
@@ -126,8 +117,8 @@ def reject_callback(engine: Engine, log_id: int, reason: str, now: datetime | No
     with engine.begin() as conn:
         result = conn.execute(
             update(payment_callback_log)
-            .where(payment_callback_log.c.id == log_id, payment_callback_log.c.status == CB_PENDING)
-            .values(status=CB_REJECTED, result=f"rejected: {reason}"[:500], update_time=now)
+            .where(payment_callback_log.c.id == log_id, payment_callback_log.c.status == CallbackStatus.PENDING)
+            .values(status=CallbackStatus.REJECTED, result=f"rejected: {reason}"[:500], update_time=now)
         )
         return result.rowcount == 1
 
@@ -140,7 +131,7 @@ def process_callback(
     *,
     now: datetime | None = None,
     rng: random.Random | None = None,
-) -> Outcome:
+) -> CallbackResult:
     """Process one stored callback in ONE transaction; on any error record a retry (or give up).
 
     Only rows with status 0 or 2 proceed; calling it again for a processed row
@@ -155,12 +146,12 @@ def process_callback(
         return _record_failure(engine, log_id, exc, policy, now, rng)
 
 
-def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: int, now: datetime) -> Outcome:
+def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: int, now: datetime) -> CallbackResult:
     row = conn.execute(_LOCK_ROW, {"log_id": log_id}).first()
     if row is None:
-        return Outcome.MISSING
-    if row.status not in CB_RETRYABLE:
-        return Outcome.SKIPPED
+        return CallbackResult.MISSING
+    if row.status not in CALLBACK_RETRYABLE:
+        return CallbackResult.SKIPPED
     try:
         provider = get_provider(providers, row.provider)
         # Verified against the time it was received, so a row retried hours later still verifies.
@@ -169,8 +160,8 @@ def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: in
     except (CallbackRejected, PaysyncError) as exc:
         if not exc.permanent:
             raise
-        _finish(conn, log_id, CB_REJECTED, f"rejected: {exc.code}: {exc}", now)
-        return Outcome.REJECTED
+        _finish(conn, log_id, CallbackStatus.REJECTED, f"rejected: {exc.code}: {exc}", now)
+        return CallbackResult.REJECTED
 
     indexed = {
         "order_no": event.merchant_reference,
@@ -194,16 +185,21 @@ def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: in
             )
         ).scalar()
         _finish(
-            conn, log_id, CB_PROCESSED, f"duplicate: event {event.event_id} applied by callback {first}", now, indexed
+            conn,
+            log_id,
+            CallbackStatus.PROCESSED,
+            f"duplicate: event {event.event_id} applied by callback {first}",
+            now,
+            indexed,
         )
-        return Outcome.DUPLICATE
+        return CallbackResult.DUPLICATE
 
     outcome, result = _apply_event(conn, event, log_id, now)
-    _finish(conn, log_id, CB_PROCESSED, result, now, indexed)
+    _finish(conn, log_id, CallbackStatus.PROCESSED, result, now, indexed)
     return outcome
 
 
-def _apply_event(conn: Connection, event: CallbackEvent, log_id: int, now: datetime) -> tuple[Outcome, str]:
+def _apply_event(conn: Connection, event: CallbackEvent, log_id: int, now: datetime) -> tuple[CallbackResult, str]:
     spec = TARGETS[event.target]
     current = conn.execute(_LOCK_TARGET[event.target], {"reference": event.merchant_reference}).first()
     if current is None:
@@ -216,9 +212,9 @@ def _apply_event(conn: Connection, event: CallbackEvent, log_id: int, now: datet
     if mismatch or decision.verdict == Verdict.CONFLICT:
         reason = mismatch or decision.reason
         _open_conflict(conn, event, current, log_id, reason, now)
-        return Outcome.CONFLICT, f"conflict: {reason}; manual review opened"
+        return CallbackResult.CONFLICT, f"conflict: {reason}; manual review opened"
     if decision.verdict == Verdict.NOOP:
-        return Outcome.NOOP, f"noop: {decision.reason}"
+        return CallbackResult.NOOP, f"noop: {decision.reason}"
 
     apply_decision(
         conn,
@@ -231,7 +227,7 @@ def _apply_event(conn: Connection, event: CallbackEvent, log_id: int, now: datet
         failure_code=event.failure_code,
         details={"event_id": event.event_id},
     )
-    return Outcome.APPLIED, f"applied: {decision.reason}"
+    return CallbackResult.APPLIED, f"applied: {decision.reason}"
 
 
 def _mismatch(event: CallbackEvent, current: Mapping[str, Any], spec: Target) -> str | None:
@@ -282,7 +278,7 @@ def _open_conflict(
 def _finish(
     conn: Connection,
     log_id: int,
-    status: int,
+    status: CallbackStatus,
     result: str,
     now: datetime,
     indexed: Mapping[str, str | None] | None = None,
@@ -299,7 +295,7 @@ def _record_failure(
     policy: RetryPolicy,
     now: datetime,
     rng: random.Random | None,
-) -> Outcome:
+) -> CallbackResult:
     """Count one failed attempt in its own transaction: back off, or give up into the manual queue."""
     reason = f"{getattr(exc, 'code', type(exc).__name__)}: {exc}"[:480]
     if isinstance(exc, PaysyncError):
@@ -312,16 +308,16 @@ def _record_failure(
             .where(payment_callback_log.c.id == log_id)
             .with_for_update()
         ).first()
-        if row is None or row.status not in CB_RETRYABLE:
-            return Outcome.SKIPPED
+        if row is None or row.status not in CALLBACK_RETRYABLE:
+            return CallbackResult.SKIPPED
         attempts = row.retry_count + 1
-        guard = (payment_callback_log.c.id == log_id, payment_callback_log.c.status.in_(CB_RETRYABLE))
+        guard = (payment_callback_log.c.id == log_id, payment_callback_log.c.status.in_(CALLBACK_RETRYABLE))
         if policy.exhausted(attempts):
             conn.execute(
                 update(payment_callback_log)
                 .where(*guard)
                 .values(
-                    status=CB_GAVE_UP,
+                    status=CallbackStatus.GAVE_UP,
                     result=f"gave up after {attempts} attempts: {reason}"[:500],
                     retry_count=attempts,
                     last_retry_time=now,
@@ -345,13 +341,13 @@ def _record_failure(
                 details={"callback_log_id": log_id, "manual_review_id": review_id},
             )
             log.warning("callback %s gave up after %s attempts", log_id, attempts)
-            return Outcome.GAVE_UP
+            return CallbackResult.GAVE_UP
         delay = policy.delay(attempts, rng)
         conn.execute(
             update(payment_callback_log)
             .where(*guard)
             .values(
-                status=CB_FAILED,
+                status=CallbackStatus.FAILED,
                 result=reason,
                 retry_count=attempts,
                 last_retry_time=now,
@@ -359,4 +355,4 @@ def _record_failure(
                 update_time=now,
             )
         )
-        return Outcome.RETRY
+        return CallbackResult.RETRY

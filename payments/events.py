@@ -14,7 +14,7 @@ keeps its own attempt count, backoff and give-up, so a broker outage never
 re-sends a webhook that already got its 2xx (and a failing merchant endpoint
 never re-publishes to the broker), and adding a destination later means rows,
 not columns. The ``outbox`` row stays the unit that is claimed: it is
-``PENDING`` while any configured destination is pending, its
+``OutboxStatus.PENDING`` while any configured destination is pending, its
 ``next_attempt_at`` is the earliest pending destination's, and it becomes
 ``DONE`` once every configured destination has the event (``DEAD`` if one of
 them gave up into the manual queue).
@@ -43,12 +43,13 @@ from typing import Any
 
 from sqlalchemy import Engine, select, update
 
-from payments import alerts, outbox
+from payments import alerts
 from payments.backoff import RetryPolicy
 from payments.db import insert_ignore, is_sqlite
 from payments.review import open_review
 from payments.schema import event_delivery
 from payments.schema import outbox as outbox_table
+from payments.states import DeliveryStatus, OutboxStatus
 from payments.transitions import DOMAIN_EVENTS
 
 log = logging.getLogger("paysync.events")
@@ -62,13 +63,6 @@ AMQP = "amqp"
 """Destination: the RabbitMQ topic exchange."""
 WEBHOOK = "webhook"
 """Destination: the merchant's webhook URL."""
-
-PENDING = 0
-"""Delivery not done yet; due at next_attempt_at."""
-DELIVERED = 1
-"""The destination has the event (broker confirm, or a 2xx)."""
-GAVE_UP = 2
-"""Retries exhausted or deadline passed (or a permanent refusal): in the manual queue."""
 
 LEASE_SECONDS = 120
 """A claimed outbox row is invisible to other relays this long; a relay that crashes gives it back after."""
@@ -91,7 +85,7 @@ def envelope(event_id: str, event_type: str, payload: str, created_at: datetime)
 class Delivery:
     """One destination's state for one claimed event."""
 
-    status: int = PENDING
+    status: DeliveryStatus = DeliveryStatus.PENDING
     attempts: int = 0
     next_attempt_at: datetime | None = None
 
@@ -112,7 +106,11 @@ class ClaimedEvent:
     def due(self, destination: str, now: datetime) -> bool:
         """True when ``destination`` still needs this event and its backoff has passed."""
         d = self.deliveries.get(destination)
-        return d is not None and d.status == PENDING and (d.next_attempt_at is None or d.next_attempt_at <= now)
+        return (
+            d is not None
+            and d.status == DeliveryStatus.PENDING
+            and (d.next_attempt_at is None or d.next_attempt_at <= now)
+        )
 
     def body(self) -> bytes:
         """The envelope sent to every destination."""
@@ -146,7 +144,11 @@ def claim(
     t = outbox_table
     query = (
         select(t.c.id, t.c.event_id, t.c.event_type, t.c.aggregate_id, t.c.payload, t.c.created_at)
-        .where(t.c.status == outbox.PENDING, t.c.event_type.in_(sorted(DOMAIN_EVENT_TYPES)), t.c.next_attempt_at <= now)
+        .where(
+            t.c.status == OutboxStatus.PENDING,
+            t.c.event_type.in_(sorted(DOMAIN_EVENT_TYPES)),
+            t.c.next_attempt_at <= now,
+        )
         .order_by(t.c.id)
         .limit(batch_size)
     )
@@ -159,7 +161,7 @@ def claim(
             return [], 0
         ids = [r.id for r in rows]
         if not destinations:
-            conn.execute(update(t).where(t.c.id.in_(ids)).values(status=outbox.DONE, updated_at=now))
+            conn.execute(update(t).where(t.c.id.in_(ids)).values(status=OutboxStatus.DONE, updated_at=now))
             return [], len(ids)
         conn.execute(update(t).where(t.c.id.in_(ids)).values(next_attempt_at=lease_until, updated_at=now))
         event_ids = [r.event_id for r in rows]
@@ -167,7 +169,7 @@ def claim(
             {
                 "event_id": r.event_id,
                 "destination": destination,
-                "status": PENDING,
+                "status": DeliveryStatus.PENDING,
                 "attempts": 0,
                 "next_attempt_at": now,
                 "created_at": now,
@@ -213,7 +215,7 @@ def release(engine: Engine, events: Iterable[ClaimedEvent], now: datetime) -> in
                 update(outbox_table)
                 .where(
                     outbox_table.c.id == ev.outbox_id,
-                    outbox_table.c.status == outbox.PENDING,
+                    outbox_table.c.status == OutboxStatus.PENDING,
                     outbox_table.c.next_attempt_at == ev.lease_until,  # still ours
                 )
                 .values(next_attempt_at=now, updated_at=now)
@@ -228,7 +230,7 @@ def record(
     policy: RetryPolicy,
     deadline_seconds: float,
     destinations: Sequence[str],
-) -> list[int]:
+) -> list[OutboxStatus]:
     """Record a chunk of delivery passes in ONE transaction; return the outbox status each event is left in.
 
     Delivered destinations are marked; failed ones back off (exponential with
@@ -245,7 +247,7 @@ def record(
     pass took longer than LEASE_SECONDS) the delivery facts are still written
     and the row is left to whoever holds it now.
     """
-    statuses: list[int] = []
+    statuses: list[OutboxStatus] = []
     delivered: dict[tuple[str, int | None], list[str]] = {}
     finished: dict[datetime, list[int]] = {}
     with engine.begin() as conn:
@@ -255,12 +257,12 @@ def record(
                 state = ev.deliveries[a.destination]
                 if a.ok:
                     delivered.setdefault((a.destination, a.http_status), []).append(ev.event_id)
-                    state.status = DELIVERED
+                    state.status = DeliveryStatus.DELIVERED
                     continue
                 guard = (
                     event_delivery.c.event_id == ev.event_id,
                     event_delivery.c.destination == a.destination,
-                    event_delivery.c.status == PENDING,
+                    event_delivery.c.status == DeliveryStatus.PENDING,
                 )
                 failures = state.attempts + 1
                 error = (a.error or "failed")[:480]
@@ -276,11 +278,12 @@ def record(
                     else:
                         why = "deadline passed" if now >= deadline else "retries exhausted"
                     values.update(
-                        status=GAVE_UP, last_error=f"gave up ({why}) after {failures} attempts: {error}"[:500]
+                        status=DeliveryStatus.GAVE_UP,
+                        last_error=f"gave up ({why}) after {failures} attempts: {error}"[:500],
                     )
                     conn.execute(update(event_delivery).where(*guard).values(**values))
                     _give_up(conn, ev, a.destination, failures, why, error, now)
-                    state.status, state.attempts = GAVE_UP, failures
+                    state.status, state.attempts = DeliveryStatus.GAVE_UP, failures
                     continue
                 delay = policy.delay(failures)
                 if a.retry_after:
@@ -291,17 +294,21 @@ def record(
                 )
 
             configured = [s for d, s in ev.deliveries.items() if d in destinations]
-            pending = [s for s in configured if s.status == PENDING]
+            pending = [s for s in configured if s.status == DeliveryStatus.PENDING]
             errors = "; ".join(f"{a.destination}: {a.error}" for a in attempts if not a.ok)[:500] or None
-            if not pending and not errors and all(s.status == DELIVERED for s in configured):
+            if not pending and not errors and all(s.status == DeliveryStatus.DELIVERED for s in configured):
                 finished.setdefault(ev.lease_until, []).append(ev.outbox_id)
-                statuses.append(outbox.DONE)
+                statuses.append(OutboxStatus.DONE)
                 continue
             if pending:
-                status = outbox.PENDING
+                status = OutboxStatus.PENDING
                 row: dict[str, Any] = {"next_attempt_at": min(s.next_attempt_at or now for s in pending)}
             else:
-                status = outbox.DEAD if any(s.status == GAVE_UP for s in configured) else outbox.DONE
+                status = (
+                    OutboxStatus.DEAD
+                    if any(s.status == DeliveryStatus.GAVE_UP for s in configured)
+                    else OutboxStatus.DONE
+                )
                 row = {"status": status}
             statuses.append(status)
             _update_leased(conn, [ev.outbox_id], ev.lease_until, last_error=errors, **row, now=now)
@@ -312,14 +319,18 @@ def record(
                 .where(
                     event_delivery.c.event_id.in_(event_ids),
                     event_delivery.c.destination == destination,
-                    event_delivery.c.status == PENDING,
+                    event_delivery.c.status == DeliveryStatus.PENDING,
                 )
                 .values(
-                    status=DELIVERED, delivered_at=now, last_error=None, last_http_status=http_status, updated_at=now
+                    status=DeliveryStatus.DELIVERED,
+                    delivered_at=now,
+                    last_error=None,
+                    last_http_status=http_status,
+                    updated_at=now,
                 )
             )
         for lease_until, ids in finished.items():
-            _update_leased(conn, ids, lease_until, status=outbox.DONE, last_error=None, now=now)
+            _update_leased(conn, ids, lease_until, status=OutboxStatus.DONE, last_error=None, now=now)
     return statuses
 
 
@@ -328,7 +339,7 @@ def _update_leased(conn: Any, ids: list[int], lease_until: datetime, *, now: dat
     t = outbox_table
     changed = conn.execute(
         update(t)
-        .where(t.c.id.in_(ids), t.c.status == outbox.PENDING, t.c.next_attempt_at == lease_until)
+        .where(t.c.id.in_(ids), t.c.status == OutboxStatus.PENDING, t.c.next_attempt_at == lease_until)
         .values(attempts=t.c.attempts + 1, updated_at=now, **values)
     ).rowcount
     if changed != len(ids):

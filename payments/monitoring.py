@@ -13,7 +13,6 @@ from datetime import datetime
 from sqlalchemy import Connection, func, select
 
 from payments.schema import (
-    CB_RETRYABLE,
     alert,
     manual_review,
     outbox,
@@ -22,6 +21,7 @@ from payments.schema import (
     provider_breaker,
     refund,
 )
+from payments.states import CALLBACK_RETRYABLE, BreakerState, OutboxStatus, ReviewStatus
 
 
 @dataclass
@@ -48,18 +48,20 @@ def _grouped(conn: Connection, column, where=None) -> dict:  # noqa: ANN001
 def snapshot(conn: Connection, now: datetime) -> Snapshot:
     """Read the current counts."""
     t = payment_callback_log
-    oldest = conn.execute(select(func.min(t.c.create_time)).where(t.c.status.in_(CB_RETRYABLE))).scalar()
+    oldest = conn.execute(select(func.min(t.c.create_time)).where(t.c.status.in_(CALLBACK_RETRYABLE))).scalar()
     return Snapshot(
         callbacks_by_status=_grouped(conn, t.c.status),
         oldest_waiting_callback_seconds=(now - oldest).total_seconds() if oldest else 0.0,
         payments_by_status=_grouped(conn, payment.c.status),
         refunds_by_status=_grouped(conn, refund.c.status),
-        outbox_pending_by_type=_grouped(conn, outbox.c.event_type, outbox.c.status == 0),
+        outbox_pending_by_type=_grouped(conn, outbox.c.event_type, outbox.c.status == OutboxStatus.PENDING),
         manual_review_open=conn.execute(
-            select(func.count()).select_from(manual_review).where(manual_review.c.status == "open")
+            select(func.count()).select_from(manual_review).where(manual_review.c.status == ReviewStatus.OPEN)
         ).scalar_one(),
         alerts_by_status=_grouped(conn, alert.c.status, alert.c.open_key.is_not(None)),
         open_breakers=list(
-            conn.execute(select(provider_breaker.c.provider).where(provider_breaker.c.state == "open")).scalars()
+            conn.execute(
+                select(provider_breaker.c.provider).where(provider_breaker.c.state == BreakerState.OPEN)
+            ).scalars()
         ),
     )

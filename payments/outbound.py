@@ -52,7 +52,7 @@ from payments.review import open_review
 from payments.schema import manual_review, payment, provider_call
 from payments.schema import outbox as outbox_table
 from payments.settings import Settings
-from payments.states import TERMINAL, PaymentStatus, Verdict, decide
+from payments.states import TERMINAL, OutboxStatus, PaymentStatus, ReviewStatus, Verdict, decide
 from payments.transitions import apply_decision
 
 log = logging.getLogger("paysync.outbound")
@@ -145,29 +145,29 @@ def _prepare_charge(
     now = utcnow()
     with ctx.engine.begin() as conn:
         row = conn.execute(select(outbox_table).where(outbox_table.c.id == outbox_id).with_for_update()).first()
-        if row is None or row.status != outbox.PENDING:
+        if row is None or row.status != OutboxStatus.PENDING:
             return Result.SKIPPED
         payment_id = json.loads(row.payload)["payment_id"]
         current = _lock_payment(conn, payment_id)
         if current is None:
-            _finish_outbox(conn, outbox_id, now, outbox.DEAD, f"no payment {payment_id}")
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DEAD, f"no payment {payment_id}")
             return Result.SKIPPED
         if PaymentStatus(current["status"]) in TERMINAL:
-            _finish_outbox(conn, outbox_id, now, outbox.DONE, f"payment already {current['status']}")
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, f"payment already {current['status']}")
             return Result.SKIPPED
         if provider is None or provider.name != current["provider"]:
-            _finish_outbox(conn, outbox_id, now, outbox.DEAD, f"no adapter for {current['provider']}")
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DEAD, f"no adapter for {current['provider']}")
             _review(conn, current, "unknown_provider", f"no adapter registered for {current['provider']}", now)
             return Result.REVIEW
         if current["deadline_at"] is not None and now >= current["deadline_at"]:
-            _finish_outbox(conn, outbox_id, now, outbox.DEAD, "deadline passed before the charge was confirmed")
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DEAD, "deadline passed before the charge was confirmed")
             _review(conn, current, "unresolved_payment", "deadline passed before the charge was sent or confirmed", now)
             return Result.REVIEW
         previous = _last_charge_call(conn, payment_id)
         if previous is not None and not provider.capabilities.safe_to_resend:
             # A charge may already be on its way or done; without keys or queries a re-send could charge twice.
             _give_up_ambiguous(conn, current, previous, now, "earlier charge call has no recorded outcome")
-            _finish_outbox(conn, outbox_id, now, outbox.DONE, "not re-sent: provider cannot dedupe or be queried")
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, "not re-sent: provider cannot dedupe or be queried")
             return Result.REVIEW
         if admission == breaker.Admission.DENY:
             retry_at = max(snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
@@ -212,7 +212,7 @@ def _apply_charge(
             delay = compute_backoff(max(1, row.attempts), s.retry_base_seconds, s.retry_max_seconds, ctx.rng)
             conn.execute(
                 update(outbox_table)
-                .where(outbox_table.c.id == outbox_id, outbox_table.c.status == outbox.PENDING)
+                .where(outbox_table.c.id == outbox_id, outbox_table.c.status == OutboxStatus.PENDING)
                 .values(
                     next_attempt_at=now + timedelta(seconds=delay),
                     last_error=f"{outcome.code} (not definitive)"[:500],
@@ -221,7 +221,7 @@ def _apply_charge(
             )
             return Result.RETRY
         result = _apply_outcome(ctx, conn, current, provider, outcome, f"call:{call_id}", now)
-        _finish_outbox(conn, outbox_id, now, outbox.DONE, None)
+        _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, None)
     return result
 
 
@@ -291,7 +291,7 @@ def _not_found(ctx: Context, conn: Connection, current: Mapping[str, Any], provi
             exists().where(
                 outbox_table.c.aggregate_id == current["payment_id"],
                 outbox_table.c.event_type == CHARGE_REQUESTED,
-                outbox_table.c.status == outbox.PENDING,
+                outbox_table.c.status == OutboxStatus.PENDING,
             )
         )
     ).scalar()
@@ -431,7 +431,7 @@ def _charge_params(current: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _finish_outbox(conn: Connection, outbox_id: int, now: datetime, status: int, error: str | None) -> None:
+def _finish_outbox(conn: Connection, outbox_id: int, now: datetime, status: OutboxStatus, error: str | None) -> None:
     conn.execute(
         update(outbox_table)
         .where(outbox_table.c.id == outbox_id)
@@ -460,7 +460,7 @@ def _review(conn: Connection, current: Mapping[str, Any], kind: str, reason: str
             exists().where(
                 manual_review.c.payment_id == current["payment_id"],
                 manual_review.c.kind == kind,
-                manual_review.c.status == "open",
+                manual_review.c.status == ReviewStatus.OPEN,
             )
         )
     ).scalar()

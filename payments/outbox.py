@@ -15,13 +15,7 @@ from sqlalchemy import Connection, insert
 
 from payments.ids import new_id
 from payments.schema import outbox
-
-PENDING = 0
-"""Due at next_attempt_at."""
-DONE = 1
-"""Sent and its effect recorded."""
-DEAD = 2
-"""Given up: in the manual queue."""
+from payments.states import OutboxStatus
 
 _INSERT = insert(outbox)
 """Built once: every processed callback enqueues a domain event (values are execute-time parameters)."""
@@ -46,7 +40,7 @@ def enqueue(
             "event_type": event_type,
             "aggregate_id": aggregate_id,
             "payload": json.dumps(payload, sort_keys=True, default=str),
-            "status": PENDING,
+            "status": OutboxStatus.PENDING,
             "attempts": 0,
             "next_attempt_at": now + timedelta(seconds=delay_seconds),
             "created_at": now,

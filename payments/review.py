@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import Connection, insert
 
 from payments.schema import manual_review
+from payments.states import ReviewStatus
 
 
 def open_review(
@@ -31,7 +32,7 @@ def open_review(
             refund_id=refund_id,
             callback_log_id=callback_log_id,
             details=json.dumps(details, sort_keys=True, default=str) if details else None,
-            status="open",
+            status=ReviewStatus.OPEN,
             created_at=now,
         )
     )

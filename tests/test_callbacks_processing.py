@@ -10,9 +10,10 @@ import pytest
 from sqlalchemy import func, select
 
 from payments.backoff import RetryPolicy
-from payments.callbacks import Outcome, process_callback, store_callback
+from payments.callbacks import CallbackResult, process_callback, store_callback
 from payments.providers import build_providers
 from payments.schema import alert, ledger_entry, ledger_event, manual_review, outbox, payment, payment_callback_log
+from payments.states import CallbackStatus
 from tests.support import create_payment, make_settings, sandbox_event, signed
 
 
@@ -24,9 +25,9 @@ def test_a_verified_success_callback_confirms_the_payment_once(engine):
     first = store_callback(engine, provider="sandbox", body=body, headers=headers, remote_addr="127.0.0.1")
     second = store_callback(engine, provider="sandbox", body=body, headers=headers, remote_addr="127.0.0.1")
 
-    assert process_callback(engine, providers, first, RetryPolicy()) == Outcome.APPLIED
-    assert process_callback(engine, providers, second, RetryPolicy()) == Outcome.DUPLICATE
-    assert process_callback(engine, providers, first, RetryPolicy()) == Outcome.SKIPPED
+    assert process_callback(engine, providers, first, RetryPolicy()) == CallbackResult.APPLIED
+    assert process_callback(engine, providers, second, RetryPolicy()) == CallbackResult.DUPLICATE
+    assert process_callback(engine, providers, first, RetryPolicy()) == CallbackResult.SKIPPED
 
     with engine.connect() as conn:
         assert conn.execute(select(payment.c.status).where(payment.c.payment_id == payment_id)).scalar() == "Succeeded"
@@ -68,7 +69,7 @@ PROVIDERS = build_providers(make_settings())
 def test_a_failure_callback_fails_the_payment_with_its_code_and_no_ledger_lines(engine):
     payment_id = create_payment(engine)
     log_id = _stored(engine, sandbox_event(payment_id, event_type="charge.failed", failure_code="card_declined"))
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.APPLIED
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.APPLIED
     row = _payment_row(engine, payment_id)
     assert (row.status, row.error_code, row.status_source) == ("Failed", "card_declined", f"callback:{log_id}")
     events = _all(engine, ledger_event)
@@ -80,7 +81,7 @@ def test_a_failure_callback_fails_the_payment_with_its_code_and_no_ledger_lines(
 def test_a_success_for_a_created_payment_walks_through_pending_and_records_the_path(engine):
     payment_id = create_payment(engine, status="Created")
     log_id = _stored(engine, sandbox_event(payment_id, provider_transaction_id="ch_walk"))
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.APPLIED
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.APPLIED
     row = _payment_row(engine, payment_id)
     assert (row.status, row.provider_transaction_id) == ("Succeeded", "ch_walk")
     (event,) = _all(engine, ledger_event)
@@ -94,7 +95,7 @@ def test_a_late_success_for_a_succeeded_payment_is_a_noop(engine):
     before = _payment_row(engine, payment_id)
     # The same news again (e.g. a second event id for the same charge) is not a conflict.
     log_id = _stored(engine, sandbox_event(payment_id))
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.NOOP
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.NOOP
     assert _payment_row(engine, payment_id) == before
     assert _row(engine, log_id).result.startswith("noop: already Succeeded")
     assert _all(engine, ledger_event) == []
@@ -118,11 +119,11 @@ def test_a_conflicting_report_changes_nothing_and_opens_a_review_and_an_alert(en
     before = _payment_row(engine, payment_id)
     log_id = _stored(engine, sandbox_event(payment_id, **event_kwargs))
 
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.CONFLICT
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.CONFLICT
 
     assert _payment_row(engine, payment_id) == before, "a conflicting report must not touch the payment"
     log_row = _row(engine, log_id)
-    assert log_row.status == 1 and log_row.result.startswith("conflict: ")
+    assert log_row.status == CallbackStatus.PROCESSED and log_row.result.startswith("conflict: ")
     (review,) = _all(engine, manual_review)
     assert (review.kind, review.payment_id, review.callback_log_id, review.status) == (
         "conflicting_report",
@@ -134,7 +135,7 @@ def test_a_conflicting_report_changes_nothing_and_opens_a_review_and_an_alert(en
     assert (fired.rule, fired.status, fired.severity) == ("conflicting_report", "firing", "critical")
     assert _all(engine, ledger_event) == [] and _all(engine, outbox) == []
     # The conflict is final for this delivery: processing it again does nothing more.
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.SKIPPED
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.SKIPPED
     assert len(_all(engine, manual_review)) == 1
 
 
@@ -144,12 +145,12 @@ def test_a_conflicting_report_changes_nothing_and_opens_a_review_and_an_alert(en
 def test_a_callback_for_an_unknown_payment_is_retried_then_applied_once_the_order_commits(engine):
     payment_id = f"pay_{uuid.uuid4().hex[:20]}"
     log_id = _stored(engine, sandbox_event(payment_id))
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.RETRY
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.RETRY
     row = _row(engine, log_id)
     assert (row.status, row.retry_count) == (2, 1)
     assert row.result.startswith("target_not_found: ")
     create_payment(engine, payment_id=payment_id)
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.APPLIED
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.APPLIED
     assert _payment_row(engine, payment_id).status == "Succeeded"
     assert _row(engine, log_id).retry_count == 1
 
@@ -160,7 +161,7 @@ def test_retries_count_back_off_with_growing_jittered_delays_and_give_up_into_th
     now = datetime(2030, 1, 1, 12, 0, 0)
     delays = []
     for attempt in range(1, policy.max_retries):
-        assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == Outcome.RETRY
+        assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == CallbackResult.RETRY
         row = _row(engine, log_id)
         assert (row.status, row.retry_count, row.last_retry_time) == (2, attempt, now)
         delay = (row.next_retry_at - row.last_retry_time).total_seconds()
@@ -173,7 +174,7 @@ def test_retries_count_back_off_with_growing_jittered_delays_and_give_up_into_th
     assert uncapped == sorted(uncapped) and uncapped[-1] > uncapped[0] * 8, delays
     assert len(uncapped) < len(delays) and max(delays) <= policy.max_seconds  # the cap was reached and held
 
-    assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == Outcome.GAVE_UP
+    assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == CallbackResult.GAVE_UP
     row = _row(engine, log_id)
     assert (row.status, row.retry_count) == (4, policy.max_retries)
     assert row.result.startswith(f"gave up after {policy.max_retries} attempts: target_not_found")
@@ -182,7 +183,7 @@ def test_retries_count_back_off_with_growing_jittered_delays_and_give_up_into_th
     (fired,) = _all(engine, alert)
     assert (fired.rule, fired.status, fired.dedupe_key) == ("callback_gave_up", "firing", f"callback_gave_up:{log_id}")
     # Given up means left alone: neither the consumer nor the sweep touches it again.
-    assert process_callback(engine, PROVIDERS, log_id, policy, now=now + timedelta(days=1)) == Outcome.SKIPPED
+    assert process_callback(engine, PROVIDERS, log_id, policy, now=now + timedelta(days=1)) == CallbackResult.SKIPPED
     assert _row(engine, log_id).retry_count == policy.max_retries
 
 

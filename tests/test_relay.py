@@ -20,11 +20,11 @@ from sqlalchemy import select, update
 
 from compensator import query_unresolved, relay_outbox
 from payments import breaker
-from payments import outbox as outbox_states
 from payments.charges import CreatePayment, create_payment
 from payments.db import utcnow
 from payments.runtime import build_runtime
 from payments.schema import alert, manual_review, outbox, payment, provider_breaker, provider_call
+from payments.states import OutboxStatus
 from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.support import ROOT, env_for, make_settings
 
@@ -114,7 +114,10 @@ def test_a_charge_the_provider_confirms_succeeds_and_names_its_call(runtime, san
     assert call["idempotency_key"] == p["idempotency_key"] and call["latency_ms"] is not None
     assert domain_events(runtime, payment_id) == ["PaymentSucceeded"]
     with runtime.engine.connect() as conn:
-        assert conn.execute(select(outbox.c.status).where(outbox.c.event_type == "ChargeRequested")).scalar() == 1
+        assert (
+            conn.execute(select(outbox.c.status).where(outbox.c.event_type == "ChargeRequested")).scalar()
+            == OutboxStatus.DONE
+        )
     assert relay_outbox.run_once(runtime) == 0, "a done row is not sent again"
 
 
@@ -205,7 +208,7 @@ def run_relay_process(runtime, **env):
 
 def expire_leases(rt):
     with rt.engine.begin() as conn:
-        conn.execute(update(outbox).where(outbox.c.status == outbox_states.PENDING).values(next_attempt_at=utcnow()))
+        conn.execute(update(outbox).where(outbox.c.status == OutboxStatus.PENDING).values(next_attempt_at=utcnow()))
 
 
 def test_a_relay_killed_after_the_provider_charged_converges_with_exactly_one_charge(runtime, sandbox):
@@ -282,7 +285,9 @@ def test_a_failing_provider_trips_the_breaker_which_closes_when_a_probe_succeeds
         assert "provider_circuit_open:sandbox" in firing
         deferred = (
             conn.execute(
-                select(outbox.c.next_attempt_at).where(outbox.c.status == 0, outbox.c.event_type == "ChargeRequested")
+                select(outbox.c.next_attempt_at).where(
+                    outbox.c.status == OutboxStatus.PENDING, outbox.c.event_type == "ChargeRequested"
+                )
             )
             .scalars()
             .all()
