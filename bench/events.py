@@ -6,7 +6,7 @@ bookkeeping (RabbitMQ: one connection publishing with confirms; webhook: one
 HTTP session POSTing Standard Webhooks-signed bodies). The receiver runs in
 its own process and answers 204 without verifying, so it is never the
 bottleneck being measured. Then the latency from the outbox commit to the
-merchant's receipt, with run_once called every INTERVAL_SECONDS as the
+merchant's receipt, with run_once called every PUBLISH_EVENTS_INTERVAL_SECONDS as the
 compensator's scheduler does.
 
     .venv/bin/python bench/events.py [--events 2000] [--database-url …] [--amqp-url …]
@@ -142,7 +142,7 @@ def latency(runtime, log_path: str, n: int, spread: float) -> list[float]:
     def scheduler() -> None:
         while not stop.is_set():
             publish_events.run_once(runtime)
-            stop.wait(publish_events.INTERVAL_SECONDS)
+            stop.wait(runtime.settings.publish_events_interval_seconds)
 
     thread = threading.Thread(target=scheduler, daemon=True)
     thread.start()
@@ -214,9 +214,10 @@ def main() -> None:
             conn.execute(update(outbox_table).values(status=OutboxStatus.DONE))
         Path(log_path).write_text("")
         lat = latency(runtimes["webhook"], log_path, 200, 10.0)
+        every = runtimes["webhook"].settings.publish_events_interval_seconds
         q = statistics.quantiles(lat, n=100)
         print(
-            f"  latency outbox commit -> webhook receipt (run_once every {publish_events.INTERVAL_SECONDS:.0f} s, "
+            f"  latency outbox commit -> webhook receipt (run_once every {every:.0f} s, "
             f"{len(lat)} events): p50 {statistics.median(lat) * 1000:.0f} ms  p99 {q[98] * 1000:.0f} ms  "
             f"max {lat[-1] * 1000:.0f} ms"
         )

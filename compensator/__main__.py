@@ -29,8 +29,8 @@ def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], flo
 
     return {
         "compensate_callbacks": (compensate_callbacks.run_once, lambda rt: rt.settings.effective_interval_seconds),
-        "evaluate_alerts": (evaluate_alerts.run_once, lambda rt: 15.0),
-        "publish_events": (publish_events.run_once, lambda rt: publish_events.INTERVAL_SECONDS),
+        "evaluate_alerts": (evaluate_alerts.run_once, lambda rt: rt.settings.evaluate_alerts_interval_seconds),
+        "publish_events": (publish_events.run_once, lambda rt: rt.settings.publish_events_interval_seconds),
         "relay_outbox": (relay_outbox.run_once, lambda rt: rt.settings.relay_interval_seconds),
         "query_unresolved": (query_unresolved.run_once, lambda rt: rt.settings.query_interval_seconds),
     }

@@ -26,26 +26,24 @@ from payments.callbacks import CallbackResult, process_callback
 from payments.db import claim_rows, is_sqlite, utcnow
 from payments.runtime import Runtime
 from payments.schema import payment_callback_log
+from payments.settings import Settings
 from payments.states import CALLBACK_RETRYABLE
 
 log = logging.getLogger("paysync.compensator.callbacks")
 
-LEASE_SECONDS = 120
-"""A claimed row is invisible to other sweeps at least this long; if we crash, it comes back after."""
 
-
-def lease_seconds(batch_size: int, rate_limit: float) -> float:
-    """How long to lease a batch: long enough to work through it at the rate limit, twice over.
+def lease_seconds(settings: Settings) -> float:
+    """How long to lease a batch: COMPENSATOR_LEASE_SECONDS, or long enough to work through it at the rate limit.
 
     A lease that ran out mid-batch would hand the batch's tail to another
     compensator while this one still means to process it.
     """
-    return max(LEASE_SECONDS, 2 * batch_size / rate_limit)
+    return max(
+        settings.compensator_lease_seconds, 2 * settings.compensator_batch_size / settings.compensator_rate_limit
+    )
 
 
-def claim_batch(
-    engine: Engine, now: datetime, grace_seconds: float, batch_size: int, lease: float = LEASE_SECONDS
-) -> list[int]:
+def claim_batch(engine: Engine, now: datetime, grace_seconds: float, batch_size: int, lease: float) -> list[int]:
     """Claim up to ``batch_size`` due rows, leased for ``lease`` seconds; return their ids, oldest first."""
     t = payment_callback_log
     query = (
@@ -84,7 +82,7 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None, limiter: Rat
                 utcnow(),
                 settings.effective_grace_seconds,
                 settings.compensator_batch_size,
-                lease_seconds(settings.compensator_batch_size, settings.compensator_rate_limit),
+                lease_seconds(settings),
             )
             if not ids:
                 break

@@ -51,7 +51,7 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     """Query every due payment once; return how many were handled."""
     settings = runtime.settings
     ctx = Context(runtime.engine, runtime.providers, settings)
-    lease = settings.provider_timeout_seconds * 2 + 3.0
+    lease = settings.call_lease_seconds
     budget: Counter[str] = Counter()
     budget_lock = threading.Lock()
 

@@ -25,7 +25,7 @@ from compensator.ratelimit import RateLimiter
 from compensator.workpool import drain
 from payments.charges import CHARGE_REQUESTED
 from payments.db import claim_rows, utcnow
-from payments.outbound import Context, Result, relay_charge, relay_lease_seconds
+from payments.outbound import Context, Result, relay_charge
 from payments.runtime import Runtime
 from payments.schema import outbox as outbox_table
 from payments.states import OutboxStatus
@@ -64,7 +64,7 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     """Relay until nothing is due and nothing is in flight; return the number of rows handled."""
     settings = runtime.settings
     ctx = Context(runtime.engine, runtime.providers, settings)
-    lease = relay_lease_seconds(settings)
+    lease = settings.call_lease_seconds
 
     def work(item: tuple[int, str]) -> Result:
         outbox_id, provider = item

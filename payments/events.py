@@ -64,9 +64,6 @@ AMQP = "amqp"
 WEBHOOK = "webhook"
 """Destination: the merchant's webhook URL."""
 
-LEASE_SECONDS = 120
-"""A claimed outbox row is invisible to other relays this long; a relay that crashes gives it back after."""
-
 
 def envelope(event_id: str, event_type: str, payload: str, created_at: datetime) -> bytes:
     """The JSON body both destinations receive: ``{"id", "type", "timestamp", "data"}``, compact and sorted.
@@ -132,7 +129,7 @@ class Attempt:
 
 
 def claim(
-    engine: Engine, now: datetime, batch_size: int, destinations: Sequence[str]
+    engine: Engine, now: datetime, batch_size: int, destinations: Sequence[str], lease_seconds: float
 ) -> tuple[list[ClaimedEvent], int]:
     """Claim up to ``batch_size`` due domain-event rows; return (leased events, rows finished at once).
 
@@ -154,7 +151,7 @@ def claim(
     )
     if not is_sqlite(engine):  # SQLite has one writer at a time; BEGIN IMMEDIATE already serialises us
         query = query.with_for_update(skip_locked=True)
-    lease_until = now + timedelta(seconds=LEASE_SECONDS)
+    lease_until = now + timedelta(seconds=lease_seconds)
     with engine.begin() as conn:
         rows = conn.execute(query).all()
         if not rows:
@@ -244,7 +241,7 @@ def record(
     delivery is at least once either way). The common case, delivered
     everywhere, is a handful of set-wise UPDATEs whatever the chunk size.
     Outbox UPDATEs are guarded by the lease token; if the lease was lost (the
-    pass took longer than LEASE_SECONDS) the delivery facts are still written
+    pass took longer than EVENTS_LEASE_SECONDS) the delivery facts are still written
     and the row is left to whoever holds it now.
     """
     statuses: list[OutboxStatus] = []

@@ -92,11 +92,6 @@ class Context:
         return self.settings.provider_timeout_seconds + 5.0
 
 
-def relay_lease_seconds(settings: Settings) -> float:
-    """How long a claimed outbox row stays invisible: a full call plus slack, then it is claimed again."""
-    return settings.provider_timeout_seconds * 2 + 3.0
-
-
 def query_delay(settings: Settings, attempt: int, rng: random.Random | None = None) -> float:
     """Seconds before query number ``attempt`` (1-based): exponential with jitter."""
     return compute_backoff(max(1, attempt), settings.query_base_seconds, settings.query_max_seconds, rng)

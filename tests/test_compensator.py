@@ -190,7 +190,8 @@ def test_a_rate_limited_sweep_stays_under_its_rate(engine):
 
 
 def test_a_batch_lease_outlasts_working_through_the_batch_at_the_rate_limit():
-    from compensator.compensate_callbacks import LEASE_SECONDS, lease_seconds
+    from compensator.compensate_callbacks import lease_seconds
 
-    assert lease_seconds(100, 1000) == LEASE_SECONDS
-    assert lease_seconds(100, 0.5) >= 100 / 0.5  # 200 s of work must not outlive a 120 s lease
+    settings = make_settings(compensator_batch_size=100)
+    assert lease_seconds(replace(settings, compensator_rate_limit=1000)) == settings.compensator_lease_seconds == 120
+    assert lease_seconds(replace(settings, compensator_rate_limit=0.5)) >= 100 / 0.5  # 200 s must not outlive 120 s

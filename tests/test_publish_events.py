@@ -540,5 +540,5 @@ def test_a_pass_out_of_time_gives_its_undelivered_rows_back_at_once(engine):
     for event_id in ids:
         if event_id in delivered:
             assert rows[event_id]["status"] == OutboxStatus.DONE
-        else:  # not leased for LEASE_SECONDS any more: another relay may take it now
+        else:  # not leased for EVENTS_LEASE_SECONDS any more: another relay may take it now
             assert rows[event_id]["status"] == OutboxStatus.PENDING and rows[event_id]["next_attempt_at"] <= now
