@@ -3,7 +3,7 @@
 Takes payments that are Unknown, or Pending past QUERY_PENDING_AFTER_SECONDS,
 whose ``next_query_at`` is due; claims them with ``FOR UPDATE SKIP LOCKED``
 and a lease, and queries each by our business number
-(``payments.outbound.query_payment``). Found → applied through the state
+(``payments.query.query_payment``). Found → applied through the state
 machine. Not found → sent again with the same idempotency key, if the
 provider's capabilities make that safe. Still unresolved at the payment's
 deadline → manual review and an alert. Backoff between queries is exponential
@@ -24,8 +24,9 @@ from sqlalchemy import Engine, select
 from compensator.relay_outbox import throttle
 from compensator.workpool import drain
 from payments import breaker
+from payments.calls import Context, Result
 from payments.db import claim_rows, utcnow
-from payments.outbound import Context, Result, due_for_query, query_payment
+from payments.query import due_for_query, query_payment
 from payments.runtime import Runtime
 from payments.schema import payment
 from payments.states import BreakerState

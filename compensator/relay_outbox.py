@@ -4,7 +4,7 @@ Claims due rows with ``SELECT … FOR UPDATE SKIP LOCKED`` and leases them by
 pushing ``next_attempt_at`` past one full provider call, in one short
 transaction, so any number of compensators share the queue; a row whose
 worker dies comes back when the lease runs out and is sent again with the
-same idempotency key. Each row is handled by ``payments.outbound.relay_charge``
+same idempotency key. Each row is handled by ``payments.relay.relay_charge``
 (prepare, call, apply: see there). Up to RELAY_CONCURRENCY calls are in flight
 at once, each provider is held to PROVIDER_RATE_LIMIT calls per second per
 process, and the scheduler runs the job every RELAY_INTERVAL_SECONDS (200 ms by
@@ -23,9 +23,10 @@ from sqlalchemy import Engine, select
 
 from compensator.ratelimit import RateLimiter
 from compensator.workpool import drain
+from payments.calls import Context, Result
 from payments.charges import CHARGE_REQUESTED
 from payments.db import claim_rows, utcnow
-from payments.outbound import Context, Result, relay_charge
+from payments.relay import relay_charge
 from payments.runtime import Runtime
 from payments.schema import outbox as outbox_table
 from payments.states import OutboxStatus

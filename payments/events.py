@@ -2,8 +2,8 @@
 
 Every payment and refund state change writes a domain event (``PaymentSucceeded``,
 ``RefundFailed``, …) to the ``outbox`` in the same transaction as the change
-(``payments/transitions.py``). The ``publish_events`` compensator job delivers
-them to up to two destinations:
+(``transitions.apply_decision`` calls ``enqueue_status_change`` below). The
+``publish_events`` compensator job delivers them to up to two destinations:
 
 - ``amqp``: the RabbitMQ topic exchange ``EVENTS_EXCHANGE`` (routing key = event type);
 - ``webhook``: ``MERCHANT_WEBHOOK_URL``, signed in the Standard Webhooks format.
@@ -41,28 +41,82 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Connection, Engine, select, update
 
-from payments import alerts
+from payments import alerts, outbox
 from payments.backoff import RetryPolicy
 from payments.db import insert_ignore, is_sqlite
 from payments.review import open_review
 from payments.schema import event_delivery
 from payments.schema import outbox as outbox_table
-from payments.states import DeliveryStatus, OutboxStatus
-from payments.transitions import DOMAIN_EVENTS
+from payments.states import DeliveryStatus, OutboxStatus, PaymentStatus, StatusChange
 
 log = logging.getLogger("paysync.events")
 
-DOMAIN_EVENT_TYPES = frozenset(DOMAIN_EVENTS.values())
-"""Outbox event types that are news for the merchant (every other type is a command for relay_outbox).
+DOMAIN_EVENTS = {
+    ("payment", PaymentStatus.SUCCEEDED): "PaymentSucceeded",
+    ("payment", PaymentStatus.FAILED): "PaymentFailed",
+    ("payment", PaymentStatus.UNKNOWN): "PaymentUnknown",
+    ("refund", PaymentStatus.SUCCEEDED): "RefundSucceeded",
+    ("refund", PaymentStatus.FAILED): "RefundFailed",
+    ("refund", PaymentStatus.UNKNOWN): "RefundUnknown",
+}
+"""Domain events for the merchant's own systems, by (kind, new status); Pending has none."""
 
-Taken from ``payments.transitions.DOMAIN_EVENTS``, the one place status changes write them."""
+DOMAIN_EVENT_TYPES = frozenset(DOMAIN_EVENTS.values())
+"""Outbox event types that are news for the merchant (every other type is a command for relay_outbox)."""
 
 AMQP = "amqp"
 """Destination: the RabbitMQ topic exchange."""
 WEBHOOK = "webhook"
 """Destination: the merchant's webhook URL."""
+
+
+def status_change_event(
+    change: StatusChange,
+    now: datetime,
+    *,
+    order_no: str | None,
+    provider_reference: str | None,
+    failure_code: str | None,
+) -> tuple[str, dict[str, Any]] | None:
+    """The domain event (type, outbox payload) a status change announces (pure); None for Pending."""
+    event_type = DOMAIN_EVENTS.get((change.kind, change.target))
+    if event_type is None:
+        return None
+    return event_type, {
+        "type": event_type,
+        "payment_id": change.payment_id,
+        "refund_id": change.reference if change.kind == "refund" else None,
+        "order_no": order_no,
+        "amount": change.amount_minor,
+        "currency": change.currency,
+        "status": change.target.value,
+        "provider": change.provider,
+        "provider_transaction_id": provider_reference,
+        "failure_code": failure_code,
+        "source": change.source,
+        "occurred_at": now.isoformat() + "Z",
+    }
+
+
+def enqueue_status_change(
+    conn: Connection,
+    change: StatusChange,
+    now: datetime,
+    *,
+    order_no: str | None,
+    provider_reference: str | None,
+    failure_code: str | None,
+) -> str | None:
+    """Write the status change's domain event to the outbox, in the caller's transaction; return its event id."""
+    event = status_change_event(
+        change, now, order_no=order_no, provider_reference=provider_reference, failure_code=failure_code
+    )
+    if event is None:
+        return None
+    event_type, payload = event
+    return outbox.enqueue(conn, event_type=event_type, aggregate_id=change.reference, now=now, payload=payload)
 
 
 def envelope(event_id: str, event_type: str, payload: str, created_at: datetime) -> bytes:

@@ -141,6 +141,25 @@ class Decision:
         return self.path[-1] if self.path else None
 
 
+@dataclass(frozen=True)
+class StatusChange:
+    """One applied transition of a payment or a refund, as the ledger and the merchant's events see it."""
+
+    kind: str
+    """"payment" or "refund"."""
+    reference: str
+    """The payment_id or the refund_id."""
+    payment_id: str
+    provider: str
+    amount_minor: int
+    currency: str
+    previous: PaymentStatus
+    target: PaymentStatus
+    path: tuple[PaymentStatus, ...]
+    source: str
+    """What caused it: callback:<id>, call:<id> or query:<id>."""
+
+
 def is_allowed(source: PaymentStatus, target: PaymentStatus) -> bool:
     """True when ``source → target`` is one allowed step."""
     return target in TRANSITIONS[source]

@@ -221,10 +221,33 @@ def test_it_no_ops_on_an_empty_database(engine, receiver):
     assert receiver.count() == 0
 
 
-def test_every_domain_event_type_written_by_status_changes_is_relayed_and_no_command_is():
-    from payments.transitions import DOMAIN_EVENTS
+def test_every_status_change_but_pending_announces_a_relayed_domain_event_and_no_command_is_one():
+    from payments.states import PaymentStatus, StatusChange
 
-    assert set(DOMAIN_EVENTS.values()) == events.DOMAIN_EVENT_TYPES
+    announced = set()
+    for kind in ("payment", "refund"):
+        for target in PaymentStatus:
+            change = StatusChange(
+                kind=kind,
+                reference="ref_1",
+                payment_id="pay_1",
+                provider="sandbox",
+                amount_minor=100,
+                currency="CNY",
+                previous=PaymentStatus.PENDING,
+                target=target,
+                path=(target,),
+                source="call:1",
+            )
+            event = events.status_change_event(
+                change, utcnow(), order_no=None, provider_reference=None, failure_code=None
+            )
+            if target in (PaymentStatus.CREATED, PaymentStatus.PENDING):
+                assert event is None
+            else:
+                announced.add(event[0])
+                assert event[1]["status"] == target.value and event[1]["type"] == event[0]
+    assert announced == events.DOMAIN_EVENT_TYPES and len(announced) == 6
     assert not {"ChargeRequested", "RefundRequested"} & events.DOMAIN_EVENT_TYPES
 
 

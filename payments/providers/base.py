@@ -120,6 +120,29 @@ Outcome = Succeeded | Failed | Pending | Unknown
 QueryOutcome = Succeeded | Failed | Pending | Unknown | NotFound
 
 
+def reported_status(outcome: QueryOutcome) -> PaymentStatus | None:
+    """What an outcome says about the charge, as a status for the state machine (pure; invariant 5).
+
+    Succeeded is Succeeded, only a definitive Failed is Failed, Pending is
+    Pending; Unknown and a not-definitive Failed are Unknown. NotFound says
+    nothing about a status (the provider never saw the charge): None.
+    """
+    if isinstance(outcome, Succeeded):
+        return PaymentStatus.SUCCEEDED
+    if isinstance(outcome, Failed) and outcome.definitive:
+        return PaymentStatus.FAILED
+    if isinstance(outcome, Pending):
+        return PaymentStatus.PENDING
+    if isinstance(outcome, NotFound):
+        return None
+    return PaymentStatus.UNKNOWN
+
+
+def is_answer(outcome: QueryOutcome) -> bool:
+    """True when the provider gave a real answer (anything but Unknown): the breaker counts it as healthy."""
+    return not isinstance(outcome, Unknown)
+
+
 @dataclass(frozen=True)
 class ChargeRequest:
     """What a charge sends: our business number and the money."""

@@ -1,0 +1,274 @@
+"""What the relay (``payments/relay.py``) and the query job (``payments/query.py``) share.
+
+Both call a provider about one payment in three steps, and a crash between
+any two is harmless:
+
+1. **Prepare** (one short transaction): lock the payment, decide whether a
+   call may go out at all (deadline, capabilities, circuit breaker) and
+   record the ``provider_call`` row, committed before the request leaves, so
+   the call is on file even if we die.
+2. **Call** the adapter outside any transaction: a slow provider never holds
+   a database lock.
+3. **Apply** (one transaction): ``apply_outcome`` below, with the
+   provider_call row completed in the same transaction.
+
+This module holds the step's context and result, the breaker's admission and
+count, and ``apply_outcome``: the outcome through ``states.decide`` and
+``transitions.apply_decision``. Unknown never becomes Failed (invariant 5):
+it moves the payment to Unknown and schedules a query.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import Connection, Engine, exists, func, select, update
+
+from payments import alerts, breaker
+from payments.backoff import compute_backoff
+from payments.db import utcnow
+from payments.providers.base import (
+    AMOUNT_MISMATCH,
+    Failed,
+    Provider,
+    QueryOutcome,
+    Unknown,
+    is_answer,
+    reported_status,
+)
+from payments.review import open_review
+from payments.schema import manual_review, payment, provider_call
+from payments.settings import Settings
+from payments.states import TERMINAL, PaymentStatus, ReviewStatus, Verdict, decide
+from payments.transitions import apply_decision
+
+log = logging.getLogger("paysync.calls")
+
+
+class Result(StrEnum):
+    """What one relay or query step did (for logs and tests)."""
+
+    APPLIED = "applied"
+    """The outcome moved the payment."""
+    UNCHANGED = "unchanged"
+    """Called; the outcome did not move the payment (Pending, stale, already applied)."""
+    RETRY = "retry"
+    """Not final; the outbox row comes back after a backoff."""
+    DEFERRED = "deferred"
+    """Not called: the provider's circuit breaker is open."""
+    SKIPPED = "skipped"
+    """Nothing to do (row done, payment final, another worker has it)."""
+    REVIEW = "review"
+    """Handed to the manual queue (deadline passed, or a re-send would be unsafe)."""
+    RESEND = "resend"
+    """Query found nothing: the charge was queued to be sent again with the same key."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a relay or query step needs: the engine, the adapters and the settings."""
+
+    engine: Engine
+    providers: Mapping[str, Provider]
+    settings: Settings
+    rng: random.Random | None = None
+
+    @property
+    def probe_seconds(self) -> float:
+        """How long one probe holds the breaker's probe slot."""
+        return self.settings.provider_timeout_seconds + 5.0
+
+
+def query_delay(settings: Settings, attempt: int, rng: random.Random | None = None) -> float:
+    """Seconds before query number ``attempt`` (1-based): exponential with jitter."""
+    return compute_backoff(max(1, attempt), settings.query_base_seconds, settings.query_max_seconds, rng)
+
+
+def admission(ctx: Context, provider: Provider | None) -> tuple[breaker.Snapshot, breaker.Admission]:
+    """The breaker's say on calling ``provider`` now (ALLOW when there is no provider to call)."""
+    if provider is None:
+        return breaker.Snapshot(), breaker.Admission.ALLOW
+    snapshot = breaker.read(ctx.engine, provider.name)
+    return snapshot, breaker.admit(ctx.engine, provider.name, snapshot, utcnow(), ctx.probe_seconds)
+
+
+def count(
+    ctx: Context,
+    provider: Provider,
+    outcome: QueryOutcome,
+    admitted: breaker.Admission,
+    snapshot: breaker.Snapshot,
+) -> None:
+    """Tell the breaker how the call went (its own transaction, after the outcome is safely applied)."""
+    try:
+        breaker.record(
+            ctx.engine,
+            provider.name,
+            healthy=is_answer(outcome),
+            probe=admitted == breaker.Admission.PROBE,
+            snapshot=snapshot,
+            settings=ctx.settings,
+            now=utcnow(),
+            rng=ctx.rng,
+        )
+    except Exception:  # noqa: BLE001 - the breaker is advisory; the payment's state is already safe
+        log.warning("could not update the circuit breaker for %s", provider.name, exc_info=True)
+
+
+def lock_payment(conn: Connection, payment_id: str) -> dict[str, Any] | None:
+    """The payment row, locked FOR UPDATE until the caller's transaction ends; None if there is none."""
+    row = conn.execute(select(payment).where(payment.c.payment_id == payment_id).with_for_update()).mappings().first()
+    return dict(row) if row is not None else None
+
+
+def last_charge_call(conn: Connection, payment_id: str) -> int | None:
+    """The id of the latest charge call recorded for a payment, or None if it was never sent."""
+    return conn.execute(
+        select(func.max(provider_call.c.id)).where(
+            provider_call.c.payment_id == payment_id, provider_call.c.operation == "charge"
+        )
+    ).scalar()
+
+
+def apply_outcome(
+    ctx: Context,
+    conn: Connection,
+    current: Mapping[str, Any],
+    provider: Provider,
+    outcome: QueryOutcome,
+    source: str,
+    now: datetime,
+    *,
+    query: bool = False,
+) -> Result:
+    """Apply one call's or query's outcome to the locked payment ``current``, in ``conn``."""
+    status = PaymentStatus(current["status"])
+    reference = getattr(outcome, "provider_transaction_id", None)
+    if isinstance(outcome, Unknown) and outcome.reason == AMOUNT_MISMATCH:
+        # The provider holds a charge under our number for another amount: a human must look.
+        conflict(conn, current, "provider's charge is for another amount or currency than ours", source, now)
+        return Result.REVIEW
+    report = reported_status(outcome) or PaymentStatus.UNKNOWN
+    known = current["provider_transaction_id"]
+    if reference and known and reference != known:
+        conflict(conn, current, f"provider reports transaction {reference}, we have {known}", source, now)
+        return Result.REVIEW
+    decision = decide(status, report)
+    if decision.verdict == Verdict.CONFLICT:
+        conflict(conn, current, decision.reason, source, now)
+        return Result.REVIEW
+
+    unresolved_values: dict[str, Any] = {}
+    if report in (PaymentStatus.PENDING, PaymentStatus.UNKNOWN):
+        attempts = current["query_attempts"] + (1 if query else 0)
+        if report == PaymentStatus.PENDING and not query:
+            delay = ctx.settings.query_pending_after_seconds
+        else:
+            delay = query_delay(ctx.settings, attempts + 1, ctx.rng)
+        unresolved_values = {"next_query_at": now + timedelta(seconds=delay), "query_attempts": attempts}
+        if report == PaymentStatus.UNKNOWN and not provider.capabilities.safe_to_resend:
+            unresolved_values["next_query_at"] = None
+
+    if decision.verdict == Verdict.NOOP:
+        if status in TERMINAL:
+            return Result.UNCHANGED
+        values = dict(unresolved_values)
+        if reference and not known:
+            values["provider_transaction_id"] = reference
+        if values:
+            values["updated_at"] = now
+            conn.execute(update(payment).where(payment.c.id == current["id"]).values(**values))
+        return Result.UNCHANGED
+
+    failure_code = outcome.code if isinstance(outcome, Failed) else None
+    target = apply_decision(
+        conn,
+        "payment",
+        current,
+        decision,
+        source=source,
+        now=now,
+        provider_reference=reference,
+        failure_code=failure_code,
+        values=unresolved_values,
+        details={"outcome": type(outcome).__name__},
+    )
+    if target == PaymentStatus.UNKNOWN and not provider.capabilities.safe_to_resend:
+        # Already Unknown with no query scheduled (unresolved_values): a person and reconciliation decide.
+        reason = f"outcome unknown ({getattr(outcome, 'reason', '')}); not re-sent automatically, reconcile by hand"
+        review(conn, current, "unresolved_not_resendable", reason, now)
+        return Result.REVIEW
+    return Result.APPLIED
+
+
+def give_up_ambiguous(
+    conn: Connection, current: Mapping[str, Any], call_id: int | None, now: datetime, reason: str
+) -> None:
+    """Mark an ambiguous payment Unknown (if it is not already) and hand it to the manual queue, once."""
+    status = PaymentStatus(current["status"])
+    decision = decide(status, PaymentStatus.UNKNOWN)
+    if decision.verdict == Verdict.APPLY:
+        source = f"call:{call_id}" if call_id else (current["status_source"] or "relay")
+        apply_decision(conn, "payment", current, decision, source=source, now=now, values={"next_query_at": None})
+    else:
+        conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=None))
+    review(conn, current, "unresolved_not_resendable", f"{reason}; not re-sent automatically, reconcile by hand", now)
+
+
+def review(conn: Connection, current: Mapping[str, Any], kind: str, reason: str, now: datetime) -> None:
+    """Open a manual_review row (once per payment and kind) and fire an alert."""
+    already = conn.execute(
+        select(
+            exists().where(
+                manual_review.c.payment_id == current["payment_id"],
+                manual_review.c.kind == kind,
+                manual_review.c.status == ReviewStatus.OPEN,
+            )
+        )
+    ).scalar()
+    if already:
+        return
+    review_id = open_review(
+        conn,
+        kind=kind,
+        reason=f"payment {current['payment_id']}: {reason}",
+        now=now,
+        payment_id=current["payment_id"],
+        details={"status": current["status"], "provider": current["provider"]},
+    )
+    alerts.observe(
+        conn,
+        rule=kind,
+        key=f"{kind}:{current['payment_id']}",
+        message=f"payment {current['payment_id']} needs a person: {reason}",
+        now=now,
+        details={"manual_review_id": review_id},
+    )
+    log.warning("payment %s to manual review: %s", current["payment_id"], reason)
+
+
+def conflict(conn: Connection, current: Mapping[str, Any], reason: str, source: str, now: datetime) -> None:
+    """A provider's answer contradicts what we hold: a manual review and a critical alert."""
+    review_id = open_review(
+        conn,
+        kind="conflicting_report",
+        reason=f"{source}: {reason}",
+        now=now,
+        payment_id=current["payment_id"],
+        details={"source": source, "our_status": current["status"]},
+    )
+    alerts.observe(
+        conn,
+        rule="conflicting_report",
+        key=f"conflicting_report:payment:{current['payment_id']}",
+        message=f"conflicting report for payment {current['payment_id']}: {reason}",
+        now=now,
+        severity="critical",
+        details={"manual_review_id": review_id, "source": source},
+    )

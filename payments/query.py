@@ -1,0 +1,131 @@
+"""Querying an unresolved payment by our business number, and acting on the answer.
+
+Unknown payments (and Pending ones past QUERY_PENDING_AFTER_SECONDS) are
+looked up at their provider with backoff (``query_delay``). Found → applied
+through the state machine like a call's answer (``payments.calls.apply_outcome``).
+Not found → sent again with the same idempotency key, if the provider's
+capabilities make that safe. Still unresolved at the payment's deadline →
+manual review and an alert.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, and_, exists, or_, select, update
+
+from payments import breaker, outbox, provider_calls
+from payments.calls import (
+    Context,
+    Result,
+    admission,
+    apply_outcome,
+    count,
+    give_up_ambiguous,
+    last_charge_call,
+    lock_payment,
+    query_delay,
+    review,
+)
+from payments.charges import CHARGE_REQUESTED
+from payments.db import utcnow
+from payments.providers.base import ChargeRequest, NotFound, Provider
+from payments.schema import outbox as outbox_table
+from payments.schema import payment
+from payments.states import TERMINAL, OutboxStatus, PaymentStatus
+
+
+def due_for_query(now: datetime, pending_after_seconds: float) -> Any:
+    """The WHERE clause of payments query_unresolved should look at now."""
+    return or_(
+        and_(
+            payment.c.status.in_((PaymentStatus.UNKNOWN.value, PaymentStatus.PENDING.value)),
+            payment.c.next_query_at <= now,
+        ),
+        and_(
+            payment.c.status == PaymentStatus.PENDING.value,
+            payment.c.next_query_at.is_(None),
+            payment.c.updated_at <= now - timedelta(seconds=pending_after_seconds),
+        ),
+    )
+
+
+def query_payment(ctx: Context, payment_id: str, provider_name: str, *, budget_ok: bool = False) -> Result:
+    """Query one claimed Unknown (or long-Pending) payment by our number and act on the answer.
+
+    ``budget_ok``: the caller's query budget allows a query even while the
+    provider's breaker is open (the answer then counts as a probe).
+    """
+    provider = ctx.providers.get(provider_name)
+    capable = provider is not None and provider.capabilities.query_by_merchant_id
+    snapshot, admitted = admission(ctx, provider if capable else None)
+    now = utcnow()
+    with ctx.engine.begin() as conn:
+        current = lock_payment(conn, payment_id)
+        if current is None or PaymentStatus(current["status"]) not in (PaymentStatus.UNKNOWN, PaymentStatus.PENDING):
+            return Result.SKIPPED
+        if current["deadline_at"] is not None and now >= current["deadline_at"]:
+            review(conn, current, "unresolved_payment", f"still {current['status']} at its deadline", now)
+            conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=None))
+            return Result.REVIEW
+        if not capable:
+            previous = last_charge_call(conn, payment_id)
+            give_up_ambiguous(conn, current, previous, now, "provider cannot be queried by our number")
+            return Result.REVIEW
+        if admitted == breaker.Admission.DENY and not budget_ok:
+            retry_at = max(snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
+            conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=retry_at))
+            return Result.DEFERRED
+        call_id = provider_calls.start(
+            conn,
+            provider=provider.name,
+            operation="query",
+            params={"merchant_transaction_id": payment_id},
+            now=now,
+            payment_id=payment_id,
+        )
+    expected = ChargeRequest(current["payment_id"], int(current["amount_minor"]), current["currency"])
+    outcome = provider.query(payment_id, ctx.settings.provider_timeout_seconds, expected)
+    now = utcnow()
+    with ctx.engine.begin() as conn:
+        provider_calls.finish(conn, call_id, outcome, now)
+        current = lock_payment(conn, payment_id)
+        if isinstance(outcome, NotFound):
+            result = _not_found(ctx, conn, current, provider, now)
+        else:
+            result = apply_outcome(ctx, conn, current, provider, outcome, f"query:{call_id}", now, query=True)
+    count(ctx, provider, outcome, breaker.Admission.PROBE if budget_ok else admitted, snapshot)
+    return result
+
+
+def _not_found(ctx: Context, conn: Connection, current: Mapping[str, Any], provider: Provider, now: datetime) -> Result:
+    """The provider never saw the charge: send it again with the same key, if that is safe."""
+    attempts = current["query_attempts"] + 1
+    values = {"query_attempts": attempts, "next_query_at": now + timedelta(seconds=query_delay(ctx.settings, attempts))}
+    conn.execute(update(payment).where(payment.c.id == current["id"]).values(**values))
+    if PaymentStatus(current["status"]) in TERMINAL:
+        return Result.UNCHANGED
+    if not provider.capabilities.safe_to_resend:
+        give_up_ambiguous(conn, current, None, now, "query found nothing and the provider cannot dedupe a re-send")
+        return Result.REVIEW
+    queued = conn.execute(
+        select(
+            exists().where(
+                outbox_table.c.aggregate_id == current["payment_id"],
+                outbox_table.c.event_type == CHARGE_REQUESTED,
+                outbox_table.c.status == OutboxStatus.PENDING,
+            )
+        )
+    ).scalar()
+    if not queued:
+        outbox.enqueue(
+            conn,
+            event_type=CHARGE_REQUESTED,
+            aggregate_id=current["payment_id"],
+            now=now,
+            payload={"payment_id": current["payment_id"], "provider": current["provider"], "resend": True},
+        )
+    return Result.RESEND
