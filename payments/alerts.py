@@ -15,9 +15,9 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, and_, case, select, update
 
-from payments.db import insert_ignore
+from payments.db import upsert
 from payments.schema import alert
 from payments.states import AlertStatus
 
@@ -42,35 +42,39 @@ def observe(
     """Record that the condition behind ``key`` holds now; return the alert's status.
 
     The alert fires once the condition has held for ``sustain_seconds``
-    (0: at once). Safe against concurrent evaluators: the open key is UNIQUE.
+    (0: at once). Safe against concurrent evaluators: the open key is UNIQUE,
+    and one upsert takes the row's lock without a shared lock first.
     """
     status = AlertStatus.FIRING if sustain_seconds <= 0 else AlertStatus.PENDING
-    inserted = conn.execute(
-        insert_ignore(alert).values(
-            rule=rule,
-            dedupe_key=key,
-            open_key=key,
-            severity=severity,
-            status=status,
-            message=message[:500],
-            details=_dumps(details),
-            first_seen_at=now,
-            last_seen_at=now,
-            fired_at=now if status == AlertStatus.FIRING else None,
-        )
-    ).rowcount
-    if inserted:
-        return status
-    row = conn.execute(select(alert.c.status, alert.c.first_seen_at).where(alert.c.open_key == key)).first()
-    if row is None:  # resolved between our insert and select; the next evaluation reopens it
-        return AlertStatus.RESOLVED
-    values: dict[str, Any] = {"last_seen_at": now, "message": message[:500], "details": _dumps(details)}
-    status = row.status
-    if status == AlertStatus.PENDING and now - row.first_seen_at >= timedelta(seconds=sustain_seconds):
-        values.update(status=AlertStatus.FIRING, fired_at=now)
-        status = AlertStatus.FIRING
-    conn.execute(update(alert).where(alert.c.open_key == key).values(**values))
-    return status
+    fires = and_(
+        alert.c.status == AlertStatus.PENDING, alert.c.first_seen_at <= now - timedelta(seconds=sustain_seconds)
+    )
+    upsert(
+        conn,
+        alert,
+        {
+            "rule": rule,
+            "dedupe_key": key,
+            "open_key": key,
+            "severity": severity,
+            "status": status,
+            "message": message[:500],
+            "details": _dumps(details),
+            "first_seen_at": now,
+            "last_seen_at": now,
+            "fired_at": now if status == AlertStatus.FIRING else None,
+        },
+        alert.c.open_key,
+        # fired_at before status: MySQL evaluates these left to right and must still see the old status.
+        {
+            "fired_at": case((fires, now), else_=alert.c.fired_at),
+            "status": case((fires, AlertStatus.FIRING.value), else_=alert.c.status),
+            "last_seen_at": now,
+            "message": message[:500],
+            "details": _dumps(details),
+        },
+    )
+    return AlertStatus(conn.execute(select(alert.c.status).where(alert.c.open_key == key)).scalar_one())
 
 
 def clear(conn: Connection, *, key: str, now: datetime) -> bool:

@@ -21,13 +21,12 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 
-from payments import alerts
 from payments.backoff import RetryPolicy
 from payments.db import insert_ignore, utcnow
 from payments.errors import CallbackRejected, PaysyncError, TargetNotFound
 from payments.providers import get_provider
 from payments.providers.base import CallbackEvent, Provider
-from payments.review import open_review
+from payments.review import escalate
 from payments.schema import payment_callback_log, processed_event
 from payments.states import CALLBACK_RETRYABLE, CallbackStatus, PaymentStatus, Verdict, decide
 from payments.transitions import TARGETS, Target, apply_decision
@@ -250,27 +249,25 @@ def _mismatch(event: CallbackEvent, current: Mapping[str, Any], spec: Target) ->
 def _open_conflict(
     conn: Connection, event: CallbackEvent, current: Mapping[str, Any], log_id: int, reason: str, now: datetime
 ) -> None:
-    review_id = open_review(
+    escalate(
         conn,
         kind="conflicting_report",
-        reason=reason,
+        subject=f"{event.target}:{event.merchant_reference}",
+        reason=f"conflicting report for {event.target} {event.merchant_reference}: {reason}",
         now=now,
+        severity="critical",
         payment_id=current["payment_id"],
         refund_id=event.merchant_reference if event.target == "refund" else None,
         callback_log_id=log_id,
-        details={"event_id": event.event_id, "event_type": event.event_type, "our_status": current["status"]},
-    )
-    alerts.observe(
-        conn,
-        rule="conflicting_report",
-        key=f"conflicting_report:{event.target}:{event.merchant_reference}",
-        message=f"conflicting report for {event.target} {event.merchant_reference}: {reason}",
-        now=now,
-        severity="critical",
-        details={"callback_log_id": log_id, "manual_review_id": review_id},
+        details={
+            "callback_log_id": log_id,
+            "event_id": event.event_id,
+            "event_type": event.event_type,
+            "our_status": current["status"],
+        },
     )
     log.warning(
-        "conflicting report, manual review opened",
+        "conflicting report, sent to manual review",
         extra={"callback_log_id": log_id, "reference": event.merchant_reference, "reason": reason},
     )
 
@@ -324,21 +321,16 @@ def _record_failure(
                     update_time=now,
                 )
             )
-            review_id = open_review(
+            escalate(
                 conn,
                 kind="callback_gave_up",
+                subject=f"callback:{log_id}",
+                alert_key=f"callback_gave_up:{log_id}",
                 reason=f"callback {log_id} gave up after {attempts} attempts: {reason}",
                 now=now,
                 payment_id=row.order_no if row.order_no and row.order_no.startswith("pay_") else None,
                 callback_log_id=log_id,
-            )
-            alerts.observe(
-                conn,
-                rule="callback_gave_up",
-                key=f"callback_gave_up:{log_id}",
-                message=f"callback {log_id} gave up after {attempts} attempts: {reason}",
-                now=now,
-                details={"callback_log_id": log_id, "manual_review_id": review_id},
+                details={"callback_log_id": log_id},
             )
             log.warning("callback %s gave up after %s attempts", log_id, attempts)
             return CallbackResult.GAVE_UP

@@ -28,9 +28,9 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import Connection, Engine, exists, func, select, update
+from sqlalchemy import Connection, Engine, func, select, update
 
-from payments import alerts, breaker
+from payments import breaker
 from payments.backoff import compute_backoff
 from payments.db import utcnow
 from payments.providers.base import (
@@ -42,10 +42,10 @@ from payments.providers.base import (
     is_answer,
     reported_status,
 )
-from payments.review import open_review
-from payments.schema import manual_review, payment, provider_call
+from payments.review import Escalation, escalate
+from payments.schema import payment, provider_call
 from payments.settings import Settings
-from payments.states import TERMINAL, PaymentStatus, ReviewStatus, Verdict, decide
+from payments.states import TERMINAL, PaymentStatus, Verdict, decide
 from payments.transitions import apply_decision
 
 log = logging.getLogger("paysync.calls")
@@ -221,54 +221,31 @@ def give_up_ambiguous(
     review(conn, current, "unresolved_not_resendable", f"{reason}; not re-sent automatically, reconcile by hand", now)
 
 
-def review(conn: Connection, current: Mapping[str, Any], kind: str, reason: str, now: datetime) -> None:
-    """Open a manual_review row (once per payment and kind) and fire an alert."""
-    already = conn.execute(
-        select(
-            exists().where(
-                manual_review.c.payment_id == current["payment_id"],
-                manual_review.c.kind == kind,
-                manual_review.c.status == ReviewStatus.OPEN,
-            )
-        )
-    ).scalar()
-    if already:
-        return
-    review_id = open_review(
+def review(conn: Connection, current: Mapping[str, Any], kind: str, reason: str, now: datetime) -> Escalation:
+    """Hand the payment to a person (once per payment and kind, with one alert; ``review.escalate``)."""
+    payment_id = current["payment_id"]
+    return escalate(
         conn,
         kind=kind,
-        reason=f"payment {current['payment_id']}: {reason}",
+        subject=f"payment:{payment_id}",
+        alert_key=f"{kind}:{payment_id}",
+        reason=f"payment {payment_id} needs a person: {reason}",
         now=now,
-        payment_id=current["payment_id"],
+        payment_id=payment_id,
         details={"status": current["status"], "provider": current["provider"]},
     )
-    alerts.observe(
-        conn,
-        rule=kind,
-        key=f"{kind}:{current['payment_id']}",
-        message=f"payment {current['payment_id']} needs a person: {reason}",
-        now=now,
-        details={"manual_review_id": review_id},
-    )
-    log.warning("payment %s to manual review: %s", current["payment_id"], reason)
 
 
-def conflict(conn: Connection, current: Mapping[str, Any], reason: str, source: str, now: datetime) -> None:
-    """A provider's answer contradicts what we hold: a manual review and a critical alert."""
-    review_id = open_review(
+def conflict(conn: Connection, current: Mapping[str, Any], reason: str, source: str, now: datetime) -> Escalation:
+    """A provider's answer contradicts what we hold: one manual review and one critical alert per payment."""
+    payment_id = current["payment_id"]
+    return escalate(
         conn,
         kind="conflicting_report",
-        reason=f"{source}: {reason}",
-        now=now,
-        payment_id=current["payment_id"],
-        details={"source": source, "our_status": current["status"]},
-    )
-    alerts.observe(
-        conn,
-        rule="conflicting_report",
-        key=f"conflicting_report:payment:{current['payment_id']}",
-        message=f"conflicting report for payment {current['payment_id']}: {reason}",
+        subject=f"payment:{payment_id}",
+        reason=f"conflicting report for payment {payment_id} ({source}): {reason}",
         now=now,
         severity="critical",
-        details={"manual_review_id": review_id, "source": source},
+        payment_id=payment_id,
+        details={"source": source, "our_status": current["status"]},
     )

@@ -46,7 +46,7 @@ from sqlalchemy import Connection, Engine, select, update
 from payments import alerts, outbox
 from payments.backoff import RetryPolicy
 from payments.db import insert_ignore, is_sqlite
-from payments.review import open_review
+from payments.review import escalate
 from payments.schema import event_delivery
 from payments.schema import outbox as outbox_table
 from payments.states import DeliveryStatus, OutboxStatus, PaymentStatus, StatusChange
@@ -402,9 +402,11 @@ def _update_leased(conn: Any, ids: list[int], lease_until: datetime, *, now: dat
 def _give_up(conn: Any, ev: ClaimedEvent, destination: str, failures: int, why: str, error: str, now: datetime) -> None:
     data = json.loads(ev.payload)
     reason = f"event {ev.event_id} ({ev.event_type}) not delivered to {destination}: {why} after {failures} attempts"
-    review_id = open_review(
+    # Its own subject per event and destination: every give-up is news, and no two relays share an alert row.
+    escalate(
         conn,
         kind="event_delivery_gave_up",
+        subject=f"event:{ev.event_id}:{destination}",
         reason=reason,
         now=now,
         payment_id=data.get("payment_id"),
@@ -416,14 +418,6 @@ def _give_up(conn: Any, ev: ClaimedEvent, destination: str, failures: int, why: 
             "attempts": failures,
             "last_error": error,
         },
-    )
-    alerts.observe(
-        conn,
-        rule="event_delivery_gave_up",
-        key=f"event_delivery_gave_up:{destination}",
-        message=reason,
-        now=now,
-        details={"event_id": ev.event_id, "manual_review_id": review_id},
     )
     log.warning("event delivery gave up", extra={"event_id": ev.event_id, "destination": destination, "why": why})
 

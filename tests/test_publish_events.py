@@ -565,3 +565,58 @@ def test_a_pass_out_of_time_gives_its_undelivered_rows_back_at_once(engine):
             assert rows[event_id]["status"] == OutboxStatus.DONE
         else:  # not leased for EVENTS_LEASE_SECONDS any more: another relay may take it now
             assert rows[event_id]["status"] == OutboxStatus.PENDING and rows[event_id]["next_attempt_at"] <= now
+
+
+def give_up_at_once(engine, event_ids: list[str]) -> None:
+    """Claim these events and record a permanent refusal (410) for each: every one gives up."""
+    claimed, _ = events.claim(engine, utcnow(), len(event_ids), [events.WEBHOOK], 120)
+    assert sorted(ev.event_id for ev in claimed) == sorted(event_ids)
+    passes = [
+        (ev, [events.Attempt(events.WEBHOOK, ok=False, error="gone", http_status=410, permanent=True)])
+        for ev in claimed
+    ]
+    events.record(engine, passes, utcnow(), RetryPolicy(), 86400, [events.WEBHOOK])
+
+
+def test_every_event_delivery_give_up_notifies_not_only_the_first_per_destination(engine):
+    from payments import alerts as alert_rows
+
+    told: list[dict] = []
+    for _ in range(3):
+        give_up_at_once(engine, [add_event(engine)])
+        with engine.begin() as conn:
+            alert_rows.deliver(conn, utcnow(), [told.append])
+    assert [a["rule"] for a in told] == ["event_delivery_gave_up"] * 3
+    assert len({a["details"]["event_id"] for a in told}) == 3
+    with engine.connect() as conn:
+        assert conn.execute(select(manual_review.c.kind)).scalars().all() == ["event_delivery_gave_up"] * 3
+
+
+def test_compensators_recording_give_ups_at_once_do_not_deadlock_on_the_alert_row(mariadb):
+    give_up_at_once(mariadb, [add_event(mariadb)])  # the first give-up's alert row exists from here on
+    errors: list[BaseException] = []
+    gone = events.Attempt(events.WEBHOOK, ok=False, error="gone", http_status=410, permanent=True)
+    for _ in range(5):
+        for _ in range(6):
+            add_event(mariadb)
+        # One event each, claimed one after the other (concurrent claims may skip each other's rows).
+        claims = [events.claim(mariadb, utcnow(), 1, [events.WEBHOOK], 120)[0] for _ in range(6)]
+        assert [len(c) for c in claims] == [1] * 6
+        start = threading.Barrier(len(claims))
+
+        def record(claimed, start=start):
+            try:
+                start.wait(10)
+                events.record(mariadb, [(claimed[0], [gone])], utcnow(), RetryPolicy(), 86400, [events.WEBHOOK])
+            except BaseException as exc:  # noqa: BLE001 - collected and asserted on below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=record, args=(c,)) for c in claims]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert errors == []
+    assert {r["status"] for r in outbox_rows(mariadb).values()} == {OutboxStatus.DEAD}
+    with mariadb.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(manual_review)).scalar() == 31
