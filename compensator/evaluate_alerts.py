@@ -48,7 +48,12 @@ def failure_counts(conn: Connection, since: datetime) -> tuple[int, int]:
 
 
 LOCK_NAME = "paysync.evaluate_alerts"
-"""Named database lock: one evaluation at a time across every compensator."""
+"""Named database lock: one evaluation at a time across every compensator (see ``lock_name``)."""
+
+
+def lock_name(conn: Connection) -> str:
+    """LOCK_NAME for this database: GET_LOCK names are server-wide, and one server may hold several paysyncs."""
+    return f"{LOCK_NAME}:{conn.engine.url.database}"[:64]
 
 
 def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
@@ -60,7 +65,7 @@ def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
     """
     with runtime.engine.connect() as conn:
         if not _try_lock(conn):
-            log.debug("another evaluator holds %s; skipping this run", LOCK_NAME)
+            log.debug("another evaluator holds %s; skipping this run", lock_name(conn))
             return 0
         try:
             return _evaluate(conn, runtime, now or utcnow())
@@ -71,7 +76,7 @@ def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
 def _try_lock(conn: Connection) -> bool:
     if conn.dialect.name == "sqlite":  # one writer at a time already (BEGIN IMMEDIATE)
         return True
-    got = conn.execute(text("SELECT GET_LOCK(:name, 0)"), {"name": LOCK_NAME}).scalar()
+    got = conn.execute(text("SELECT GET_LOCK(:name, 0)"), {"name": lock_name(conn)}).scalar()
     conn.commit()
     return got == 1
 
@@ -82,7 +87,7 @@ def _unlock(conn: Connection) -> None:
     # A connection that died took its lock with it, and must not hide the error that killed it.
     with contextlib.suppress(SQLAlchemyError):
         conn.rollback()
-        conn.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": LOCK_NAME})
+        conn.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": lock_name(conn)})
         conn.commit()
 
 

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from compensator import evaluate_alerts
-from payments.db import utcnow
+from payments.db import make_engine, utcnow
 from payments.runtime import build_runtime
 from payments.schema import alert, payment_callback_log
 from payments.states import CallbackStatus
@@ -188,3 +188,23 @@ def test_evaluators_running_at_once_neither_deadlock_nor_open_two_alerts(mariadb
     assert errors == []
     assert [a.status for a in _alerts(mariadb, "callback_failure_rate")] == ["firing"]
     assert [a.status for a in _alerts(mariadb, "callback_backlog")] == ["firing"]
+
+
+@pytest.mark.mariadb
+def test_an_evaluator_of_another_database_on_the_same_server_does_not_stop_ours(mariadb):
+    from tests.conftest import _create_database
+
+    other = make_engine(mariadb.url.set(database=f"{mariadb.url.database}_other").render_as_string(hide_password=False))
+    try:
+        _create_database(other)
+        t0 = utcnow()
+        _rows(mariadb, [CallbackStatus.PENDING] * 101, t0)
+        with other.connect() as held:
+            assert evaluate_alerts._try_lock(held), "the other database's evaluator is running"
+            try:
+                evaluate_alerts.run_once(_runtime(mariadb, alert_backlog_seconds=0), now=t0)
+            finally:
+                evaluate_alerts._unlock(held)
+        assert [a.status for a in _alerts(mariadb, "callback_backlog")] == ["firing"]
+    finally:
+        other.dispose()
