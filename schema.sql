@@ -226,7 +226,7 @@ CREATE TABLE provider_call (
 	response TEXT COMMENT 'raw answer, scrubbed of secrets and truncated',
 	error_code VARCHAR(64) COMMENT 'decline code or why the answer was Unknown',
 	latency_ms INTEGER,
-	outcome VARCHAR(16) COMMENT 'Succeeded, Failed, Pending, Unknown, NotFound; NULL: sent, no outcome recorded (crash)',
+	outcome VARCHAR(16) COMMENT 'Succeeded, Failed, Pending, Unknown, Mismatch, NotFound; NULL: sent, no outcome recorded (crash)',
 	started_at DATETIME(6) NOT NULL COMMENT 'written and committed before the request goes out',
 	finished_at DATETIME(6),
 	PRIMARY KEY (id)

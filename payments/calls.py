@@ -33,15 +33,7 @@ from sqlalchemy import Connection, Engine, func, select, update
 from payments import breaker
 from payments.backoff import compute_backoff
 from payments.db import utcnow
-from payments.providers.base import (
-    AMOUNT_MISMATCH,
-    Failed,
-    Provider,
-    QueryOutcome,
-    Unknown,
-    is_answer,
-    reported_status,
-)
+from payments.providers.base import Failed, Mismatch, Provider, QueryOutcome, is_answer, reported_status
 from payments.review import Escalation, escalate
 from payments.schema import payment, provider_call
 from payments.settings import Settings
@@ -147,21 +139,40 @@ def apply_outcome(
     *,
     query: bool = False,
 ) -> Result:
-    """Apply one call's or query's outcome to the locked payment ``current``, in ``conn``."""
+    """Apply one call's or query's outcome to the locked payment ``current``, in ``conn``.
+
+    An answer that contradicts what we hold (a Mismatch, another transaction
+    id, a report against a terminal state) is escalated, once per payment,
+    and an unresolved payment is then looked at again only after a query
+    backoff: a conflicting answer never loops (invariant 13).
+    """
     status = PaymentStatus(current["status"])
     reference = getattr(outcome, "provider_transaction_id", None)
-    if isinstance(outcome, Unknown) and outcome.reason == AMOUNT_MISMATCH:
-        # The provider holds a charge under our number for another amount: a human must look.
-        conflict(conn, current, "provider's charge is for another amount or currency than ours", source, now)
-        return Result.REVIEW
-    report = reported_status(outcome) or PaymentStatus.UNKNOWN
     known = current["provider_transaction_id"]
-    if reference and known and reference != known:
-        conflict(conn, current, f"provider reports transaction {reference}, we have {known}", source, now)
-        return Result.REVIEW
+    report = reported_status(outcome) or PaymentStatus.UNKNOWN
     decision = decide(status, report)
-    if decision.verdict == Verdict.CONFLICT:
-        conflict(conn, current, decision.reason, source, now)
+    if isinstance(outcome, Mismatch):
+        contradiction = f"provider's charge is for another amount or currency than ours ({outcome.reason})"
+    elif reference and known and reference != known:
+        contradiction = f"provider reports transaction {reference}, we have {known}"
+    elif decision.verdict == Verdict.CONFLICT:
+        contradiction = decision.reason
+    else:
+        contradiction = None
+    if contradiction is not None:
+        conflict(conn, current, contradiction, source, now)
+        if status not in TERMINAL:
+            # Looked at again after a backoff, like any unresolved payment; never as soon as the lease ends.
+            attempts = current["query_attempts"] + (1 if query else 0)
+            conn.execute(
+                update(payment)
+                .where(payment.c.id == current["id"])
+                .values(
+                    next_query_at=now + timedelta(seconds=query_delay(ctx.settings, attempts + 1, ctx.rng)),
+                    query_attempts=attempts,
+                    updated_at=now,
+                )
+            )
         return Result.REVIEW
 
     unresolved_values: dict[str, Any] = {}

@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
 
-from payments.providers.base import Failed, QueryOutcome, Unknown
+from payments.providers.base import Failed, Mismatch, QueryOutcome, Unknown
 from payments.schema import provider_call
 
 
@@ -35,7 +35,7 @@ def outcome_code(outcome: QueryOutcome) -> str | None:
     """The decline code or the reason an answer was Unknown."""
     if isinstance(outcome, Failed):
         return outcome.code[:64]
-    if isinstance(outcome, Unknown):
+    if isinstance(outcome, Unknown | Mismatch):
         return outcome.reason[:64]
     return None
 

@@ -244,7 +244,7 @@ provider_call = Table(
         "outcome",
         String(16),
         nullable=True,
-        comment="Succeeded, Failed, Pending, Unknown, NotFound; NULL: sent, no outcome recorded (crash)",
+        comment="Succeeded, Failed, Pending, Unknown, Mismatch, NotFound; NULL: sent, no outcome recorded (crash)",
     ),
     Column("started_at", TS, nullable=False, comment="written and committed before the request goes out"),
     Column("finished_at", TS, nullable=True),

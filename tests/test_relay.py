@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 
 from compensator import query_unresolved, relay_outbox
 from payments import breaker
@@ -395,3 +395,36 @@ def test_a_query_that_finds_our_number_charged_for_another_amount_opens_a_review
     assert p["status"] == "Unknown", "a charge for another amount must never confirm our payment"
     assert reviews(runtime, payment_id) == ["conflicting_report"]
     assert domain_events(runtime, payment_id) == ["PaymentUnknown"]
+
+
+def test_a_query_answer_that_keeps_conflicting_is_one_review_one_alert_backs_off_and_keeps_the_breaker_closed(
+    runtime, sandbox
+):
+    rt = replace(runtime, settings=replace(runtime.settings, breaker_failure_threshold=3))
+    sandbox.faults(timeout_after_commit_rate=1.0, hang_seconds=1.0)
+    payment_id = new_payment(rt, amount=1000)
+    relay_outbox.run_once(rt)
+    with rt.engine.begin() as conn:
+        conn.execute(update(payment).where(payment.c.payment_id == payment_id).values(amount_minor=999))
+        conn.execute(delete(provider_breaker))  # the timeout above counted as one failure; start from a clean slate
+    sandbox.faults()
+
+    for n in range(1, 6):
+        make_due(rt, payment_id)
+        before = utcnow()
+        assert query_unresolved.run_once(rt) == 1
+        p = row(rt, payment_id)
+        assert p["status"] == "Unknown"
+        assert p["query_attempts"] == n, "each conflicting answer counts as a query attempt: the backoff grows"
+        delay = (p["next_query_at"] - before).total_seconds()
+        assert 0 < delay <= rt.settings.query_max_seconds + 1, "next query after a backoff, not when the lease ends"
+
+    assert len(calls(rt, payment_id, "query")) == 5
+    with rt.engine.connect() as conn:
+        (review,) = conn.execute(select(manual_review).where(manual_review.c.payment_id == payment_id)).mappings()
+        assert (review["kind"], review["occurrences"], review["status"]) == ("conflicting_report", 5, "open")
+        assert conn.execute(select(alert.c.rule)).scalars().all() == ["conflicting_report"]
+        breaker_row = conn.execute(select(provider_breaker)).mappings().first()
+    assert breaker_row is None or (breaker_row["state"], breaker_row["consecutive_failures"]) == ("closed", 0), (
+        "a well-formed answer is a healthy call"
+    )

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from payments import events, ledger
-from payments.providers.base import Failed, NotFound, Pending, Succeeded, Unknown, is_answer, reported_status
+from payments.providers.base import Failed, Mismatch, NotFound, Pending, Succeeded, Unknown, is_answer, reported_status
 from payments.states import PaymentStatus, StatusChange
 
 S = PaymentStatus
@@ -21,10 +21,11 @@ def test_only_a_definitive_decline_reports_failed_and_anything_unclear_reports_u
     assert reported_status(Pending("ch_1")) == S.PENDING
     assert reported_status(Unknown("timeout")) == S.UNKNOWN
     assert reported_status(NotFound()) is None
+    assert reported_status(Mismatch(provider_transaction_id="ch_1")) is None, "never applied as ours"
 
 
 def test_every_answer_but_unknown_is_healthy_for_the_breaker():
-    answers = [Succeeded("c"), Failed("x"), Failed("y", definitive=False), Pending(), NotFound()]
+    answers = [Succeeded("c"), Failed("x"), Failed("y", definitive=False), Pending(), NotFound(), Mismatch()]
     assert all(is_answer(o) for o in answers)
     assert not is_answer(Unknown("timeout"))
 

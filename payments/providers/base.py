@@ -3,9 +3,13 @@
 Inbound: ``parse_callback`` verifies and reads a notification (pure), and
 ``ack`` / ``reject`` answer in the provider's own dialect.
 Outbound: ``charge``, ``query``, ``refund`` and ``settlement`` return one of
-Succeeded | Failed | Pending | Unknown. Only an explicit decline is Failed;
-a timeout, a reset connection, a 5xx, a 429 or an unreadable body is Unknown
-(DESIGN.md invariant 5).
+Succeeded | Failed | Pending | Unknown | Mismatch (``query`` also NotFound).
+Only an explicit decline is Failed; a timeout, a reset connection, a 5xx, a
+429 or an unreadable body is Unknown (DESIGN.md invariant 5). A clear answer
+about a charge under our number for another amount or currency is Mismatch:
+never applied, escalated to a person, and healthy for the circuit breaker.
+``reported_status`` is the one mapping from an outcome to the status it
+reports.
 """
 
 from __future__ import annotations
@@ -96,7 +100,22 @@ class Pending:
 
 
 AMOUNT_MISMATCH = "answer_for_another_amount"
-"""Unknown reason every adapter uses when the provider's charge for our number has another amount or currency."""
+"""Mismatch reason every adapter uses when the provider's charge for our number has another amount or currency."""
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The provider answered clearly, about a charge under our number that is not the one we hold.
+
+    Another amount or currency (``AMOUNT_MISMATCH``): nothing is applied, a
+    person must look. It is a well-formed answer, so the circuit breaker
+    counts it as healthy.
+    """
+
+    reason: str = AMOUNT_MISMATCH
+    provider_transaction_id: str | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict)
+    evidence: Evidence | None = None
 
 
 @dataclass(frozen=True)
@@ -116,16 +135,16 @@ class NotFound:
     evidence: Evidence | None = None
 
 
-Outcome = Succeeded | Failed | Pending | Unknown
-QueryOutcome = Succeeded | Failed | Pending | Unknown | NotFound
+Outcome = Succeeded | Failed | Pending | Unknown | Mismatch
+QueryOutcome = Succeeded | Failed | Pending | Unknown | Mismatch | NotFound
 
 
 def reported_status(outcome: QueryOutcome) -> PaymentStatus | None:
     """What an outcome says about the charge, as a status for the state machine (pure; invariant 5).
 
     Succeeded is Succeeded, only a definitive Failed is Failed, Pending is
-    Pending; Unknown and a not-definitive Failed are Unknown. NotFound says
-    nothing about a status (the provider never saw the charge): None.
+    Pending; Unknown and a not-definitive Failed are Unknown. NotFound and
+    Mismatch say nothing about our charge's status: None.
     """
     if isinstance(outcome, Succeeded):
         return PaymentStatus.SUCCEEDED
@@ -133,7 +152,7 @@ def reported_status(outcome: QueryOutcome) -> PaymentStatus | None:
         return PaymentStatus.FAILED
     if isinstance(outcome, Pending):
         return PaymentStatus.PENDING
-    if isinstance(outcome, NotFound):
+    if isinstance(outcome, NotFound | Mismatch):
         return None
     return PaymentStatus.UNKNOWN
 
@@ -198,7 +217,7 @@ class Provider:
         """Look a charge up by our business number; NotFound if the provider never saw it.
 
         With ``expected``, a charge for another amount or currency is
-        Unknown("answer_for_another_amount"), never applied as ours.
+        Mismatch(AMOUNT_MISMATCH), never applied as ours.
         """
         raise NotImplementedError
 

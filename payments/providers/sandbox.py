@@ -36,6 +36,7 @@ from payments.providers.base import (
     ChargeRequest,
     Evidence,
     Failed,
+    Mismatch,
     NotFound,
     Outcome,
     Pending,
@@ -344,7 +345,7 @@ def read_charge(data: Mapping[str, Any], payment_id: str, request: ChargeRequest
     if data.get("merchant_transaction_id") != payment_id:
         return Unknown("answer_for_another_payment", raw=dict(data))
     if request is not None and (data.get("amount") != request.amount_minor or data.get("currency") != request.currency):
-        return Unknown(AMOUNT_MISMATCH, raw=dict(data))
+        return Mismatch(AMOUNT_MISMATCH, provider_transaction_id=charge_id, raw=dict(data))
     return _by_status(status, charge_id, data)
 
 
