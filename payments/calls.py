@@ -28,7 +28,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, select, update
+from sqlalchemy import Connection, Engine, Row, select, update
 
 from payments import breaker
 from payments.backoff import compute_backoff
@@ -60,6 +60,8 @@ class Result(StrEnum):
     """Handed to the manual queue (deadline passed, or a re-send would be unsafe)."""
     RESEND = "resend"
     """Query found nothing: the charge was queued to be sent again with the same key."""
+    NOT_RESENT = "not_resent"
+    """An earlier send's outcome is lost and the provider does not dedupe: left Unknown for the query job."""
 
 
 @dataclass(frozen=True)
@@ -119,13 +121,14 @@ def lock_payment(conn: Connection, payment_id: str) -> dict[str, Any] | None:
     return dict(row) if row is not None else None
 
 
-def last_charge_call(conn: Connection, payment_id: str) -> int | None:
-    """The id of the latest charge call recorded for a payment, or None if it was never sent."""
+def last_charge_call(conn: Connection, payment_id: str) -> Row | None:
+    """The latest charge call recorded for a payment (id, started_at), or None if it was never sent."""
     return conn.execute(
-        select(func.max(provider_call.c.id)).where(
-            provider_call.c.payment_id == payment_id, provider_call.c.operation == "charge"
-        )
-    ).scalar()
+        select(provider_call.c.id, provider_call.c.started_at)
+        .where(provider_call.c.payment_id == payment_id, provider_call.c.operation == "charge")
+        .order_by(provider_call.c.id.desc())
+        .limit(1)
+    ).first()
 
 
 def apply_outcome(
@@ -183,7 +186,7 @@ def apply_outcome(
         else:
             delay = query_delay(ctx.settings, attempts + 1, ctx.rng)
         unresolved_values = {"next_query_at": now + timedelta(seconds=delay), "query_attempts": attempts}
-        if report == PaymentStatus.UNKNOWN and not provider.capabilities.safe_to_resend:
+        if report == PaymentStatus.UNKNOWN and not provider.capabilities.query_by_merchant_id:
             unresolved_values["next_query_at"] = None
 
     if decision.verdict == Verdict.NOOP:
@@ -210,12 +213,22 @@ def apply_outcome(
         values=unresolved_values,
         details={"outcome": type(outcome).__name__},
     )
-    if target == PaymentStatus.UNKNOWN and not provider.capabilities.safe_to_resend:
+    if target == PaymentStatus.UNKNOWN and not provider.capabilities.query_by_merchant_id:
         # Already Unknown with no query scheduled (unresolved_values): a person and reconciliation decide.
-        reason = f"outcome unknown ({getattr(outcome, 'reason', '')}); not re-sent automatically, reconcile by hand"
+        reason = f"outcome unknown ({getattr(outcome, 'reason', '')}); cannot be queried, reconcile by hand"
         review(conn, current, "unresolved_not_resendable", reason, now)
         return Result.REVIEW
     return Result.APPLIED
+
+
+def hold_for_query(ctx: Context, conn: Connection, current: Mapping[str, Any], call_id: int, now: datetime) -> None:
+    """Mark a payment whose charge outcome was lost Unknown (if it is not already) and schedule its query."""
+    values = {"next_query_at": now + timedelta(seconds=query_delay(ctx.settings, current["query_attempts"] + 1))}
+    decision = decide(PaymentStatus(current["status"]), PaymentStatus.UNKNOWN)
+    if decision.verdict == Verdict.APPLY:
+        apply_decision(conn, "payment", current, decision, source=f"call:{call_id}", now=now, values=values)
+    else:
+        conn.execute(update(payment).where(payment.c.id == current["id"]).values(updated_at=now, **values))
 
 
 def give_up_ambiguous(

@@ -3,8 +3,9 @@
 Unknown payments (and Pending ones past QUERY_PENDING_AFTER_SECONDS) are
 looked up at their provider with backoff (``query_delay``). Found → applied
 through the state machine like a call's answer (``payments.calls.apply_outcome``).
-Not found → sent again with the same idempotency key, if the provider's
-capabilities make that safe. Still unresolved at the payment's deadline →
+Not found → sent again with the same idempotency key, if the provider
+dedupes a re-send and the last send is more than QUERY_NOT_FOUND_GRACE_SECONDS
+old; otherwise queried again. Still unresolved at the payment's deadline →
 manual review and an alert.
 """
 
@@ -73,7 +74,8 @@ def query_payment(ctx: Context, payment_id: str, provider_name: str, *, budget_o
             return Result.REVIEW
         if not capable:
             previous = last_charge_call(conn, payment_id)
-            give_up_ambiguous(conn, current, previous, now, "provider cannot be queried by our number")
+            call_id = previous.id if previous else None
+            give_up_ambiguous(conn, current, call_id, now, "provider cannot be queried by our number")
             return Result.REVIEW
         if admitted == breaker.Admission.DENY and not budget_ok:
             retry_at = max(snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
@@ -102,15 +104,24 @@ def query_payment(ctx: Context, payment_id: str, provider_name: str, *, budget_o
 
 
 def _not_found(ctx: Context, conn: Connection, current: Mapping[str, Any], provider: Provider, now: datetime) -> Result:
-    """The provider never saw the charge: send it again with the same key, if that is safe."""
+    """The provider says it never saw the charge: send it again with the same key, if it dedupes and we believe it.
+
+    A provider that does not dedupe is only queried again (until the
+    deadline): its NotFound may be a charge not visible yet. Where a re-send
+    is allowed, a NotFound within QUERY_NOT_FOUND_GRACE_SECONDS of the last
+    send is not believed yet either: the next query comes after the grace.
+    """
     attempts = current["query_attempts"] + 1
-    values = {"query_attempts": attempts, "next_query_at": now + timedelta(seconds=query_delay(ctx.settings, attempts))}
+    next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts))
+    last = last_charge_call(conn, current["payment_id"])
+    grace_ends = last.started_at + timedelta(seconds=ctx.settings.query_not_found_grace_seconds) if last else now
+    believed = provider.capabilities.may_resend and now >= grace_ends
+    if provider.capabilities.may_resend and not believed:
+        next_query_at = max(next_query_at, grace_ends)
+    values = {"query_attempts": attempts, "next_query_at": next_query_at, "updated_at": now}
     conn.execute(update(payment).where(payment.c.id == current["id"]).values(**values))
-    if PaymentStatus(current["status"]) in TERMINAL:
+    if PaymentStatus(current["status"]) in TERMINAL or not believed:
         return Result.UNCHANGED
-    if not provider.capabilities.safe_to_resend:
-        give_up_ambiguous(conn, current, None, now, "query found nothing and the provider cannot dedupe a re-send")
-        return Result.REVIEW
     queued = conn.execute(
         select(
             exists().where(

@@ -9,9 +9,11 @@
    runs out and the relay sends the same key again; the provider replays its
    first answer.
 
-A provider that can neither dedupe by key nor be queried by our number is
-never sent the same payment twice: an ambiguous outcome goes to the manual
-queue.
+A charge whose outcome was lost (a previous call on file) is sent again only
+to a provider that dedupes it (``Capabilities.may_resend``). Any other
+provider never gets the same payment twice: the payment is left Unknown for
+the query job, or, if the provider cannot be queried either, goes to the
+manual queue.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from payments.calls import (
     apply_outcome,
     count,
     give_up_ambiguous,
+    hold_for_query,
     last_charge_call,
     lock_payment,
     review,
@@ -96,9 +99,15 @@ def _prepare(
             review(conn, current, "unresolved_payment", "deadline passed before the charge was sent or confirmed", now)
             return Result.REVIEW
         previous = last_charge_call(conn, payment_id)
-        if previous is not None and not provider.capabilities.safe_to_resend:
-            # A charge may already be on its way or done; without keys or queries a re-send could charge twice.
-            give_up_ambiguous(conn, current, previous, now, "earlier charge call has no recorded outcome")
+        if previous is not None and not provider.capabilities.may_resend:
+            # A charge may already be on its way or done, and this provider would take a re-send as a second one.
+            if provider.capabilities.query_by_merchant_id:
+                hold_for_query(ctx, conn, current, previous.id, now)
+                _finish_outbox(
+                    conn, outbox_id, now, OutboxStatus.DONE, "not re-sent: provider does not dedupe; queried"
+                )
+                return Result.NOT_RESENT
+            give_up_ambiguous(conn, current, previous.id, now, "earlier charge call has no recorded outcome")
             _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, "not re-sent: provider cannot dedupe or be queried")
             return Result.REVIEW
         if admitted == breaker.Admission.DENY:

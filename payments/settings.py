@@ -171,6 +171,8 @@ class Settings:
     """First delay before querying an Unknown payment; doubles per attempt, with jitter."""
     query_max_seconds: float = 600.0
     """Cap on one query delay."""
+    query_not_found_grace_seconds: float = 60.0
+    """A NotFound this soon after the last send is not believed yet (the charge may not be visible): no re-send."""
     payment_deadline_seconds: int = 86400
     """A payment unresolved this long after creation goes to manual review with an alert."""
     breaker_failure_threshold: int = 5
@@ -276,6 +278,7 @@ _PARSERS = {
     "query_pending_after_seconds": lambda n, v: _float(n, v, 0, 86400),
     "query_base_seconds": lambda n, v: _float(n, v, 0.001, 86400),
     "query_max_seconds": lambda n, v: _float(n, v, 0.001, 7 * 86400),
+    "query_not_found_grace_seconds": lambda n, v: _float(n, v, 0, 86400),
     "payment_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),
     "breaker_failure_threshold": lambda n, v: _int(n, v, 1, 100_000),
     "breaker_open_seconds": lambda n, v: _float(n, v, 0.01, 86400),

@@ -8,7 +8,6 @@ the circuit breaker and the deadline.
 # ruff: noqa: F811 - pytest fixtures imported from tests.sandbox_process
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -20,11 +19,11 @@ from sqlalchemy import delete, select, update
 
 from compensator import query_unresolved, relay_outbox
 from payments import breaker
-from payments.charges import CreatePayment, create_payment
 from payments.db import utcnow
 from payments.runtime import build_runtime
-from payments.schema import alert, manual_review, outbox, payment, provider_breaker, provider_call
+from payments.schema import alert, manual_review, outbox, payment, provider_breaker
 from payments.states import OutboxStatus
+from tests.outbound_support import calls, domain_events, expire_leases, make_due, new_payment, reviews, row
 from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.support import ROOT, env_for, make_settings
 
@@ -42,59 +41,6 @@ def runtime(mariadb, sandbox):
         sandbox_legacy_enabled=True,
     )
     return build_runtime(settings, mariadb)
-
-
-def new_payment(rt, provider="sandbox", amount=1000, key=None):
-    key = key or f"key-{time.monotonic_ns()}"
-    answer = create_payment(
-        rt.engine,
-        CreatePayment(f"order-{key}", amount, "CNY", provider, None),
-        key,
-        deadline_seconds=rt.settings.payment_deadline_seconds,
-        lock_seconds=60,
-    )
-    return json.loads(answer.body)["payment_id"]
-
-
-def row(rt, payment_id):
-    with rt.engine.connect() as conn:
-        return conn.execute(select(payment).where(payment.c.payment_id == payment_id)).mappings().one()
-
-
-def calls(rt, payment_id, operation=None):
-    q = select(provider_call).where(provider_call.c.payment_id == payment_id).order_by(provider_call.c.id)
-    if operation:
-        q = q.where(provider_call.c.operation == operation)
-    with rt.engine.connect() as conn:
-        return conn.execute(q).mappings().all()
-
-
-def domain_events(rt, payment_id):
-    with rt.engine.connect() as conn:
-        return list(
-            conn.execute(
-                select(outbox.c.event_type)
-                .where(outbox.c.aggregate_id == payment_id, outbox.c.event_type != "ChargeRequested")
-                .order_by(outbox.c.id)
-            ).scalars()
-        )
-
-
-def reviews(rt, payment_id):
-    with rt.engine.connect() as conn:
-        return list(
-            conn.execute(select(manual_review.c.kind).where(manual_review.c.payment_id == payment_id)).scalars()
-        )
-
-
-def make_due(rt, payment_id):
-    """Skip the query backoff: the payment is due for a query now."""
-    with rt.engine.begin() as conn:
-        conn.execute(
-            update(payment)
-            .where(payment.c.payment_id == payment_id)
-            .values(next_query_at=utcnow(), updated_at=utcnow())
-        )
 
 
 def test_relay_no_ops_on_an_empty_database(runtime):
@@ -151,6 +97,7 @@ def test_a_timeout_after_the_provider_committed_is_unknown_until_a_query_finds_t
 
 def test_every_retry_of_a_payment_sends_its_one_idempotency_key(runtime, sandbox):
     # 503 before processing: Unknown; the query finds nothing; the charge is sent again, with the same key.
+    runtime = replace(runtime, settings=replace(runtime.settings, query_not_found_grace_seconds=0))
     sandbox.faults(error_5xx_rate=1.0)
     payment_id = new_payment(runtime, key="the-merchants-key")
     relay_outbox.run_once(runtime)
@@ -204,11 +151,6 @@ def run_relay_process(runtime, **env):
         capture_output=True,
         timeout=60,
     )
-
-
-def expire_leases(rt):
-    with rt.engine.begin() as conn:
-        conn.execute(update(outbox).where(outbox.c.status == OutboxStatus.PENDING).values(next_attempt_at=utcnow()))
 
 
 def test_a_relay_killed_after_the_provider_charged_converges_with_exactly_one_charge(runtime, sandbox):

@@ -201,7 +201,7 @@ def test_the_real_sandbox_5xx_and_timeout_after_commit_are_unknown(sandbox):
 
 def test_the_legacy_variant_sends_a_new_key_each_time_and_cannot_query(sandbox):
     adapter = LegacySandboxProvider(SECRET, api_url=sandbox.url)
-    assert not adapter.capabilities.safe_to_resend
+    assert not adapter.capabilities.may_resend and not adapter.capabilities.query_by_merchant_id
     adapter.charge(REQ, "ignored", timeout=5)
     adapter.charge(REQ, "ignored", timeout=5)
     assert sandbox.charge_count("pay_1") == 2, "without keys a re-send is a second charge"

@@ -10,31 +10,50 @@ about a charge under our number for another amount or currency is Mismatch:
 never applied, escalated to a person, and healthy for the circuit breaker.
 ``reported_status`` is the one mapping from an outcome to the status it
 reports.
+
+Each adapter declares its ``Capabilities``: how its provider dedupes a charge
+sent twice (``Dedupe.KEY``, ``Dedupe.MERCHANT_ID`` or ``Dedupe.NONE``) and
+whether a charge can be looked up by our number. paysync re-sends a charge
+whose outcome it lost only where the provider dedupes it; a provider that can
+be queried but does not dedupe is queried until the payment's deadline, and
+one that can do neither goes to the manual queue.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
 
 from payments.errors import CallbackRejected, PaysyncError
 from payments.states import PaymentStatus
 
 
+class Dedupe(StrEnum):
+    """How a provider recognises a charge sent to it twice (``Capabilities.dedupe``)."""
+
+    KEY = "key"
+    """The same idempotency key gets the first charge's answer, never a second charge (Stripe, the sandbox)."""
+    MERCHANT_ID = "merchant_id"
+    """A second charge under our payment_id is refused (e.g. out_trade_no at Alipay and WeChat Pay)."""
+    NONE = "none"
+    """Every send may be a new charge."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What an adapter's provider can do; decides what may be retried automatically."""
 
-    idempotency_keys: bool = False
-    """Re-sending a charge with the same key cannot charge twice."""
+    dedupe: Dedupe = Dedupe.NONE
+    """How the provider dedupes a charge sent twice; NONE means a charge is never sent twice."""
     query_by_merchant_id: bool = False
     """A charge can be looked up by our payment_id."""
 
     @property
-    def safe_to_resend(self) -> bool:
-        """An ambiguous charge may be sent again only if the provider dedupes it or we can look first."""
-        return self.idempotency_keys or self.query_by_merchant_id
+    def may_resend(self) -> bool:
+        """An ambiguous charge may be sent again: the provider dedupes it (by key or by our number)."""
+        return self.dedupe != Dedupe.NONE
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from payments.providers.base import (
     CallbackEvent,
     Capabilities,
     ChargeRequest,
+    Dedupe,
     Evidence,
     Failed,
     Mismatch,
@@ -117,7 +118,7 @@ class SandboxProvider(Provider):
     """The sandbox platform: idempotency keys and query by merchant number, like Stripe."""
 
     name = "sandbox"
-    capabilities = Capabilities(idempotency_keys=True, query_by_merchant_id=True)
+    capabilities = Capabilities(dedupe=Dedupe.KEY, query_by_merchant_id=True)
     callback_headers = (signing.HEADER, "Content-Type", "User-Agent")
 
     def __init__(
@@ -252,7 +253,7 @@ class LegacySandboxProvider(SandboxProvider):
     """
 
     name = "sandbox_legacy"
-    capabilities = Capabilities(idempotency_keys=False, query_by_merchant_id=False)
+    capabilities = Capabilities(dedupe=Dedupe.NONE, query_by_merchant_id=False)
 
     def _charge_headers(self, idempotency_key: str | None) -> dict[str, str]:
         return {"Idempotency-Key": f"legacy-{uuid.uuid4().hex}"}

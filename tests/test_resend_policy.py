@@ -1,0 +1,149 @@
+"""Who may be sent a charge twice: only a provider that dedupes a re-send (by key or by our number).
+
+A provider that can be queried but does not dedupe is queried until the
+payment's deadline and never sent the same charge again; where re-sending is
+allowed, a NotFound right after the last send is not believed yet; and on a
+re-send, a refusal of the request says nothing definitive about the first one.
+"""
+
+# ruff: noqa: F811 - pytest fixtures imported from tests.sandbox_process
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select, update
+
+from compensator import query_unresolved, relay_outbox
+from payments.db import utcnow
+from payments.providers.base import Capabilities, Succeeded, Unknown
+from payments.runtime import build_runtime
+from payments.schema import outbox, payment, provider_call
+from payments.states import OutboxStatus
+from tests.fake_provider import FakeProvider
+from tests.outbound_support import calls, expire_leases, make_due, new_payment, reviews, row
+from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
+from tests.support import make_settings
+
+
+def runtime_for(engine, **overrides):
+    settings = make_settings(
+        database_url=engine.url.render_as_string(hide_password=False),
+        provider_timeout_seconds=0.3,
+        query_base_seconds=30,  # tests make a payment due themselves (make_due): one query per run_once
+        query_max_seconds=60,
+        query_pending_after_seconds=0.2,
+        relay_max_seconds=10,
+        **overrides,
+    )
+    return build_runtime(settings, engine)
+
+
+def with_provider(rt, provider):
+    return replace(rt, providers={**rt.providers, provider.name: provider})
+
+
+def queried_not_deduped(**scripts) -> FakeProvider:
+    """Can be looked up by our number; a second send is a second charge."""
+    return FakeProvider(Capabilities(query_by_merchant_id=True), **scripts)
+
+
+def pending_charge_requests(rt, payment_id) -> int:
+    with rt.engine.connect() as conn:
+        return len(
+            conn.execute(
+                select(outbox.c.id).where(
+                    outbox.c.aggregate_id == payment_id,
+                    outbox.c.event_type == "ChargeRequested",
+                    outbox.c.status == OutboxStatus.PENDING,
+                )
+            ).all()
+        )
+
+
+def test_a_provider_that_can_be_queried_but_does_not_dedupe_is_queried_until_its_deadline_never_resent(mariadb):
+    fake = queried_not_deduped(charges=[Unknown("timeout")])
+    rt = with_provider(runtime_for(mariadb), fake)
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)
+    p = row(rt, payment_id)
+    assert p["status"] == "Unknown" and p["next_query_at"] is not None, "an Unknown is queried"
+
+    for n in range(1, 5):  # the provider keeps saying it never saw the charge
+        make_due(rt, payment_id)
+        assert query_unresolved.run_once(rt) == 1
+        expire_leases(rt)
+        relay_outbox.run_once(rt)
+        p = row(rt, payment_id)
+        assert (p["status"], p["query_attempts"]) == ("Unknown", n)
+        assert p["next_query_at"] is not None, "queried again after a backoff"
+        assert pending_charge_requests(rt, payment_id) == 0, "no re-send queued"
+    assert len(fake.charges) == 1, "never sent twice: a second send could be a second charge"
+    assert len(fake.queries) == 4
+    assert reviews(rt, payment_id) == []
+
+    with rt.engine.begin() as conn:  # the deadline comes: a person decides
+        conn.execute(update(payment).where(payment.c.payment_id == payment_id).values(deadline_at=utcnow()))
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    assert reviews(rt, payment_id) == ["unresolved_payment"]
+    assert len(fake.charges) == 1 and row(rt, payment_id)["next_query_at"] is None
+
+
+def test_a_lost_outcome_at_a_provider_that_does_not_dedupe_is_queried_not_sent_again(mariadb):
+    # The relay dies after the request left (the exception stands for the process dying there).
+    fake = queried_not_deduped(charges=[RuntimeError("killed after the request left")], queries=[Succeeded("ch_1")])
+    rt = with_provider(runtime_for(mariadb), fake)
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Pending"
+    (first,) = calls(rt, payment_id)
+    assert first["outcome"] is None, "the call is on file, its answer lost"
+
+    expire_leases(rt)  # the row comes back to a relay
+    relay_outbox.run_once(rt)
+    assert len(fake.charges) == 1, "not sent again"
+    p = row(rt, payment_id)
+    assert p["status"] == "Unknown" and p["next_query_at"] is not None, "it is queried instead"
+    assert reviews(rt, payment_id) == []
+    assert pending_charge_requests(rt, payment_id) == 0
+
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Succeeded"
+    assert len(fake.charges) == 1
+
+
+@pytest.fixture
+def sandbox_runtime(mariadb, sandbox):
+    return runtime_for(mariadb, sandbox_api_url=sandbox.url)
+
+
+def test_a_not_found_right_after_the_last_send_is_not_believed_until_the_grace_has_passed(sandbox_runtime, sandbox):
+    rt = sandbox_runtime
+    sandbox.faults(error_5xx_rate=1.0)  # 503 before processing: Unknown, nothing charged
+    payment_id = new_payment(rt)
+    relay_outbox.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Unknown"
+    sandbox.faults()
+
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    (charge,) = calls(rt, payment_id, "charge")
+    p = row(rt, payment_id)
+    assert pending_charge_requests(rt, payment_id) == 0, "within the grace a NotFound may be a charge not visible yet"
+    grace = timedelta(seconds=rt.settings.query_not_found_grace_seconds)
+    assert rt.settings.query_not_found_grace_seconds == 60
+    assert p["status"] == "Unknown" and p["next_query_at"] >= charge["started_at"] + grace
+
+    with rt.engine.begin() as conn:  # the grace has passed since the last send
+        conn.execute(
+            update(provider_call).where(provider_call.c.id == charge["id"]).values(started_at=utcnow() - grace * 2)
+        )
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    assert pending_charge_requests(rt, payment_id) == 1, "now it is believed: sent again with the same key"
+    relay_outbox.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Succeeded"
+    assert sandbox.charge_count(payment_id) == 1
