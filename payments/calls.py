@@ -141,8 +141,12 @@ def apply_outcome(
     now: datetime,
     *,
     query: bool = False,
+    resend: bool = False,
 ) -> Result:
     """Apply one call's or query's outcome to the locked payment ``current``, in ``conn``.
+
+    ``query``: the outcome is a query's answer; ``resend``: a charge's answer
+    on a re-send (see ``reported_status``).
 
     An answer that contradicts what we hold (a Mismatch, another transaction
     id, a report against a terminal state) is escalated, once per payment,
@@ -152,7 +156,7 @@ def apply_outcome(
     status = PaymentStatus(current["status"])
     reference = getattr(outcome, "provider_transaction_id", None)
     known = current["provider_transaction_id"]
-    report = reported_status(outcome) or PaymentStatus.UNKNOWN
+    report = reported_status(outcome, resend=resend) or PaymentStatus.UNKNOWN
     decision = decide(status, report)
     if isinstance(outcome, Mismatch):
         contradiction = f"provider's charge is for another amount or currency than ours ({outcome.reason})"
@@ -200,7 +204,7 @@ def apply_outcome(
             conn.execute(update(payment).where(payment.c.id == current["id"]).values(**values))
         return Result.UNCHANGED
 
-    failure_code = outcome.code if isinstance(outcome, Failed) else None
+    failure_code = outcome.code if isinstance(outcome, Failed) and report == PaymentStatus.FAILED else None
     target = apply_decision(
         conn,
         "payment",

@@ -4,6 +4,8 @@
    adapter's capabilities and the circuit breaker, records the
    ``provider_call`` row and moves Created → Pending, and commits.
 2. **Call** the adapter with the payment's fixed idempotency key (invariant 6).
+   A call after an earlier one whose outcome was lost is a re-send: its
+   refusal (a 4xx) is Unknown, not a decline (``reported_status``).
 3. **Apply** the outcome, complete the provider_call row and mark the outbox
    row done, together. If we die before this commits, the outbox row's lease
    runs out and the relay sends the same key again; the provider replays its
@@ -58,14 +60,14 @@ def relay_charge(ctx: Context, outbox_id: int, provider_name: str) -> Result:
     prepared = _prepare(ctx, outbox_id, provider, snapshot, admitted)
     if isinstance(prepared, Result):
         return prepared
-    call_id, current = prepared
+    call_id, current, resend = prepared
     outcome = provider.charge(
         ChargeRequest(current["payment_id"], int(current["amount_minor"]), current["currency"]),
         current["idempotency_key"],
         ctx.settings.provider_timeout_seconds,
     )
     failpoints.hit("relay.after_provider_call")
-    result = _apply(ctx, outbox_id, call_id, current["payment_id"], provider, outcome)
+    result = _apply(ctx, outbox_id, call_id, current["payment_id"], provider, outcome, resend)
     count(ctx, provider, outcome, admitted, snapshot)
     return result
 
@@ -76,7 +78,7 @@ def _prepare(
     provider: Provider | None,
     snapshot: breaker.Snapshot,
     admitted: breaker.Admission,
-) -> Result | tuple[int, dict[str, Any]]:
+) -> Result | tuple[int, dict[str, Any], bool]:
     now = utcnow()
     with ctx.engine.begin() as conn:
         row = conn.execute(select(outbox_table).where(outbox_table.c.id == outbox_id).with_for_update()).first()
@@ -135,11 +137,17 @@ def _prepare(
             .where(outbox_table.c.id == outbox_id)
             .values(attempts=outbox_table.c.attempts + 1, updated_at=now)
         )
-    return call_id, current
+    return call_id, current, previous is not None
 
 
 def _apply(
-    ctx: Context, outbox_id: int, call_id: int, payment_id: str, provider: Provider, outcome: QueryOutcome
+    ctx: Context,
+    outbox_id: int,
+    call_id: int,
+    payment_id: str,
+    provider: Provider,
+    outcome: QueryOutcome,
+    resend: bool,
 ) -> Result:
     now = utcnow()
     with ctx.engine.begin() as conn:
@@ -161,7 +169,7 @@ def _apply(
                 )
             )
             return Result.RETRY
-        result = apply_outcome(ctx, conn, current, provider, outcome, f"call:{call_id}", now)
+        result = apply_outcome(ctx, conn, current, provider, outcome, f"call:{call_id}", now, resend=resend)
         _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, None)
     return result
 

@@ -17,12 +17,12 @@ from sqlalchemy import select, update
 
 from compensator import query_unresolved, relay_outbox
 from payments.db import utcnow
-from payments.providers.base import Capabilities, Succeeded, Unknown
+from payments.providers.base import Capabilities, Dedupe, Failed, NotFound, Succeeded, Unknown
 from payments.runtime import build_runtime
 from payments.schema import outbox, payment, provider_call
 from payments.states import OutboxStatus
 from tests.fake_provider import FakeProvider
-from tests.outbound_support import calls, expire_leases, make_due, new_payment, reviews, row
+from tests.outbound_support import calls, domain_events, expire_leases, make_due, new_payment, reviews, row
 from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.support import make_settings
 
@@ -147,3 +147,41 @@ def test_a_not_found_right_after_the_last_send_is_not_believed_until_the_grace_h
     relay_outbox.run_once(rt)
     assert row(rt, payment_id)["status"] == "Succeeded"
     assert sandbox.charge_count(payment_id) == 1
+
+
+def test_on_a_resend_a_refusal_is_unknown_and_only_the_first_attempts_decline_is_failed(mariadb):
+    # Dedupes by our number: the re-send of a charge it did make is refused as a duplicate (a 4xx).
+    refused = Failed("duplicate_merchant_transaction_id", definitive=True, refusal=True)
+    fake = FakeProvider(
+        Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True),
+        charges=[Unknown("timeout"), refused],
+        queries=[NotFound(), Succeeded("ch_1")],
+    )
+    rt = with_provider(runtime_for(mariadb, query_not_found_grace_seconds=0), fake)
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)  # timed out, but the provider charged
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)  # not visible yet: NotFound, re-sent
+    relay_outbox.run_once(rt)
+    assert len(fake.charges) == 2
+    p = row(rt, payment_id)
+    assert p["status"] == "Unknown", "the refusal of a re-send says nothing definitive about the first send"
+    assert p["next_query_at"] is not None and reviews(rt, payment_id) == []
+    assert "PaymentFailed" not in domain_events(rt, payment_id)
+
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Succeeded"
+    assert domain_events(rt, payment_id) == ["PaymentUnknown", "PaymentSucceeded"]
+
+
+def test_a_refusal_of_the_first_attempt_is_a_decline(mariadb):
+    fake = FakeProvider(
+        Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True),
+        charges=[Failed("invalid_currency", definitive=True, refusal=True)],
+    )
+    rt = with_provider(runtime_for(mariadb), fake)
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)
+    p = row(rt, payment_id)
+    assert (p["status"], p["error_code"]) == ("Failed", "invalid_currency")

@@ -88,6 +88,8 @@ def test_a_charge_for_another_amount_or_currency_is_a_mismatch_never_applied(bod
 def test_a_refused_request_is_failed_but_bad_credentials_are_not_definitive():
     refused = read_answer(400, b'{"error": {"code": "invalid_currency"}}', charge_reader)
     assert isinstance(refused, Failed) and refused.definitive and refused.code == "invalid_currency"
+    assert refused.refusal, "a 4xx refuses the request: on a re-send it is no decline"
+    assert not read_answer(200, charge_body("failed"), charge_reader).refusal, "a declined charge is no refusal"
     auth = read_answer(401, b'{"error": {"code": "unauthorized"}}', charge_reader)
     assert isinstance(auth, Failed) and not auth.definitive
 

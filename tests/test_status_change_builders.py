@@ -21,6 +21,10 @@ def test_only_a_definitive_decline_reports_failed_and_anything_unclear_reports_u
     assert reported_status(Pending("ch_1")) == S.PENDING
     assert reported_status(Unknown("timeout")) == S.UNKNOWN
     assert reported_status(NotFound()) is None
+    refused = Failed("duplicate_order", refusal=True)
+    assert reported_status(refused) == S.FAILED, "the first attempt's refusal is a decline"
+    assert reported_status(refused, resend=True) == S.UNKNOWN, "a re-send's refusal says nothing about the first"
+    assert reported_status(Failed("card_declined"), resend=True) == S.FAILED, "a declined charge is a decline"
     assert reported_status(Mismatch(provider_transaction_id="ch_1")) is None, "never applied as ours"
 
 

@@ -107,6 +107,10 @@ class Failed:
     evidence: Evidence | None = None
     provider_transaction_id: str | None = None
     """The provider's id for the declined charge, when it made one."""
+    refusal: bool = False
+    """The provider refused this request (an HTTP 4xx, or its dialect's equivalent) instead of reporting a
+    declined charge. On a first attempt that is a decline; on a re-send it says nothing about the earlier
+    attempt, so it reports Unknown (see ``reported_status``)."""
 
 
 @dataclass(frozen=True)
@@ -158,16 +162,18 @@ Outcome = Succeeded | Failed | Pending | Unknown | Mismatch
 QueryOutcome = Succeeded | Failed | Pending | Unknown | Mismatch | NotFound
 
 
-def reported_status(outcome: QueryOutcome) -> PaymentStatus | None:
+def reported_status(outcome: QueryOutcome, *, resend: bool = False) -> PaymentStatus | None:
     """What an outcome says about the charge, as a status for the state machine (pure; invariant 5).
 
     Succeeded is Succeeded, only a definitive Failed is Failed, Pending is
-    Pending; Unknown and a not-definitive Failed are Unknown. NotFound and
-    Mismatch say nothing about our charge's status: None.
+    Pending; Unknown and a not-definitive Failed are Unknown. On a re-send
+    (``resend``: an earlier send's outcome was lost) a refusal is Unknown: it
+    refuses this request and says nothing definitive about the earlier one.
+    NotFound and Mismatch say nothing about our charge's status: None.
     """
     if isinstance(outcome, Succeeded):
         return PaymentStatus.SUCCEEDED
-    if isinstance(outcome, Failed) and outcome.definitive:
+    if isinstance(outcome, Failed) and outcome.definitive and not (resend and outcome.refusal):
         return PaymentStatus.FAILED
     if isinstance(outcome, Pending):
         return PaymentStatus.PENDING

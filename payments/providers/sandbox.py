@@ -319,7 +319,7 @@ def read_answer(status: int, body: bytes, reader: Callable[[Any], Outcome]) -> O
         return reader(data)
     code = _error_code(data)
     if status in _FINAL_4XX:
-        return Failed(code or f"http_{status}", definitive=True, raw=_raw(data))
+        return Failed(code or f"http_{status}", definitive=True, raw=_raw(data), refusal=True)
     if status in (401, 403):
         return Failed(code or f"http_{status}", definitive=False, raw=_raw(data))
     return Unknown(f"http_{status}" + (f":{code}" if code else ""), raw=_raw(data))
