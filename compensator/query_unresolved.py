@@ -36,16 +36,21 @@ log = logging.getLogger("paysync.compensator.query")
 
 def claim_batch(
     engine: Engine, now: datetime, limit: int, lease_seconds: float, pending_after_seconds: float
-) -> list[tuple[str, str]]:
-    """Claim up to ``limit`` payments due for a query; return (payment_id, provider) pairs."""
+) -> list[tuple[str, str, datetime]]:
+    """Claim up to ``limit`` payments due for a query; return (payment_id, provider, lease token) triples.
+
+    The lease token is the ``next_query_at`` the claim wrote: the query goes
+    out only while the payment still carries it (``payments.query``).
+    """
     query = (
         select(payment.c.id, payment.c.payment_id, payment.c.provider)
         .where(due_for_query(now, pending_after_seconds))
         .order_by(payment.c.next_query_at, payment.c.id)
         .limit(limit)
     )
-    rows = claim_rows(engine, query, payment, payment.c.next_query_at, now + timedelta(seconds=lease_seconds))
-    return [(r.payment_id, r.provider) for r in rows]
+    lease_until = now + timedelta(seconds=lease_seconds)
+    rows = claim_rows(engine, query, payment, payment.c.next_query_at, lease_until)
+    return [(r.payment_id, r.provider, lease_until) for r in rows]
 
 
 def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
@@ -56,15 +61,15 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     budget: Counter[str] = Counter()
     budget_lock = threading.Lock()
 
-    def work(item: tuple[str, str]) -> Result:
-        payment_id, provider = item
+    def work(item: tuple[str, str, datetime]) -> Result:
+        payment_id, provider, lease_until = item
         budget_ok = False
         if breaker.read(runtime.engine, provider).state == BreakerState.OPEN:
             with budget_lock:
                 budget_ok = budget[provider] < settings.breaker_query_budget
                 budget[provider] += 1
         throttle(provider, settings.provider_rate_limit)
-        return query_payment(ctx, payment_id, provider, budget_ok=budget_ok)
+        return query_payment(ctx, payment_id, provider, lease_until, budget_ok=budget_ok)
 
     results = drain(
         lambda n: claim_batch(runtime.engine, utcnow(), n, lease, settings.query_pending_after_seconds),

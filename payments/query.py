@@ -54,11 +54,15 @@ def due_for_query(now: datetime, pending_after_seconds: float) -> Any:
     )
 
 
-def query_payment(ctx: Context, payment_id: str, provider_name: str, *, budget_ok: bool = False) -> Result:
+def query_payment(
+    ctx: Context, payment_id: str, provider_name: str, lease_until: datetime, *, budget_ok: bool = False
+) -> Result:
     """Query one claimed Unknown (or long-Pending) payment by our number and act on the answer.
 
-    ``budget_ok``: the caller's query budget allows a query even while the
-    provider's breaker is open (the answer then counts as a probe).
+    ``lease_until`` is the claim's token (the ``next_query_at`` it wrote): if
+    the payment no longer carries it, another worker holds it now, and nothing
+    is sent. ``budget_ok``: the caller's query budget allows a query even
+    while the provider's breaker is open.
     """
     provider = ctx.providers.get(provider_name)
     capable = provider is not None and provider.capabilities.query_by_merchant_id
@@ -68,6 +72,8 @@ def query_payment(ctx: Context, payment_id: str, provider_name: str, *, budget_o
         current = lock_payment(conn, payment_id)
         if current is None or PaymentStatus(current["status"]) not in (PaymentStatus.UNKNOWN, PaymentStatus.PENDING):
             return Result.SKIPPED
+        if current["next_query_at"] != lease_until:
+            return Result.SKIPPED  # our lease ran out and another worker holds it, or an answer came meanwhile
         if current["deadline_at"] is not None and now >= current["deadline_at"]:
             review(conn, current, "unresolved_payment", f"still {current['status']} at its deadline", now)
             conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=None))
@@ -89,6 +95,9 @@ def query_payment(ctx: Context, payment_id: str, provider_name: str, *, budget_o
             now=now,
             payment_id=payment_id,
         )
+        # The lease now covers the call itself, however long the wait for the rate limiter was.
+        call_lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
+        conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=call_lease))
     expected = ChargeRequest(current["payment_id"], int(current["amount_minor"]), current["currency"])
     outcome = provider.query(payment_id, ctx.settings.provider_timeout_seconds, expected)
     now = utcnow()

@@ -49,15 +49,17 @@ from payments.states import TERMINAL, OutboxStatus, PaymentStatus, Verdict, deci
 from payments.transitions import apply_decision
 
 
-def relay_charge(ctx: Context, outbox_id: int, provider_name: str) -> Result:
+def relay_charge(ctx: Context, outbox_id: int, provider_name: str, lease_until: datetime) -> Result:
     """Send one claimed ChargeRequested row to its provider and apply the answer (module docstring).
 
     ``provider_name`` comes from the row's payload (read by the claim), so the
-    breaker is consulted before any row lock is taken.
+    breaker is consulted before any row lock is taken. ``lease_until`` is the
+    claim's token: if the row no longer carries it, the lease ran out and
+    another worker holds the row now, and nothing is sent.
     """
     provider = ctx.providers.get(provider_name)
     snapshot, admitted = admission(ctx, provider)
-    prepared = _prepare(ctx, outbox_id, provider, snapshot, admitted)
+    prepared = _prepare(ctx, outbox_id, lease_until, provider, snapshot, admitted)
     if isinstance(prepared, Result):
         return prepared
     call_id, current, resend = prepared
@@ -75,6 +77,7 @@ def relay_charge(ctx: Context, outbox_id: int, provider_name: str) -> Result:
 def _prepare(
     ctx: Context,
     outbox_id: int,
+    lease_until: datetime,
     provider: Provider | None,
     snapshot: breaker.Snapshot,
     admitted: breaker.Admission,
@@ -82,8 +85,8 @@ def _prepare(
     now = utcnow()
     with ctx.engine.begin() as conn:
         row = conn.execute(select(outbox_table).where(outbox_table.c.id == outbox_id).with_for_update()).first()
-        if row is None or row.status != OutboxStatus.PENDING:
-            return Result.SKIPPED
+        if row is None or row.status != OutboxStatus.PENDING or row.next_attempt_at != lease_until:
+            return Result.SKIPPED  # done, or our lease ran out and another worker holds the row now
         payment_id = json.loads(row.payload)["payment_id"]
         current = lock_payment(conn, payment_id)
         if current is None:
@@ -132,10 +135,15 @@ def _prepare(
         decision = decide(PaymentStatus(current["status"]), PaymentStatus.PENDING)
         if decision.verdict == Verdict.APPLY:
             apply_decision(conn, "payment", current, decision, source=f"call:{call_id}", now=now)
+        # The lease now covers the call itself, however long the wait for the rate limiter was.
         conn.execute(
             update(outbox_table)
             .where(outbox_table.c.id == outbox_id)
-            .values(attempts=outbox_table.c.attempts + 1, updated_at=now)
+            .values(
+                attempts=outbox_table.c.attempts + 1,
+                next_attempt_at=now + timedelta(seconds=ctx.settings.call_lease_seconds),
+                updated_at=now,
+            )
         )
     return call_id, current, previous is not None
 

@@ -214,8 +214,14 @@ class Settings:
 
     @property
     def call_lease_seconds(self) -> float:
-        """How long a claimed relay or query row stays leased: a full provider call (connect and read) plus slack."""
-        return self.provider_timeout_seconds * 2 + 3.0
+        """How long a claimed relay or query row stays leased: its wait for the rate limiter, a full call, slack.
+
+        The relay and the query job share one token bucket per provider in a
+        process, so up to twice RELAY_CONCURRENCY calls may be queued ahead of
+        a claimed row. The prepare step renews the lease for the call itself.
+        """
+        wait = 2 * self.relay_concurrency / self.provider_rate_limit
+        return wait + self.provider_timeout_seconds * 2 + 3.0
 
     @property
     def effective_interval_seconds(self) -> float:

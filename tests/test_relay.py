@@ -321,6 +321,8 @@ def test_the_relay_and_the_query_job_work_on_the_embedded_sqlite_database(sqlite
 
 
 def test_a_query_that_finds_our_number_charged_for_another_amount_opens_a_review_not_a_success(runtime, sandbox):
+    # A backoff long enough that one run_once queries once (make_due skips it).
+    runtime = replace(runtime, settings=replace(runtime.settings, query_base_seconds=30, query_max_seconds=60))
     sandbox.faults(timeout_after_commit_rate=1.0, hang_seconds=1.0)
     payment_id = new_payment(runtime, amount=1000)
     relay_outbox.run_once(runtime)
@@ -342,7 +344,8 @@ def test_a_query_that_finds_our_number_charged_for_another_amount_opens_a_review
 def test_a_query_answer_that_keeps_conflicting_is_one_review_one_alert_backs_off_and_keeps_the_breaker_closed(
     runtime, sandbox
 ):
-    rt = replace(runtime, settings=replace(runtime.settings, breaker_failure_threshold=3))
+    settings = replace(runtime.settings, breaker_failure_threshold=3, query_base_seconds=30, query_max_seconds=60)
+    rt = replace(runtime, settings=settings)
     sandbox.faults(timeout_after_commit_rate=1.0, hang_seconds=1.0)
     payment_id = new_payment(rt, amount=1000)
     relay_outbox.run_once(rt)
