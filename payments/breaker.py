@@ -90,12 +90,33 @@ def _forget(engine: Engine, provider: str) -> None:
         _cache.pop((id(engine), provider), None)
 
 
-def admit(engine: Engine, provider: str, snapshot: Snapshot, now: datetime, probe_seconds: float) -> Admission:
-    """ALLOW when closed; when open, PROBE for the one caller that takes the slot at ``retry_at``, else DENY."""
+@dataclass(frozen=True)
+class Gate:
+    """One caller's admission, and the breaker row it was decided on."""
+
+    admission: Admission = Admission.ALLOW
+    snapshot: Snapshot = Snapshot()
+    probe_until: datetime | None = None
+    """While PROBE: when the slot expires on its own; also the slot's token for ``release``."""
+
+    @property
+    def probe(self) -> bool:
+        """True when this caller holds the probe slot: its call's result decides the breaker."""
+        return self.admission == Admission.PROBE
+
+
+def admit(engine: Engine, provider: str, now: datetime, probe_seconds: float) -> Gate:
+    """ALLOW when closed; when open, PROBE for the one caller that takes the slot at ``retry_at``, else DENY.
+
+    A caller that takes the slot and then makes no call must ``release`` it,
+    or the breaker stays open until the slot expires (``probe_seconds``).
+    """
+    snapshot = read(engine, provider)
     if snapshot.state == BreakerState.CLOSED:
-        return Admission.ALLOW
+        return Gate(Admission.ALLOW, snapshot)
     if snapshot.retry_at is not None and now < snapshot.retry_at:
-        return Admission.DENY
+        return Gate(Admission.DENY, snapshot)
+    probe_until = now + timedelta(seconds=probe_seconds)
     with engine.begin() as conn:
         taken = conn.execute(
             update(provider_breaker)
@@ -104,11 +125,29 @@ def admit(engine: Engine, provider: str, snapshot: Snapshot, now: datetime, prob
                 provider_breaker.c.state == BreakerState.OPEN,
                 provider_breaker.c.retry_at <= now,
             )
-            .values(retry_at=now + timedelta(seconds=probe_seconds), updated_at=now)
+            .values(retry_at=probe_until, updated_at=now)
         ).rowcount
     _forget(engine, provider)
-    # … or another process took the probe slot first, or a probe already closed the breaker.
-    return Admission.PROBE if taken else Admission.DENY
+    if not taken:  # … another process took the probe slot first, or a probe already closed the breaker
+        return Gate(Admission.DENY, snapshot)
+    return Gate(Admission.PROBE, snapshot, probe_until)
+
+
+def release(engine: Engine, provider: str, gate: Gate, now: datetime) -> None:
+    """Give an unused probe slot back at once (the caller made no call), so the next caller may probe."""
+    if not gate.probe:
+        return
+    with engine.begin() as conn:
+        conn.execute(
+            update(provider_breaker)
+            .where(
+                provider_breaker.c.provider == provider,
+                provider_breaker.c.state == BreakerState.OPEN,
+                provider_breaker.c.retry_at == gate.probe_until,  # still our slot
+            )
+            .values(retry_at=now, updated_at=now)
+        )
+    _forget(engine, provider)
 
 
 def record(

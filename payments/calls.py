@@ -84,29 +84,41 @@ def query_delay(settings: Settings, attempt: int, rng: random.Random | None = No
     return compute_backoff(max(1, attempt), settings.query_base_seconds, settings.query_max_seconds, rng)
 
 
-def admission(ctx: Context, provider: Provider | None) -> tuple[breaker.Snapshot, breaker.Admission]:
-    """The breaker's say on calling ``provider`` now (ALLOW when there is no provider to call)."""
+def admission(ctx: Context, provider: Provider | None) -> breaker.Gate:
+    """The breaker's say on calling ``provider`` now (ALLOW when there is no provider to call).
+
+    A PROBE gate holds the breaker's one probe slot: the caller either makes
+    the call and ``count``s it, or ``release``s the slot.
+    """
     if provider is None:
-        return breaker.Snapshot(), breaker.Admission.ALLOW
-    snapshot = breaker.read(ctx.engine, provider.name)
-    return snapshot, breaker.admit(ctx.engine, provider.name, snapshot, utcnow(), ctx.probe_seconds)
+        return breaker.Gate()
+    return breaker.admit(ctx.engine, provider.name, utcnow(), ctx.probe_seconds)
 
 
-def count(
-    ctx: Context,
-    provider: Provider,
-    outcome: QueryOutcome,
-    admitted: breaker.Admission,
-    snapshot: breaker.Snapshot,
-) -> None:
-    """Tell the breaker how the call went (its own transaction, after the outcome is safely applied)."""
+def release(ctx: Context, provider: Provider | None, gate: breaker.Gate) -> None:
+    """No call was made after all (skipped, reviewed, deferred, failed): give a probe slot back at once."""
+    if provider is None or not gate.probe:
+        return
+    try:
+        breaker.release(ctx.engine, provider.name, gate, utcnow())
+    except Exception:  # noqa: BLE001 - the slot expires on its own; the breaker is advisory
+        log.warning("could not release the probe slot of %s", provider.name, exc_info=True)
+
+
+def count(ctx: Context, provider: Provider, outcome: QueryOutcome, gate: breaker.Gate) -> None:
+    """Tell the breaker how the call went (its own transaction, after the outcome is safely applied).
+
+    Only the call that held the probe slot counts as a probe: a failed probe
+    reopens the breaker for longer. Other calls while open (the query
+    budget's) count as failures or as healthy answers, never as probes.
+    """
     try:
         breaker.record(
             ctx.engine,
             provider.name,
             healthy=is_answer(outcome),
-            probe=admitted == breaker.Admission.PROBE,
-            snapshot=snapshot,
+            probe=gate.probe,
+            snapshot=gate.snapshot,
             settings=ctx.settings,
             now=utcnow(),
             rng=ctx.rng,

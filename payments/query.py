@@ -29,6 +29,7 @@ from payments.calls import (
     last_charge_call,
     lock_payment,
     query_delay,
+    release,
     review,
 )
 from payments.charges import CHARGE_REQUESTED
@@ -65,8 +66,41 @@ def query_payment(
     while the provider's breaker is open.
     """
     provider = ctx.providers.get(provider_name)
-    capable = provider is not None and provider.capabilities.query_by_merchant_id
-    snapshot, admitted = admission(ctx, provider if capable else None)
+    if provider is not None and not provider.capabilities.query_by_merchant_id:
+        provider = None  # an adapter that cannot look a charge up by our number is as good as none here
+    gate = admission(ctx, provider)
+    prepared: Result | tuple[int, dict[str, Any]] = Result.SKIPPED
+    try:
+        prepared = _prepare(ctx, payment_id, lease_until, provider, gate, budget_ok)
+    finally:
+        if isinstance(prepared, Result):
+            release(ctx, provider, gate)  # no query goes out: a probe slot we took is free again
+    if isinstance(prepared, Result):
+        return prepared
+    call_id, current = prepared
+    expected = ChargeRequest(current["payment_id"], int(current["amount_minor"]), current["currency"])
+    outcome = provider.query(payment_id, ctx.settings.provider_timeout_seconds, expected)
+    now = utcnow()
+    with ctx.engine.begin() as conn:
+        provider_calls.finish(conn, call_id, outcome, now)
+        current = lock_payment(conn, payment_id)
+        if isinstance(outcome, NotFound):
+            result = _not_found(ctx, conn, current, provider, now)
+        else:
+            result = apply_outcome(ctx, conn, current, provider, outcome, f"query:{call_id}", now, query=True)
+    count(ctx, provider, outcome, gate)
+    return result
+
+
+def _prepare(
+    ctx: Context,
+    payment_id: str,
+    lease_until: datetime,
+    provider: Provider | None,
+    gate: breaker.Gate,
+    budget_ok: bool,
+) -> Result | tuple[int, dict[str, Any]]:
+    """Lock the payment, decide whether the query may go out, and record it; return (call id, payment)."""
     now = utcnow()
     with ctx.engine.begin() as conn:
         current = lock_payment(conn, payment_id)
@@ -78,13 +112,13 @@ def query_payment(
             review(conn, current, "unresolved_payment", f"still {current['status']} at its deadline", now)
             conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=None))
             return Result.REVIEW
-        if not capable:
+        if provider is None:  # no adapter, or one that cannot look a charge up by our number
             previous = last_charge_call(conn, payment_id)
             call_id = previous.id if previous else None
             give_up_ambiguous(conn, current, call_id, now, "provider cannot be queried by our number")
             return Result.REVIEW
-        if admitted == breaker.Admission.DENY and not budget_ok:
-            retry_at = max(snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
+        if gate.admission == breaker.Admission.DENY and not budget_ok:
+            retry_at = max(gate.snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
             conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=retry_at))
             return Result.DEFERRED
         call_id = provider_calls.start(
@@ -98,18 +132,7 @@ def query_payment(
         # The lease now covers the call itself, however long the wait for the rate limiter was.
         call_lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
         conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=call_lease))
-    expected = ChargeRequest(current["payment_id"], int(current["amount_minor"]), current["currency"])
-    outcome = provider.query(payment_id, ctx.settings.provider_timeout_seconds, expected)
-    now = utcnow()
-    with ctx.engine.begin() as conn:
-        provider_calls.finish(conn, call_id, outcome, now)
-        current = lock_payment(conn, payment_id)
-        if isinstance(outcome, NotFound):
-            result = _not_found(ctx, conn, current, provider, now)
-        else:
-            result = apply_outcome(ctx, conn, current, provider, outcome, f"query:{call_id}", now, query=True)
-    count(ctx, provider, outcome, breaker.Admission.PROBE if budget_ok else admitted, snapshot)
-    return result
+    return call_id, current
 
 
 def _not_found(ctx: Context, conn: Connection, current: Mapping[str, Any], provider: Provider, now: datetime) -> Result:

@@ -40,6 +40,7 @@ from payments.calls import (
     hold_for_query,
     last_charge_call,
     lock_payment,
+    release,
     review,
 )
 from payments.db import utcnow
@@ -58,8 +59,13 @@ def relay_charge(ctx: Context, outbox_id: int, provider_name: str, lease_until: 
     another worker holds the row now, and nothing is sent.
     """
     provider = ctx.providers.get(provider_name)
-    snapshot, admitted = admission(ctx, provider)
-    prepared = _prepare(ctx, outbox_id, lease_until, provider, snapshot, admitted)
+    gate = admission(ctx, provider)
+    prepared: Result | tuple[int, dict[str, Any], bool] = Result.SKIPPED
+    try:
+        prepared = _prepare(ctx, outbox_id, lease_until, provider, gate)
+    finally:
+        if isinstance(prepared, Result):
+            release(ctx, provider, gate)  # no call goes out: a probe slot we took is free again
     if isinstance(prepared, Result):
         return prepared
     call_id, current, resend = prepared
@@ -70,7 +76,7 @@ def relay_charge(ctx: Context, outbox_id: int, provider_name: str, lease_until: 
     )
     failpoints.hit("relay.after_provider_call")
     result = _apply(ctx, outbox_id, call_id, current["payment_id"], provider, outcome, resend)
-    count(ctx, provider, outcome, admitted, snapshot)
+    count(ctx, provider, outcome, gate)
     return result
 
 
@@ -79,8 +85,7 @@ def _prepare(
     outbox_id: int,
     lease_until: datetime,
     provider: Provider | None,
-    snapshot: breaker.Snapshot,
-    admitted: breaker.Admission,
+    gate: breaker.Gate,
 ) -> Result | tuple[int, dict[str, Any], bool]:
     now = utcnow()
     with ctx.engine.begin() as conn:
@@ -115,8 +120,8 @@ def _prepare(
             give_up_ambiguous(conn, current, previous.id, now, "earlier charge call has no recorded outcome")
             _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, "not re-sent: provider cannot dedupe or be queried")
             return Result.REVIEW
-        if admitted == breaker.Admission.DENY:
-            retry_at = max(snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
+        if gate.admission == breaker.Admission.DENY:
+            retry_at = max(gate.snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
             conn.execute(
                 update(outbox_table)
                 .where(outbox_table.c.id == outbox_id)

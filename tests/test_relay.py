@@ -234,7 +234,7 @@ def test_a_failing_provider_trips_the_breaker_which_closes_when_a_probe_succeeds
             .scalars()
             .all()
         )
-        assert len(deferred) == 3 and all(t >= state["retry_at"] for t in deferred)
+        assert len(deferred) == 3 and all(t >= state["retry_at"] for t in deferred), (deferred, dict(state))
 
     sandbox.faults()
     assert relay_outbox.run_once(rt) == 0, "nothing is sent while the breaker is open"
