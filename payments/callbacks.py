@@ -193,12 +193,14 @@ def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: in
         )
         return CallbackResult.DUPLICATE
 
-    outcome, result = _apply_event(conn, event, log_id, now)
+    outcome, result = _apply_event(conn, providers, event, log_id, now)
     _finish(conn, log_id, CallbackStatus.PROCESSED, result, now, indexed)
     return outcome
 
 
-def _apply_event(conn: Connection, event: CallbackEvent, log_id: int, now: datetime) -> tuple[CallbackResult, str]:
+def _apply_event(
+    conn: Connection, providers: dict[str, Provider], event: CallbackEvent, log_id: int, now: datetime
+) -> tuple[CallbackResult, str]:
     spec = TARGETS[event.target]
     current = conn.execute(_LOCK_TARGET[event.target], {"reference": event.merchant_reference}).first()
     if current is None:
@@ -206,7 +208,7 @@ def _apply_event(conn: Connection, event: CallbackEvent, log_id: int, now: datet
     current = current._mapping
     source = f"callback:{log_id}"
 
-    mismatch = _mismatch(event, current, spec)
+    mismatch = _mismatch(event, current, spec, providers)
     decision = decide(PaymentStatus(current["status"]), event.report)
     if mismatch or decision.verdict == Verdict.CONFLICT:
         reason = mismatch or decision.reason
@@ -229,9 +231,13 @@ def _apply_event(conn: Connection, event: CallbackEvent, log_id: int, now: datet
     return CallbackResult.APPLIED, f"applied: {decision.reason}"
 
 
-def _mismatch(event: CallbackEvent, current: Mapping[str, Any], spec: Target) -> str | None:
+def _mismatch(
+    event: CallbackEvent, current: Mapping[str, Any], spec: Target, providers: dict[str, Provider]
+) -> str | None:
     """Why a report cannot be about this row at all, or None."""
-    if event.provider != current["provider"]:
+    adapter = providers.get(current["provider"])
+    # The callback names its platform; the row names the adapter it was made through, which belongs to one.
+    if event.provider != (adapter.platform if adapter else current["provider"]):
         return f"callback from {event.provider} for a {current['provider']} {event.target}"
     if event.amount_minor != current["amount_minor"] or event.currency != current["currency"]:
         return (

@@ -196,3 +196,24 @@ def test_jitter_spreads_a_crowd_of_failed_rows(engine):
     due = {_row(engine, i).next_retry_at for i in ids}
     assert len(due) > 6, "rows that failed together must not all come back together"
     assert all(now + timedelta(seconds=5) <= d <= now + timedelta(seconds=10) for d in due)
+
+
+# --- one platform, several adapters ---------------------------------------------------------------------------
+
+
+def test_a_sandbox_platform_callback_reaches_a_sandbox_legacy_payment(engine):
+    # The platform has one callback route and signs every event the same way, whichever adapter made the charge.
+    providers = build_providers(make_settings(sandbox_legacy_enabled=True))
+    payment_id = create_payment(engine, provider="sandbox_legacy", amount=1000)
+    log_id = _stored(engine, sandbox_event(payment_id, amount=1000))
+    assert process_callback(engine, providers, log_id, RetryPolicy()) == CallbackResult.APPLIED
+    assert _payment_row(engine, payment_id).status == "Succeeded"
+    assert _all(engine, manual_review) == []
+
+
+def test_a_callback_from_another_platform_than_the_payments_is_a_conflict(engine):
+    providers = build_providers(make_settings(sandbox_legacy_enabled=True))
+    payment_id = create_payment(engine, provider="alipay", amount=1000)
+    log_id = _stored(engine, sandbox_event(payment_id, amount=1000))
+    assert process_callback(engine, providers, log_id, RetryPolicy()) == CallbackResult.CONFLICT
+    assert "callback from sandbox for a alipay payment" in _row(engine, log_id).result

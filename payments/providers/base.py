@@ -61,6 +61,7 @@ class CallbackEvent:
     """A verified notification, reduced to what processing needs."""
 
     provider: str
+    """The platform that sent it (``Provider.platform``)."""
     event_id: str
     event_type: str
     target: Literal["payment", "refund"]
@@ -223,12 +224,26 @@ class HttpAnswer:
 
 
 class Provider:
-    """Base class for adapters. Subclasses set ``name``, ``capabilities`` and ``callback_headers``."""
+    """Base class for adapters. Subclasses set ``name``, ``capabilities`` and ``callback_headers``.
+
+    ``name`` is the adapter's: it is what ``payment.provider`` holds. The
+    ``platform`` is the party behind it that sends (and signs) callbacks:
+    usually the same name, but several adapters may share one platform (the
+    sandbox driven as ``sandbox`` and as ``sandbox_legacy``, or two merchant
+    accounts at one provider). A callback names its platform (its route, and
+    ``CallbackEvent.provider``), and it may concern any payment made through
+    an adapter of that platform.
+    """
 
     name: str = ""
     capabilities: Capabilities = Capabilities()
     callback_headers: tuple[str, ...] = ()
     """Request headers stored with each raw callback (needed to re-verify it later)."""
+
+    @property
+    def platform(self) -> str:
+        """The platform this adapter talks to (see the class docstring); an adapter sharing one overrides it."""
+        return self.name
 
     def parse_callback(self, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
         """Verify and read one notification; raise CallbackRejected (status 3) if it is not genuine or not readable."""

@@ -215,7 +215,7 @@ class SandboxProvider(Provider):
             payload = json.loads(body)
         except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly deep nesting
             raise MalformedCallback("body is not valid JSON") from None
-        return parse_event(self.name, payload)
+        return parse_event(self.platform, payload)
 
     def peek_callback(self, body: bytes) -> dict[str, str | None]:
         """Event id, type and references read without verification, for indexing the raw row."""
@@ -253,6 +253,7 @@ class LegacySandboxProvider(SandboxProvider):
     """
 
     name = "sandbox_legacy"
+    platform = "sandbox"  # one platform: its callbacks come to /callbacks/sandbox for payments of either adapter
     capabilities = Capabilities(dedupe=Dedupe.NONE, query_by_merchant_id=False)
 
     def _charge_headers(self, idempotency_key: str | None) -> dict[str, str]:
