@@ -1,8 +1,9 @@
 """``python -m compensator`` runs the scheduler; ``python -m compensator JOB --once`` runs one job once.
 
-Jobs: compensate (compensate_callbacks), evaluate_alerts, publish_events (domain events
-to RabbitMQ and the merchant's webhook). Each is registered
-with ``max_instances=1`` and coalescing, so a slow sweep is never run twice at
+Jobs: compensate_callbacks (alias compensate), relay_outbox, query_unresolved,
+evaluate_alerts and publish_events (domain events to RabbitMQ and the
+merchant's webhook), each on its interval setting. Each is registered with
+``max_instances=1`` and coalescing, so a slow sweep is never run twice at
 once in one process and missed runs collapse into one.
 """
 

@@ -239,7 +239,8 @@ def apply_outcome(
 
 def hold_for_query(ctx: Context, conn: Connection, current: Mapping[str, Any], call_id: int, now: datetime) -> None:
     """Mark a payment whose charge outcome was lost Unknown (if it is not already) and schedule its query."""
-    values = {"next_query_at": now + timedelta(seconds=query_delay(ctx.settings, current["query_attempts"] + 1))}
+    delay = query_delay(ctx.settings, current["query_attempts"] + 1, ctx.rng)
+    values = {"next_query_at": now + timedelta(seconds=delay)}
     decision = decide(PaymentStatus(current["status"]), PaymentStatus.UNKNOWN)
     if decision.verdict == Verdict.APPLY:
         apply_decision(conn, "payment", current, decision, source=f"call:{call_id}", now=now, values=values)

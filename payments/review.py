@@ -112,9 +112,3 @@ def resolve(conn: Connection, review_id: int, *, resolution: str, resolved_by: s
         )
     ).rowcount
     return changed == 1
-
-
-def is_open(conn: Connection, kind: str, subject: str) -> bool:
-    """True while (kind, subject) has an open review."""
-    key = f"{kind}:{subject}"[:191]
-    return conn.execute(select(manual_review.c.id).where(manual_review.c.open_key == key)).first() is not None

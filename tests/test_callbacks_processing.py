@@ -32,7 +32,7 @@ def test_a_verified_success_callback_confirms_the_payment_once(engine):
     with engine.connect() as conn:
         assert conn.execute(select(payment.c.status).where(payment.c.payment_id == payment_id)).scalar() == "Succeeded"
         statuses = conn.execute(select(payment_callback_log.c.status).order_by(payment_callback_log.c.id)).scalars()
-        assert list(statuses) == [1, 1]
+        assert list(statuses) == [CallbackStatus.PROCESSED] * 2
         lines = conn.execute(select(func.count(), func.sum(ledger_entry.c.amount_minor))).one()
         assert tuple(lines) == (2, 0)
 
@@ -87,7 +87,11 @@ def test_a_success_for_a_created_payment_walks_through_pending_and_records_the_p
     (event,) = _all(engine, ledger_event)
     assert json.loads(event.details)["path"] == ["Pending", "Succeeded"]
     log_row = _row(engine, log_id)
-    assert (log_row.status, log_row.provider_event_id, log_row.order_no) == (1, log_row.provider_event_id, payment_id)
+    assert (log_row.status, log_row.provider_event_id, log_row.order_no) == (
+        CallbackStatus.PROCESSED,
+        log_row.provider_event_id,
+        payment_id,
+    )
 
 
 def test_a_late_success_for_a_succeeded_payment_is_a_noop(engine):
@@ -163,7 +167,7 @@ def test_retries_count_back_off_with_growing_jittered_delays_and_give_up_into_th
     for attempt in range(1, policy.max_retries):
         assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == CallbackResult.RETRY
         row = _row(engine, log_id)
-        assert (row.status, row.retry_count, row.last_retry_time) == (2, attempt, now)
+        assert (row.status, row.retry_count, row.last_retry_time) == (CallbackStatus.FAILED, attempt, now)
         delay = (row.next_retry_at - row.last_retry_time).total_seconds()
         ceiling = min(policy.max_seconds, policy.base_seconds * 2 ** (attempt - 1))
         assert ceiling / 2 <= delay <= ceiling, (attempt, delay)  # compute_backoff's "equal jitter" bounds
@@ -176,7 +180,7 @@ def test_retries_count_back_off_with_growing_jittered_delays_and_give_up_into_th
 
     assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == CallbackResult.GAVE_UP
     row = _row(engine, log_id)
-    assert (row.status, row.retry_count) == (4, policy.max_retries)
+    assert (row.status, row.retry_count) == (CallbackStatus.GAVE_UP, policy.max_retries)
     assert row.result.startswith(f"gave up after {policy.max_retries} attempts: target_not_found")
     (review,) = _all(engine, manual_review)
     assert (review.kind, review.callback_log_id) == ("callback_gave_up", log_id)

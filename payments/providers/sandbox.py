@@ -7,7 +7,7 @@ Notification format: ``{"id": "evt_…", "type": "charge.succeeded" | "charge.fa
 and name the charge's merchant_transaction_id.
 
 Outbound (``charge``, ``query``, ``refund``, ``settlement``) is plain HTTP with
-``requests`` against SANDBOX_API_URL. ``read_charge_answer`` is the one pure
+``requests`` against SANDBOX_API_URL. ``read_answer`` is the one pure
 function that turns an HTTP answer into an outcome: only a 200 whose body says
 "failed" (or a 4xx that refuses the request outright) is Failed; a timeout, a
 reset, a 5xx, a 429 or a body we cannot read is Unknown (invariant 5).
