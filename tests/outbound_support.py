@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from sqlalchemy import select, update
 
 from payments.charges import CreatePayment, create_payment
 from payments.db import utcnow
+from payments.runtime import build_runtime
 from payments.schema import manual_review, outbox, payment, provider_call
 from payments.states import OutboxStatus
+from tests.support import make_settings
 
 
 def new_payment(rt, provider="sandbox", amount=1000, key=None):
@@ -75,3 +78,19 @@ def expire_leases(rt):
     """Every pending outbox row is due now, as if its lease had run out."""
     with rt.engine.begin() as conn:
         conn.execute(update(outbox).where(outbox.c.status == OutboxStatus.PENDING).values(next_attempt_at=utcnow()))
+
+
+@pytest.fixture
+def runtime(mariadb, sandbox):
+    """A runtime on the test MariaDB calling the real sandbox platform, with short timeouts and backoffs."""
+    settings = make_settings(
+        database_url=mariadb.url.render_as_string(hide_password=False),
+        sandbox_api_url=sandbox.url,
+        provider_timeout_seconds=0.3,
+        query_base_seconds=0.05,
+        query_max_seconds=0.2,
+        query_pending_after_seconds=0.2,
+        relay_max_seconds=10,
+        sandbox_legacy_enabled=True,
+    )
+    return build_runtime(settings, mariadb)

@@ -1,7 +1,13 @@
-"""The circuit breaker around provider calls: its one probe slot, and what counts as a failed probe."""
+"""The circuit breaker around provider calls: it opens and closes, counts concurrent failures, has one probe slot.
 
+And what counts as a failed probe.
+"""
+
+# ruff: noqa: F811 - pytest fixtures imported from tests.sandbox_process and tests.outbound_support
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import replace
 from datetime import timedelta
 
@@ -14,10 +20,18 @@ from payments.db import utcnow
 from payments.providers.base import Capabilities, Dedupe, Unknown
 from payments.relay import relay_charge
 from payments.runtime import build_runtime
-from payments.schema import payment, provider_breaker
-from payments.states import BreakerState
+from payments.schema import alert, outbox, payment, provider_breaker
+from payments.states import BreakerState, OutboxStatus
 from tests.fake_provider import FakeProvider
-from tests.outbound_support import make_due, new_payment, row
+from tests.outbound_support import (
+    calls,
+    expire_leases,
+    make_due,
+    new_payment,
+    row,
+    runtime,  # noqa: F401
+)
+from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.support import make_settings
 
 
@@ -123,3 +137,74 @@ def test_failed_budget_queries_while_the_breaker_is_open_do_not_each_count_as_a_
     assert after["consecutive_failures"] == before["consecutive_failures"] + 3
     assert after["open_count"] == before["open_count"], "none of them held the probe slot: no longer pause"
     assert after["retry_at"] == before["retry_at"]
+
+
+def test_a_failing_provider_trips_the_breaker_which_closes_when_a_probe_succeeds(runtime, sandbox):
+    rt = replace(
+        runtime,
+        settings=replace(runtime.settings, relay_concurrency=1, breaker_failure_threshold=3, breaker_open_seconds=5),
+    )
+    sandbox.faults(error_5xx_rate=1.0)
+    ids = [new_payment(rt) for _ in range(6)]
+    relay_outbox.run_once(rt, max_seconds=1)
+    sent = [pid for pid in ids if calls(rt, pid)]
+    assert len(sent) == 3, "calls stop once the breaker opens"
+    with rt.engine.connect() as conn:
+        state = conn.execute(select(provider_breaker)).mappings().one()
+        assert state["state"] == "open"
+        firing = conn.execute(select(alert.c.open_key).where(alert.c.status == "firing")).scalars().all()
+        assert "provider_circuit_open:sandbox" in firing
+        deferred = (
+            conn.execute(
+                select(outbox.c.next_attempt_at).where(
+                    outbox.c.status == OutboxStatus.PENDING, outbox.c.event_type == "ChargeRequested"
+                )
+            )
+            .scalars()
+            .all()
+        )
+        assert len(deferred) == 3 and all(t >= state["retry_at"] for t in deferred), (deferred, dict(state))
+
+    sandbox.faults()
+    assert relay_outbox.run_once(rt) == 0, "nothing is sent while the breaker is open"
+    with rt.engine.begin() as conn:  # the pause is over
+        conn.execute(update(provider_breaker).values(retry_at=utcnow()))
+    time.sleep(breaker.CACHE_SECONDS)  # processes re-read the breaker row this often
+    expire_leases(rt)
+    relay_outbox.run_once(rt)
+    with rt.engine.connect() as conn:
+        assert conn.execute(select(provider_breaker.c.state)).scalar() == "closed"
+        assert (
+            conn.execute(select(alert.c.status).where(alert.c.rule == "provider_circuit_open")).scalar() == "resolved"
+        )
+    assert all(row(rt, pid)["status"] == "Succeeded" for pid in ids if pid not in sent)
+
+
+def test_concurrent_failed_calls_are_all_counted_by_the_breaker_without_deadlocks(mariadb):
+    settings = make_settings(breaker_failure_threshold=1000)
+    errors = []
+
+    def fail_once():
+        try:
+            breaker.record(
+                mariadb,
+                "sandbox",
+                healthy=False,
+                probe=False,
+                snapshot=breaker.Snapshot(),
+                settings=settings,
+                now=utcnow(),
+            )
+        except Exception as exc:  # noqa: BLE001 - collected and asserted on below
+            errors.append(exc)
+
+    fail_once()  # the breaker row exists from here on
+    for _ in range(5):
+        threads = [threading.Thread(target=fail_once) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+    with mariadb.connect() as conn:
+        assert conn.execute(select(provider_breaker.c.consecutive_failures)).scalar() == 41

@@ -1,4 +1,4 @@
-"""``review.escalate``: one open review and one alert per (kind, subject), however often and however concurrently."""
+"""Escalation: review.escalate (one review and one alert per kind and subject) and alerts.observe, concurrently too."""
 
 from __future__ import annotations
 

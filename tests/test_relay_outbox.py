@@ -1,46 +1,35 @@
-"""relay_outbox and query_unresolved against MariaDB and the real sandbox platform.
+"""relay_outbox against MariaDB and the real sandbox platform, with query_unresolved where a charge needs it.
 
 Each outcome of a provider call, the crash between the provider's commit and
-ours, the fixed idempotency key (invariant 6), the provider that cannot dedupe,
-the circuit breaker and the deadline.
+ours, the fixed idempotency key (invariant 6), the provider that can neither
+dedupe nor be queried, and the embedded SQLite database.
 """
 
-# ruff: noqa: F811 - pytest fixtures imported from tests.sandbox_process
+# ruff: noqa: F811 - pytest fixtures imported from tests.sandbox_process and tests.outbound_support
 from __future__ import annotations
 
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import replace
 
-import pytest
-from sqlalchemy import delete, select, update
+from sqlalchemy import select
 
 from compensator import query_unresolved, relay_outbox
-from payments import breaker
-from payments.db import utcnow
 from payments.runtime import build_runtime
-from payments.schema import alert, manual_review, outbox, payment, provider_breaker
+from payments.schema import alert, outbox
 from payments.states import OutboxStatus
-from tests.outbound_support import calls, domain_events, expire_leases, make_due, new_payment, reviews, row
+from tests.outbound_support import (
+    calls,
+    domain_events,
+    expire_leases,
+    make_due,
+    new_payment,
+    reviews,
+    row,
+    runtime,  # noqa: F401
+)
 from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.support import ROOT, env_for, make_settings
-
-
-@pytest.fixture
-def runtime(mariadb, sandbox):
-    settings = make_settings(
-        database_url=mariadb.url.render_as_string(hide_password=False),
-        sandbox_api_url=sandbox.url,
-        provider_timeout_seconds=0.3,
-        query_base_seconds=0.05,
-        query_max_seconds=0.2,
-        query_pending_after_seconds=0.2,
-        relay_max_seconds=10,
-        sandbox_legacy_enabled=True,
-    )
-    return build_runtime(settings, mariadb)
 
 
 def test_relay_no_ops_on_an_empty_database(runtime):
@@ -121,18 +110,6 @@ def test_every_retry_of_a_payment_sends_its_one_idempotency_key(runtime, sandbox
     assert truth["charges"][0]["idempotency_key"] == "the-merchants-key"
 
 
-def test_a_processing_charge_stays_pending_and_is_queried_later(runtime, sandbox):
-    sandbox.faults(processing_rate=1.0, processing_seconds=0.2)
-    payment_id = new_payment(runtime)
-    relay_outbox.run_once(runtime)
-    p = row(runtime, payment_id)
-    assert p["status"] == "Pending" and p["provider_transaction_id"] and p["next_query_at"]
-    time.sleep(0.5)
-    make_due(runtime, payment_id)
-    query_unresolved.run_once(runtime)
-    assert row(runtime, payment_id)["status"] == "Succeeded"
-
-
 def run_relay_process(runtime, **env):
     """``python -m compensator relay_outbox --once`` as its own process (so a failpoint can SIGKILL it)."""
     s = runtime.settings
@@ -210,93 +187,6 @@ def test_a_provider_without_idempotency_support_is_never_resent(runtime, sandbox
         assert conn.execute(select(alert.c.rule).where(alert.c.status == "firing")).scalars().all()
 
 
-def test_a_failing_provider_trips_the_breaker_which_closes_when_a_probe_succeeds(runtime, sandbox):
-    rt = replace(
-        runtime,
-        settings=replace(runtime.settings, relay_concurrency=1, breaker_failure_threshold=3, breaker_open_seconds=5),
-    )
-    sandbox.faults(error_5xx_rate=1.0)
-    ids = [new_payment(rt) for _ in range(6)]
-    relay_outbox.run_once(rt, max_seconds=1)
-    sent = [pid for pid in ids if calls(rt, pid)]
-    assert len(sent) == 3, "calls stop once the breaker opens"
-    with rt.engine.connect() as conn:
-        state = conn.execute(select(provider_breaker)).mappings().one()
-        assert state["state"] == "open"
-        firing = conn.execute(select(alert.c.open_key).where(alert.c.status == "firing")).scalars().all()
-        assert "provider_circuit_open:sandbox" in firing
-        deferred = (
-            conn.execute(
-                select(outbox.c.next_attempt_at).where(
-                    outbox.c.status == OutboxStatus.PENDING, outbox.c.event_type == "ChargeRequested"
-                )
-            )
-            .scalars()
-            .all()
-        )
-        assert len(deferred) == 3 and all(t >= state["retry_at"] for t in deferred), (deferred, dict(state))
-
-    sandbox.faults()
-    assert relay_outbox.run_once(rt) == 0, "nothing is sent while the breaker is open"
-    with rt.engine.begin() as conn:  # the pause is over
-        conn.execute(update(provider_breaker).values(retry_at=utcnow()))
-    time.sleep(breaker.CACHE_SECONDS)  # processes re-read the breaker row this often
-    expire_leases(rt)
-    relay_outbox.run_once(rt)
-    with rt.engine.connect() as conn:
-        assert conn.execute(select(provider_breaker.c.state)).scalar() == "closed"
-        assert (
-            conn.execute(select(alert.c.status).where(alert.c.rule == "provider_circuit_open")).scalar() == "resolved"
-        )
-    assert all(row(rt, pid)["status"] == "Succeeded" for pid in ids if pid not in sent)
-
-
-def test_concurrent_failed_calls_are_all_counted_by_the_breaker_without_deadlocks(mariadb):
-    settings = make_settings(breaker_failure_threshold=1000)
-    errors = []
-
-    def fail_once():
-        try:
-            breaker.record(
-                mariadb,
-                "sandbox",
-                healthy=False,
-                probe=False,
-                snapshot=breaker.Snapshot(),
-                settings=settings,
-                now=utcnow(),
-            )
-        except Exception as exc:  # noqa: BLE001 - collected and asserted on below
-            errors.append(exc)
-
-    fail_once()  # the breaker row exists from here on
-    for _ in range(5):
-        threads = [threading.Thread(target=fail_once) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert errors == []
-    with mariadb.connect() as conn:
-        assert conn.execute(select(provider_breaker.c.consecutive_failures)).scalar() == 41
-
-
-def test_an_unknown_payment_past_its_deadline_goes_to_manual_review(runtime, sandbox):
-    sandbox.faults(error_5xx_rate=1.0)
-    payment_id = new_payment(runtime)
-    relay_outbox.run_once(runtime)
-    with runtime.engine.begin() as conn:
-        conn.execute(update(payment).values(deadline_at=utcnow(), next_query_at=utcnow()))
-    assert query_unresolved.run_once(runtime) == 1
-    p = row(runtime, payment_id)
-    assert p["status"] == "Unknown" and p["next_query_at"] is None
-    assert reviews(runtime, payment_id) == ["unresolved_payment"]
-    with runtime.engine.connect() as conn:
-        assert conn.execute(select(alert.c.rule).where(alert.c.status == "firing")).scalars().all() == [
-            "unresolved_payment"
-        ]
-
-
 def test_the_relay_and_the_query_job_work_on_the_embedded_sqlite_database(sqlite, sandbox):
     rt = build_runtime(
         make_settings(
@@ -318,58 +208,3 @@ def test_the_relay_and_the_query_job_work_on_the_embedded_sqlite_database(sqlite
     query_unresolved.run_once(rt)
     assert {row(rt, ok)["status"], row(rt, unknown)["status"]} == {"Succeeded"}
     assert sandbox.truth()["charge_counts"] == {ok: 1, unknown: 1}
-
-
-def test_a_query_that_finds_our_number_charged_for_another_amount_opens_a_review_not_a_success(runtime, sandbox):
-    # A backoff long enough that one run_once queries once (make_due skips it).
-    runtime = replace(runtime, settings=replace(runtime.settings, query_base_seconds=30, query_max_seconds=60))
-    sandbox.faults(timeout_after_commit_rate=1.0, hang_seconds=1.0)
-    payment_id = new_payment(runtime, amount=1000)
-    relay_outbox.run_once(runtime)
-    assert row(runtime, payment_id)["status"] == "Unknown"
-    # Our row says 1000; behind our back the amount we hold differs from what the provider charged.
-    with runtime.engine.begin() as conn:
-        conn.execute(update(payment).where(payment.c.payment_id == payment_id).values(amount_minor=999))
-    sandbox.faults()
-    make_due(runtime, payment_id)
-
-    assert query_unresolved.run_once(runtime) == 1
-
-    p = row(runtime, payment_id)
-    assert p["status"] == "Unknown", "a charge for another amount must never confirm our payment"
-    assert reviews(runtime, payment_id) == ["conflicting_report"]
-    assert domain_events(runtime, payment_id) == ["PaymentUnknown"]
-
-
-def test_a_query_answer_that_keeps_conflicting_is_one_review_one_alert_backs_off_and_keeps_the_breaker_closed(
-    runtime, sandbox
-):
-    settings = replace(runtime.settings, breaker_failure_threshold=3, query_base_seconds=30, query_max_seconds=60)
-    rt = replace(runtime, settings=settings)
-    sandbox.faults(timeout_after_commit_rate=1.0, hang_seconds=1.0)
-    payment_id = new_payment(rt, amount=1000)
-    relay_outbox.run_once(rt)
-    with rt.engine.begin() as conn:
-        conn.execute(update(payment).where(payment.c.payment_id == payment_id).values(amount_minor=999))
-        conn.execute(delete(provider_breaker))  # the timeout above counted as one failure; start from a clean slate
-    sandbox.faults()
-
-    for n in range(1, 6):
-        make_due(rt, payment_id)
-        before = utcnow()
-        assert query_unresolved.run_once(rt) == 1
-        p = row(rt, payment_id)
-        assert p["status"] == "Unknown"
-        assert p["query_attempts"] == n, "each conflicting answer counts as a query attempt: the backoff grows"
-        delay = (p["next_query_at"] - before).total_seconds()
-        assert 0 < delay <= rt.settings.query_max_seconds + 1, "next query after a backoff, not when the lease ends"
-
-    assert len(calls(rt, payment_id, "query")) == 5
-    with rt.engine.connect() as conn:
-        (review,) = conn.execute(select(manual_review).where(manual_review.c.payment_id == payment_id)).mappings()
-        assert (review["kind"], review["occurrences"], review["status"]) == ("conflicting_report", 5, "open")
-        assert conn.execute(select(alert.c.rule)).scalars().all() == ["conflicting_report"]
-        breaker_row = conn.execute(select(provider_breaker)).mappings().first()
-    assert breaker_row is None or (breaker_row["state"], breaker_row["consecutive_failures"]) == ("closed", 0), (
-        "a well-formed answer is a healthy call"
-    )

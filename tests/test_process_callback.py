@@ -1,4 +1,4 @@
-"""process_callback on both databases: the happy path and the ledger it leaves."""
+"""process_callback on both databases: state changes, the ledger they leave, conflicts, retries and give-ups."""
 
 from __future__ import annotations
 
