@@ -60,10 +60,10 @@ def claim_batch(engine: Engine, now: datetime, grace_seconds: float, batch_size:
     return [r.id for r in rows]
 
 
-def run_once(runtime: Runtime, *, max_seconds: float | None = None, limiter: RateLimiter | None = None) -> int:
+def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     """Sweep until nothing is due (or ``max_seconds`` pass); return the number of rows processed."""
     settings = runtime.settings
-    limiter = limiter or RateLimiter(settings.compensator_rate_limit)
+    limiter = RateLimiter(settings.compensator_rate_limit)
     budget = max_seconds if max_seconds is not None else max(settings.effective_interval_seconds * 5, 30)
     started = time.monotonic()
     done = 0

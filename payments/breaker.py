@@ -18,7 +18,6 @@ worth of calls, and one process's probe could not close the others'.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from dataclasses import dataclass
@@ -159,7 +158,6 @@ def record(
     snapshot: Snapshot,
     settings: Settings,
     now: datetime,
-    rng: random.Random | None = None,
 ) -> None:
     """Count one call's result. Writes nothing for a healthy call while nothing is wrong (the common case)."""
     if healthy:
@@ -198,7 +196,7 @@ def record(
         elif row.state == BreakerState.OPEN and probe:
             opens = row.open_count + 1
         if opens is not None:
-            pause = compute_backoff(opens, settings.breaker_open_seconds, settings.breaker_max_open_seconds, rng)
+            pause = compute_backoff(opens, settings.breaker_open_seconds, settings.breaker_max_open_seconds)
             values.update(open_count=opens, retry_at=now + timedelta(seconds=pause))
             alerts.observe(
                 conn,

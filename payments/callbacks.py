@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -129,7 +128,6 @@ def process_callback(
     policy: RetryPolicy,
     *,
     now: datetime | None = None,
-    rng: random.Random | None = None,
 ) -> CallbackResult:
     """Process one stored callback in ONE transaction; on any error record a retry (or give up).
 
@@ -142,7 +140,7 @@ def process_callback(
         with engine.begin() as conn:
             return _process_locked(conn, providers, log_id, now)
     except Exception as exc:  # noqa: BLE001 - every failure is recorded on the row, then retried
-        return _record_failure(engine, log_id, exc, policy, now, rng)
+        return _record_failure(engine, log_id, exc, policy, now)
 
 
 def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: int, now: datetime) -> CallbackResult:
@@ -297,7 +295,6 @@ def _record_failure(
     exc: Exception,
     policy: RetryPolicy,
     now: datetime,
-    rng: random.Random | None,
 ) -> CallbackResult:
     """Count one failed attempt in its own transaction: back off, or give up into the manual queue."""
     reason = f"{getattr(exc, 'code', type(exc).__name__)}: {exc}"[:480]
@@ -340,7 +337,7 @@ def _record_failure(
             )
             log.warning("callback %s gave up after %s attempts", log_id, attempts)
             return CallbackResult.GAVE_UP
-        delay = policy.delay(attempts, rng)
+        delay = policy.delay(attempts)
         conn.execute(
             update(payment_callback_log)
             .where(*guard)

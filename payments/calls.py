@@ -21,7 +21,6 @@ it moves the payment to Unknown and schedules a query.
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -71,7 +70,6 @@ class Context:
     engine: Engine
     providers: Mapping[str, Provider]
     settings: Settings
-    rng: random.Random | None = None
 
     @property
     def probe_seconds(self) -> float:
@@ -79,9 +77,9 @@ class Context:
         return self.settings.provider_timeout_seconds + 5.0
 
 
-def query_delay(settings: Settings, attempt: int, rng: random.Random | None = None) -> float:
+def query_delay(settings: Settings, attempt: int) -> float:
     """Seconds before query number ``attempt`` (1-based): exponential with jitter."""
-    return compute_backoff(max(1, attempt), settings.query_base_seconds, settings.query_max_seconds, rng)
+    return compute_backoff(max(1, attempt), settings.query_base_seconds, settings.query_max_seconds)
 
 
 def admission(ctx: Context, provider: Provider | None) -> breaker.Gate:
@@ -121,7 +119,6 @@ def count(ctx: Context, provider: Provider, outcome: QueryOutcome, gate: breaker
             snapshot=gate.snapshot,
             settings=ctx.settings,
             now=utcnow(),
-            rng=ctx.rng,
         )
     except Exception:  # noqa: BLE001 - the breaker is advisory; the payment's state is already safe
         log.warning("could not update the circuit breaker for %s", provider.name, exc_info=True)
@@ -187,7 +184,7 @@ def apply_outcome(
                 update(payment)
                 .where(payment.c.id == current["id"])
                 .values(
-                    next_query_at=now + timedelta(seconds=query_delay(ctx.settings, attempts + 1, ctx.rng)),
+                    next_query_at=now + timedelta(seconds=query_delay(ctx.settings, attempts + 1)),
                     query_attempts=attempts,
                     updated_at=now,
                 )
@@ -200,7 +197,7 @@ def apply_outcome(
         if report == PaymentStatus.PENDING and not query:
             delay = ctx.settings.query_pending_after_seconds
         else:
-            delay = query_delay(ctx.settings, attempts + 1, ctx.rng)
+            delay = query_delay(ctx.settings, attempts + 1)
         unresolved_values = {"next_query_at": now + timedelta(seconds=delay), "query_attempts": attempts}
         if report == PaymentStatus.UNKNOWN and not provider.capabilities.query_by_merchant_id:
             unresolved_values["next_query_at"] = None
@@ -239,7 +236,7 @@ def apply_outcome(
 
 def hold_for_query(ctx: Context, conn: Connection, current: Mapping[str, Any], call_id: int, now: datetime) -> None:
     """Mark a payment whose charge outcome was lost Unknown (if it is not already) and schedule its query."""
-    delay = query_delay(ctx.settings, current["query_attempts"] + 1, ctx.rng)
+    delay = query_delay(ctx.settings, current["query_attempts"] + 1)
     values = {"next_query_at": now + timedelta(seconds=delay)}
     decision = decide(PaymentStatus(current["status"]), PaymentStatus.UNKNOWN)
     if decision.verdict == Verdict.APPLY:

@@ -171,7 +171,7 @@ def _apply(
         ).first()
         if isinstance(outcome, Failed) and not outcome.definitive:
             s = ctx.settings
-            delay = compute_backoff(max(1, row.attempts), s.retry_base_seconds, s.retry_max_seconds, ctx.rng)
+            delay = compute_backoff(max(1, row.attempts), s.retry_base_seconds, s.retry_max_seconds)
             conn.execute(
                 update(outbox_table)
                 .where(outbox_table.c.id == outbox_id, outbox_table.c.status == OutboxStatus.PENDING)
