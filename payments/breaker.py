@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
 
@@ -89,6 +89,12 @@ def _forget(engine: Engine, provider: str) -> None:
         _cache.pop((id(engine), provider), None)
 
 
+def clear_cache() -> None:
+    """Forget every cached breaker row: after the table was emptied behind this process's back (tests do)."""
+    with _cache_lock:
+        _cache.clear()
+
+
 @dataclass(frozen=True)
 class Gate:
     """One caller's admission, and the breaker row it was decided on."""
@@ -128,7 +134,8 @@ def admit(engine: Engine, provider: str, now: datetime, probe_seconds: float) ->
         ).rowcount
     _forget(engine, provider)
     if not taken:  # … another process took the probe slot first, or a probe already closed the breaker
-        return Gate(Admission.DENY, snapshot)
+        # Whoever took the slot holds it until about probe_until: that is when to look again.
+        return Gate(Admission.DENY, replace(snapshot, retry_at=probe_until))
     return Gate(Admission.PROBE, snapshot, probe_until)
 
 

@@ -208,3 +208,14 @@ def test_concurrent_failed_calls_are_all_counted_by_the_breaker_without_deadlock
     assert errors == []
     with mariadb.connect() as conn:
         assert conn.execute(select(provider_breaker.c.consecutive_failures)).scalar() == 41
+
+
+def test_only_one_caller_takes_the_probe_slot_and_the_others_wait_for_it_to_expire(mariadb):
+    open_breaker(mariadb, "sandbox", retry_in=-1)
+    now = utcnow()
+    first = breaker.admit(mariadb, "sandbox", now, probe_seconds=15)
+    second = breaker.admit(mariadb, "sandbox", now, probe_seconds=15)
+    assert (first.admission, second.admission) == (breaker.Admission.PROBE, breaker.Admission.DENY)
+    assert second.snapshot.retry_at == first.probe_until == now + timedelta(seconds=15), "look again when it expires"
+    breaker.release(mariadb, "sandbox", first, utcnow())
+    assert breaker.admit(mariadb, "sandbox", utcnow(), probe_seconds=15).probe, "a released slot is free at once"
