@@ -131,9 +131,9 @@ def lock_payment(conn: Connection, payment_id: str) -> dict[str, Any] | None:
 
 
 def last_charge_call(conn: Connection, payment_id: str) -> Row | None:
-    """The latest charge call recorded for a payment (id, started_at), or None if it was never sent."""
+    """The latest charge call recorded for a payment (id, started_at, outcome), or None if it was never sent."""
     return conn.execute(
-        select(provider_call.c.id, provider_call.c.started_at)
+        select(provider_call.c.id, provider_call.c.started_at, provider_call.c.outcome)
         .where(provider_call.c.payment_id == payment_id, provider_call.c.operation == "charge")
         .order_by(provider_call.c.id.desc())
         .limit(1)

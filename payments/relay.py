@@ -109,7 +109,10 @@ def _prepare(
             review(conn, current, "unresolved_payment", "deadline passed before the charge was sent or confirmed", now)
             return Result.REVIEW
         previous = last_charge_call(conn, payment_id)
-        if previous is not None and not provider.capabilities.may_resend:
+        # A re-send: an earlier send may have charged (its answer lost or unclear). One the provider refused
+        # (Failed, e.g. our credentials) charged nothing, and the next send is as good as a first one.
+        resend = previous is not None and previous.outcome != "Failed"
+        if resend and not provider.capabilities.may_resend:
             # A charge may already be on its way or done, and this provider would take a re-send as a second one.
             if provider.capabilities.query_by_merchant_id:
                 hold_for_query(ctx, conn, current, previous.id, now)
@@ -150,7 +153,7 @@ def _prepare(
                 updated_at=now,
             )
         )
-    return call_id, current, previous is not None
+    return call_id, current, resend
 
 
 def _apply(

@@ -185,3 +185,16 @@ def test_a_refusal_of_the_first_attempt_is_a_decline(mariadb):
     relay_outbox.run_once(rt)
     p = row(rt, payment_id)
     assert (p["status"], p["error_code"]) == ("Failed", "invalid_currency")
+
+
+def test_a_charge_refused_for_our_credentials_is_sent_again_even_where_the_provider_does_not_dedupe(mariadb):
+    # 401: the provider refused the request itself; nothing was charged, so the retry is as good as a first send.
+    fake = queried_not_deduped(charges=[Failed("unauthorized", definitive=False), Succeeded("ch_1")])
+    rt = with_provider(runtime_for(mariadb), fake)
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Pending"
+    expire_leases(rt)  # past the retry backoff
+    relay_outbox.run_once(rt)
+    assert len(fake.charges) == 2
+    assert row(rt, payment_id)["status"] == "Succeeded"
