@@ -90,17 +90,22 @@ CREATE INDEX idx_ledger_event_payment ON ledger_event (payment_id);
 CREATE TABLE manual_review (
 	id BIGINT NOT NULL AUTO_INCREMENT,
 	kind VARCHAR(40) NOT NULL COMMENT 'callback_gave_up, conflicting_report, unresolved_payment, …',
+	subject VARCHAR(150) COMMENT 'what it is about: payment:<id>, refund:<id>, callback:<id>, event:<id>:<destination>',
 	payment_id VARCHAR(40),
 	refund_id VARCHAR(40),
 	callback_log_id BIGINT,
 	reason VARCHAR(500) NOT NULL,
 	details TEXT COMMENT 'JSON',
 	status VARCHAR(16) NOT NULL COMMENT 'open, resolved',
+	open_key VARCHAR(191) COMMENT '<kind>:<subject> while open, NULL once resolved: one open review per subject',
+	occurrences INTEGER NOT NULL COMMENT 'how often the subject was escalated while open',
 	resolution VARCHAR(500),
 	resolved_by VARCHAR(64),
 	created_at DATETIME(6) NOT NULL,
+	last_seen_at DATETIME(6) NOT NULL COMMENT 'the latest escalation of this subject',
 	resolved_at DATETIME(6),
-	PRIMARY KEY (id)
+	PRIMARY KEY (id),
+	CONSTRAINT uq_manual_review_open_key UNIQUE (open_key)
 )ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='The manual queue: what automation refused to decide.' COLLATE utf8mb4_bin;
 
 CREATE INDEX idx_manual_review_payment ON manual_review (payment_id);
@@ -224,7 +229,7 @@ CREATE TABLE provider_call (
 	response TEXT COMMENT 'raw answer, scrubbed of secrets and truncated',
 	error_code VARCHAR(64) COMMENT 'decline code or why the answer was Unknown',
 	latency_ms INTEGER,
-	outcome VARCHAR(16) COMMENT 'Succeeded, Failed, Pending, Unknown, NotFound; NULL: sent, no outcome recorded (crash)',
+	outcome VARCHAR(16) COMMENT 'Succeeded, Failed, Pending, Unknown, Mismatch, NotFound; NULL: sent, no outcome recorded (crash)',
 	started_at DATETIME(6) NOT NULL COMMENT 'written and committed before the request goes out',
 	finished_at DATETIME(6),
 	PRIMARY KEY (id)

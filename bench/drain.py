@@ -52,6 +52,7 @@ from sqlalchemy import Engine, func, insert, select, text
 
 from payments.db import utcnow
 from payments.schema import outbox, payment, payment_callback_log, processed_event
+from payments.states import CallbackStatus
 from sandbox import signing
 
 CRON_ROWS_PER_SECOND = 100 / 60
@@ -118,7 +119,7 @@ def build_backlog(engine: Engine, rows: int) -> list[int]:
                 "payment_order_no": event["data"]["provider_transaction_id"],
                 "provider_event_id": event["id"],
                 "event_type": event["type"],
-                "status": 0,
+                "status": CallbackStatus.PENDING,
                 "retry_count": 0,
                 "next_retry_at": now,
                 "create_time": now,

@@ -6,7 +6,7 @@ bookkeeping (RabbitMQ: one connection publishing with confirms; webhook: one
 HTTP session POSTing Standard Webhooks-signed bodies). The receiver runs in
 its own process and answers 204 without verifying, so it is never the
 bottleneck being measured. Then the latency from the outbox commit to the
-merchant's receipt, with run_once called every INTERVAL_SECONDS as the
+merchant's receipt, with run_once called every PUBLISH_EVENTS_INTERVAL_SECONDS as the
 compensator's scheduler does.
 
     .venv/bin/python bench/events.py [--events 2000] [--database-url …] [--amqp-url …]
@@ -40,13 +40,14 @@ from sqlalchemy import insert, update  # noqa: E402
 
 from bench.common import DEFAULT_AMQP_URL, free_port, loadavg, prepare_database  # noqa: E402
 from compensator import publish_events  # noqa: E402
-from payments import outbox, webhook_signing  # noqa: E402
+from payments import webhook_signing  # noqa: E402
 from payments.db import utcnow  # noqa: E402
 from payments.events import envelope  # noqa: E402
 from payments.ids import new_id  # noqa: E402
 from payments.runtime import build_runtime  # noqa: E402
 from payments.schema import outbox as outbox_table  # noqa: E402
 from payments.settings import Settings  # noqa: E402
+from payments.states import OutboxStatus  # noqa: E402
 
 SECRET = "whsec_" + base64.b64encode(b"paysync-events-bench-secret-32by").decode()
 
@@ -71,7 +72,7 @@ def _serve(port: int, log_path: str) -> None:
 
 
 def add_events(engine, n: int) -> list[str]:
-    """n PaymentSucceeded outbox rows, as payments/transitions.py writes them."""
+    """n PaymentSucceeded outbox rows, as payments.events.enqueue_status_change writes them."""
     now = utcnow()
     rows = []
     for _ in range(n):
@@ -83,7 +84,7 @@ def add_events(engine, n: int) -> list[str]:
                 "event_type": "PaymentSucceeded",
                 "aggregate_id": payment_id,
                 "payload": json.dumps(payload),
-                "status": outbox.PENDING,
+                "status": OutboxStatus.PENDING,
                 "attempts": 0,
                 "next_attempt_at": now,
                 "created_at": now,
@@ -141,7 +142,7 @@ def latency(runtime, log_path: str, n: int, spread: float) -> list[float]:
     def scheduler() -> None:
         while not stop.is_set():
             publish_events.run_once(runtime)
-            stop.wait(publish_events.INTERVAL_SECONDS)
+            stop.wait(runtime.settings.publish_events_interval_seconds)
 
     thread = threading.Thread(target=scheduler, daemon=True)
     thread.start()
@@ -210,12 +211,13 @@ def main() -> None:
             print(f"  {name:7} relay {ours:7.0f} ev/s   baseline loop {base:7.0f} {unit}   ratio {ours / base:.2f}")
         print(f"  both    relay {both_relay:7.0f} ev/s")
         with engine.begin() as conn:  # let the latency run see only its own events
-            conn.execute(update(outbox_table).values(status=outbox.DONE))
+            conn.execute(update(outbox_table).values(status=OutboxStatus.DONE))
         Path(log_path).write_text("")
         lat = latency(runtimes["webhook"], log_path, 200, 10.0)
+        every = runtimes["webhook"].settings.publish_events_interval_seconds
         q = statistics.quantiles(lat, n=100)
         print(
-            f"  latency outbox commit -> webhook receipt (run_once every {publish_events.INTERVAL_SECONDS:.0f} s, "
+            f"  latency outbox commit -> webhook receipt (run_once every {every:.0f} s, "
             f"{len(lat)} events): p50 {statistics.median(lat) * 1000:.0f} ms  p99 {q[98] * 1000:.0f} ms  "
             f"max {lat[-1] * 1000:.0f} ms"
         )

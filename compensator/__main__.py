@@ -1,9 +1,10 @@
 """``python -m compensator`` runs the scheduler; ``python -m compensator JOB --once`` runs one job once.
 
-Jobs: compensate (compensate_callbacks), evaluate_alerts, publish_events (domain events
-to RabbitMQ and the merchant's webhook), catch_up (missed Stripe events; a no-op
-without Stripe settings). Each is registered
-with ``max_instances=1`` and coalescing, so a slow sweep is never run twice at
+Jobs: compensate_callbacks (alias compensate), relay_outbox, query_unresolved,
+evaluate_alerts, publish_events (domain events to RabbitMQ and the merchant's
+webhook) and catch_up (missed Stripe events; a no-op without Stripe settings),
+each on its interval setting. Each is registered with
+``max_instances=1`` and coalescing, so a slow sweep is never run twice at
 once in one process and missed runs collapse into one.
 
 ``python -m compensator reverify --provider P [--since ISO-TIME]`` re-verifies
@@ -39,8 +40,8 @@ def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], flo
 
     return {
         "compensate_callbacks": (compensate_callbacks.run_once, lambda rt: rt.settings.effective_interval_seconds),
-        "evaluate_alerts": (evaluate_alerts.run_once, lambda rt: 15.0),
-        "publish_events": (publish_events.run_once, lambda rt: publish_events.INTERVAL_SECONDS),
+        "evaluate_alerts": (evaluate_alerts.run_once, lambda rt: rt.settings.evaluate_alerts_interval_seconds),
+        "publish_events": (publish_events.run_once, lambda rt: rt.settings.publish_events_interval_seconds),
         "relay_outbox": (relay_outbox.run_once, lambda rt: rt.settings.relay_interval_seconds),
         "query_unresolved": (query_unresolved.run_once, lambda rt: rt.settings.query_interval_seconds),
         "catch_up": (catch_up.run_once, lambda rt: catch_up.INTERVAL_SECONDS),

@@ -22,35 +22,34 @@ from datetime import datetime, timedelta
 from sqlalchemy import Engine, select
 
 from compensator.ratelimit import RateLimiter
-from payments.callbacks import Outcome, process_callback
+from payments.callbacks import CallbackResult, process_callback
 from payments.db import claim_rows, is_sqlite, utcnow
 from payments.runtime import Runtime
-from payments.schema import CB_RETRYABLE, payment_callback_log
+from payments.schema import payment_callback_log
+from payments.settings import Settings
+from payments.states import CALLBACK_RETRYABLE
 
 log = logging.getLogger("paysync.compensator.callbacks")
 
-LEASE_SECONDS = 120
-"""A claimed row is invisible to other sweeps at least this long; if we crash, it comes back after."""
 
-
-def lease_seconds(batch_size: int, rate_limit: float) -> float:
-    """How long to lease a batch: long enough to work through it at the rate limit, twice over.
+def lease_seconds(settings: Settings) -> float:
+    """How long to lease a batch: COMPENSATOR_LEASE_SECONDS, or long enough to work through it at the rate limit.
 
     A lease that ran out mid-batch would hand the batch's tail to another
     compensator while this one still means to process it.
     """
-    return max(LEASE_SECONDS, 2 * batch_size / rate_limit)
+    return max(
+        settings.compensator_lease_seconds, 2 * settings.compensator_batch_size / settings.compensator_rate_limit
+    )
 
 
-def claim_batch(
-    engine: Engine, now: datetime, grace_seconds: float, batch_size: int, lease: float = LEASE_SECONDS
-) -> list[int]:
+def claim_batch(engine: Engine, now: datetime, grace_seconds: float, batch_size: int, lease: float) -> list[int]:
     """Claim up to ``batch_size`` due rows, leased for ``lease`` seconds; return their ids, oldest first."""
     t = payment_callback_log
     query = (
         select(t.c.id)
         .where(
-            t.c.status.in_(CB_RETRYABLE),
+            t.c.status.in_(CALLBACK_RETRYABLE),
             t.c.next_retry_at <= now,
             t.c.create_time <= now - timedelta(seconds=grace_seconds),
         )
@@ -61,10 +60,10 @@ def claim_batch(
     return [r.id for r in rows]
 
 
-def run_once(runtime: Runtime, *, max_seconds: float | None = None, limiter: RateLimiter | None = None) -> int:
+def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     """Sweep until nothing is due (or ``max_seconds`` pass); return the number of rows processed."""
     settings = runtime.settings
-    limiter = limiter or RateLimiter(settings.compensator_rate_limit)
+    limiter = RateLimiter(settings.compensator_rate_limit)
     budget = max_seconds if max_seconds is not None else max(settings.effective_interval_seconds * 5, 30)
     started = time.monotonic()
     done = 0
@@ -73,7 +72,7 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None, limiter: Rat
     workers = 1 if is_sqlite(runtime.engine) else settings.compensator_concurrency
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sweep") if workers > 1 else None
 
-    def process(log_id: int) -> Outcome:
+    def process(log_id: int) -> CallbackResult:
         return process_callback(runtime.engine, runtime.providers, log_id, runtime.callback_policy)
 
     try:
@@ -83,14 +82,14 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None, limiter: Rat
                 utcnow(),
                 settings.effective_grace_seconds,
                 settings.compensator_batch_size,
-                lease_seconds(settings.compensator_batch_size, settings.compensator_rate_limit),
+                lease_seconds(settings),
             )
             if not ids:
                 break
             results, stopped = _process_batch(ids, process, limiter, pool)
             for outcome in results:
                 outcomes[outcome.value] = outcomes.get(outcome.value, 0) + 1
-                if outcome not in (Outcome.SKIPPED, Outcome.MISSING):
+                if outcome not in (CallbackResult.SKIPPED, CallbackResult.MISSING):
                     done += 1
             if stopped or len(ids) < settings.compensator_batch_size:
                 break
@@ -104,17 +103,17 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None, limiter: Rat
 
 def _process_batch(
     ids: list[int],
-    process: Callable[[int], Outcome],
+    process: Callable[[int], CallbackResult],
     limiter: RateLimiter,
     pool: ThreadPoolExecutor | None,
-) -> tuple[list[Outcome], bool]:
+) -> tuple[list[CallbackResult], bool]:
     """Process claimed rows, paced by ``limiter``; return the outcomes and whether the sweep must stop.
 
     A row whose processing raises means even its failure could not be recorded
     (database gone): the sweep stops, and that row and the rows not started keep
     their lease, so a later sweep takes them again.
     """
-    outcomes: list[Outcome] = []
+    outcomes: list[CallbackResult] = []
     if pool is None:
         for log_id in ids:
             limiter.acquire()

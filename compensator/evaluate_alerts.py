@@ -20,7 +20,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from payments import alerts
 from payments.db import utcnow
 from payments.runtime import Runtime
-from payments.schema import CB_FAILED, CB_GAVE_UP, CB_REJECTED, CB_RETRYABLE, payment_callback_log
+from payments.schema import payment_callback_log
+from payments.states import CALLBACK_RETRYABLE, AlertStatus, CallbackStatus
 
 log = logging.getLogger("paysync.compensator.alerts")
 
@@ -31,13 +32,15 @@ FAILURE_RATE_KEY = "callback_failure_rate"
 def backlog(conn: Connection) -> int:
     """Rows waiting to be processed (status 0 or 2)."""
     t = payment_callback_log
-    return conn.execute(select(func.count()).select_from(t).where(t.c.status.in_(CB_RETRYABLE))).scalar_one()
+    return conn.execute(select(func.count()).select_from(t).where(t.c.status.in_(CALLBACK_RETRYABLE))).scalar_one()
 
 
 def failure_counts(conn: Connection, since: datetime) -> tuple[int, int]:
     """(failed, total) callbacks received since ``since``."""
     t = payment_callback_log
-    failed = or_(t.c.status.in_((CB_FAILED, CB_REJECTED, CB_GAVE_UP)), t.c.retry_count > 0)
+    failed = or_(
+        t.c.status.in_((CallbackStatus.FAILED, CallbackStatus.REJECTED, CallbackStatus.GAVE_UP)), t.c.retry_count > 0
+    )
     row = conn.execute(
         select(func.count(), func.coalesce(func.sum(case((failed, 1), else_=0)), 0)).where(t.c.create_time >= since)
     ).one()
@@ -45,7 +48,12 @@ def failure_counts(conn: Connection, since: datetime) -> tuple[int, int]:
 
 
 LOCK_NAME = "paysync.evaluate_alerts"
-"""Named database lock: one evaluation at a time across every compensator."""
+"""Named database lock: one evaluation at a time across every compensator (see ``lock_name``)."""
+
+
+def lock_name(conn: Connection) -> str:
+    """LOCK_NAME for this database: GET_LOCK names are server-wide, and one server may hold several paysyncs."""
+    return f"{LOCK_NAME}:{conn.engine.url.database}"[:64]
 
 
 def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
@@ -57,7 +65,7 @@ def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
     """
     with runtime.engine.connect() as conn:
         if not _try_lock(conn):
-            log.debug("another evaluator holds %s; skipping this run", LOCK_NAME)
+            log.debug("another evaluator holds %s; skipping this run", lock_name(conn))
             return 0
         try:
             return _evaluate(conn, runtime, now or utcnow())
@@ -68,7 +76,7 @@ def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
 def _try_lock(conn: Connection) -> bool:
     if conn.dialect.name == "sqlite":  # one writer at a time already (BEGIN IMMEDIATE)
         return True
-    got = conn.execute(text("SELECT GET_LOCK(:name, 0)"), {"name": LOCK_NAME}).scalar()
+    got = conn.execute(text("SELECT GET_LOCK(:name, 0)"), {"name": lock_name(conn)}).scalar()
     conn.commit()
     return got == 1
 
@@ -79,7 +87,7 @@ def _unlock(conn: Connection) -> None:
     # A connection that died took its lock with it, and must not hide the error that killed it.
     with contextlib.suppress(SQLAlchemyError):
         conn.rollback()
-        conn.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": LOCK_NAME})
+        conn.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": lock_name(conn)})
         conn.commit()
 
 
@@ -98,7 +106,7 @@ def _evaluate(conn: Connection, runtime: Runtime, now: datetime) -> int:
                 sustain_seconds=s.alert_backlog_seconds,
                 details={"backlog": waiting},
             )
-            firing += status == alerts.FIRING
+            firing += status == AlertStatus.FIRING
         elif alerts.clear(conn, key=BACKLOG_KEY, now=now):
             log.info("callback backlog alert resolved (%s waiting)", waiting)
 
@@ -113,7 +121,7 @@ def _evaluate(conn: Connection, runtime: Runtime, now: datetime) -> int:
                 now=now,
                 details={"failed": failed, "total": total, "rate": round(rate, 4)},
             )
-            firing += status == alerts.FIRING
+            firing += status == AlertStatus.FIRING
         elif alerts.clear(conn, key=FAILURE_RATE_KEY, now=now):
             log.info("callback failure-rate alert resolved (%.1f%%)", rate * 100)
     with conn.begin():

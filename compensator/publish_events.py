@@ -41,8 +41,6 @@ from payments.settings import Settings
 
 log = logging.getLogger("paysync.compensator.events")
 
-INTERVAL_SECONDS = 1.0
-"""How often the scheduler runs this job: events reach the merchant within about a second."""
 RECORD_CHUNK = 50
 """Delivery outcomes are committed together up to this many events …"""
 RECORD_EVERY_SECONDS = 1.0
@@ -142,13 +140,14 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     batch_size = settings.compensator_batch_size
     budget = max_seconds if max_seconds is not None else 30.0
     # Stop starting deliveries while the slowest possible one could still end inside the lease.
-    safe_seconds = events.LEASE_SECONDS - settings.merchant_webhook_timeout_seconds - CONNECT_TIMEOUT_SECONDS * 2 - 10
+    lease = settings.events_lease_seconds
+    safe_seconds = lease - settings.merchant_webhook_timeout_seconds - CONNECT_TIMEOUT_SECONDS * 2 - 10
     started = time.monotonic()
     handled = 0
     run = _Pass(settings, dests)
     try:
         while time.monotonic() - started < budget:
-            claimed, finished = events.claim(engine, utcnow(), batch_size, dests)
+            claimed, finished = events.claim(engine, utcnow(), batch_size, dests, lease)
             handled += finished
             if not claimed:
                 if finished == batch_size:

@@ -3,7 +3,7 @@
 Takes payments that are Unknown, or Pending past QUERY_PENDING_AFTER_SECONDS,
 whose ``next_query_at`` is due; claims them with ``FOR UPDATE SKIP LOCKED``
 and a lease, and queries each by our business number
-(``payments.outbound.query_payment``). Found → applied through the state
+(``payments.query.query_payment``). Found → applied through the state
 machine. Not found → sent again with the same idempotency key, if the
 provider's capabilities make that safe. Still unresolved at the payment's
 deadline → manual review and an alert. Backoff between queries is exponential
@@ -24,45 +24,52 @@ from sqlalchemy import Engine, select
 from compensator.relay_outbox import throttle
 from compensator.workpool import drain
 from payments import breaker
+from payments.calls import Context, Result
 from payments.db import claim_rows, utcnow
-from payments.outbound import Context, Result, due_for_query, query_payment
+from payments.query import due_for_query, query_payment
 from payments.runtime import Runtime
 from payments.schema import payment
+from payments.states import BreakerState
 
 log = logging.getLogger("paysync.compensator.query")
 
 
 def claim_batch(
     engine: Engine, now: datetime, limit: int, lease_seconds: float, pending_after_seconds: float
-) -> list[tuple[str, str]]:
-    """Claim up to ``limit`` payments due for a query; return (payment_id, provider) pairs."""
+) -> list[tuple[str, str, datetime]]:
+    """Claim up to ``limit`` payments due for a query; return (payment_id, provider, lease token) triples.
+
+    The lease token is the ``next_query_at`` the claim wrote: the query goes
+    out only while the payment still carries it (``payments.query``).
+    """
     query = (
         select(payment.c.id, payment.c.payment_id, payment.c.provider)
         .where(due_for_query(now, pending_after_seconds))
         .order_by(payment.c.next_query_at, payment.c.id)
         .limit(limit)
     )
-    rows = claim_rows(engine, query, payment, payment.c.next_query_at, now + timedelta(seconds=lease_seconds))
-    return [(r.payment_id, r.provider) for r in rows]
+    lease_until = now + timedelta(seconds=lease_seconds)
+    rows = claim_rows(engine, query, payment, payment.c.next_query_at, lease_until)
+    return [(r.payment_id, r.provider, lease_until) for r in rows]
 
 
 def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     """Query every due payment once; return how many were handled."""
     settings = runtime.settings
     ctx = Context(runtime.engine, runtime.providers, settings)
-    lease = settings.provider_timeout_seconds * 2 + 3.0
+    lease = settings.call_lease_seconds
     budget: Counter[str] = Counter()
     budget_lock = threading.Lock()
 
-    def work(item: tuple[str, str]) -> Result:
-        payment_id, provider = item
+    def work(item: tuple[str, str, datetime]) -> Result:
+        payment_id, provider, lease_until = item
         budget_ok = False
-        if breaker.read(runtime.engine, provider).state == breaker.OPEN:
+        if breaker.read(runtime.engine, provider).state == BreakerState.OPEN:
             with budget_lock:
                 budget_ok = budget[provider] < settings.breaker_query_budget
                 budget[provider] += 1
         throttle(provider, settings.provider_rate_limit)
-        return query_payment(ctx, payment_id, provider, budget_ok=budget_ok)
+        return query_payment(ctx, payment_id, provider, lease_until, budget_ok=budget_ok)
 
     results = drain(
         lambda n: claim_batch(runtime.engine, utcnow(), n, lease, settings.query_pending_after_seconds),

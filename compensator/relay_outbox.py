@@ -1,10 +1,12 @@
 """Job ``relay_outbox``: send ChargeRequested outbox rows to their provider.
 
 Claims due rows with ``SELECT … FOR UPDATE SKIP LOCKED`` and leases them by
-pushing ``next_attempt_at`` past one full provider call, in one short
-transaction, so any number of compensators share the queue; a row whose
-worker dies comes back when the lease runs out and is sent again with the
-same idempotency key. Each row is handled by ``payments.outbound.relay_charge``
+pushing ``next_attempt_at`` past the wait for the rate limiter and one full
+provider call (``Settings.call_lease_seconds``), in one short transaction, so
+any number of compensators share the queue; a row whose worker dies comes
+back when the lease runs out and is sent again with the same idempotency key.
+The lease is also the worker's token: a worker that finds another's token on
+the row when it prepares the call sends nothing. Each row is handled by ``payments.relay.relay_charge``
 (prepare, call, apply: see there). Up to RELAY_CONCURRENCY calls are in flight
 at once, each provider is held to PROVIDER_RATE_LIMIT calls per second per
 process, and the scheduler runs the job every RELAY_INTERVAL_SECONDS (200 ms by
@@ -23,12 +25,13 @@ from sqlalchemy import Engine, select
 
 from compensator.ratelimit import RateLimiter
 from compensator.workpool import drain
-from payments import outbox
+from payments.calls import Context, Result
 from payments.charges import CHARGE_REQUESTED
 from payments.db import claim_rows, utcnow
-from payments.outbound import Context, Result, relay_charge, relay_lease_seconds
+from payments.relay import relay_charge
 from payments.runtime import Runtime
 from payments.schema import outbox as outbox_table
+from payments.states import OutboxStatus
 
 log = logging.getLogger("paysync.compensator.relay")
 
@@ -47,29 +50,34 @@ def throttle(provider: str, rate: float) -> None:
         limiter.acquire()
 
 
-def claim_batch(engine: Engine, now: datetime, limit: int, lease_seconds: float) -> list[tuple[int, str]]:
-    """Claim up to ``limit`` due ChargeRequested rows; return (outbox id, provider name) pairs."""
+def claim_batch(engine: Engine, now: datetime, limit: int, lease_seconds: float) -> list[tuple[int, str, datetime]]:
+    """Claim up to ``limit`` due ChargeRequested rows; return (outbox id, provider name, lease token) triples.
+
+    The lease token is the ``next_attempt_at`` the claim wrote: the relay
+    sends only while the row still carries it (``payments.relay``).
+    """
     t = outbox_table
     query = (
         select(t.c.id, t.c.payload)
-        .where(t.c.status == outbox.PENDING, t.c.next_attempt_at <= now, t.c.event_type == CHARGE_REQUESTED)
+        .where(t.c.status == OutboxStatus.PENDING, t.c.next_attempt_at <= now, t.c.event_type == CHARGE_REQUESTED)
         .order_by(t.c.next_attempt_at, t.c.id)
         .limit(limit)
     )
-    rows = claim_rows(engine, query, t, t.c.next_attempt_at, now + timedelta(seconds=lease_seconds))
-    return [(r.id, json.loads(r.payload).get("provider", "")) for r in rows]
+    lease_until = now + timedelta(seconds=lease_seconds)
+    rows = claim_rows(engine, query, t, t.c.next_attempt_at, lease_until)
+    return [(r.id, json.loads(r.payload).get("provider", ""), lease_until) for r in rows]
 
 
 def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     """Relay until nothing is due and nothing is in flight; return the number of rows handled."""
     settings = runtime.settings
     ctx = Context(runtime.engine, runtime.providers, settings)
-    lease = relay_lease_seconds(settings)
+    lease = settings.call_lease_seconds
 
-    def work(item: tuple[int, str]) -> Result:
-        outbox_id, provider = item
+    def work(item: tuple[int, str, datetime]) -> Result:
+        outbox_id, provider, lease_until = item
         throttle(provider, settings.provider_rate_limit)
-        return relay_charge(ctx, outbox_id, provider)
+        return relay_charge(ctx, outbox_id, provider, lease_until)
 
     results = drain(
         lambda n: claim_batch(runtime.engine, utcnow(), n, lease),

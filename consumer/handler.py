@@ -13,7 +13,7 @@ import json
 import logging
 from enum import StrEnum
 
-from payments.callbacks import Outcome, process_callback
+from payments.callbacks import CallbackResult, process_callback
 from payments.runtime import Runtime
 
 log = logging.getLogger("paysync.consumer")
@@ -39,7 +39,7 @@ def parse_message(body: bytes) -> int | None:
     return None
 
 
-def handle(runtime: Runtime, body: bytes) -> tuple[Action, Outcome | None]:
+def handle(runtime: Runtime, body: bytes) -> tuple[Action, CallbackResult | None]:
     """Process one message; return what to tell the broker and what processing did."""
     log_id = parse_message(body)
     if log_id is None:

@@ -28,12 +28,12 @@ from gateway import error_response, ext
 from gateway.auth import bearer_ok, source_allowed
 from payments.db import utcnow
 from payments.monitoring import Settled, Snapshot, combine, live_counts, settled_counts
-from payments.states import PaymentStatus
+from payments.states import AlertStatus, CallbackStatus, PaymentStatus
 
 bp = Blueprint("metrics", __name__)
 log = logging.getLogger("paysync.gateway.metrics")
 
-CALLBACK_STATUS_NAMES = {0: "pending", 1: "processed", 2: "failed", 3: "rejected", 4: "gave_up"}
+CALLBACK_STATUS_NAMES = {s.value: s.name.lower() for s in CallbackStatus}
 
 
 def _gauge(name: str, doc: str, label: str, values: dict[Any, int], keys: list[Any]) -> GaugeMetricFamily:
@@ -74,7 +74,13 @@ class _SnapshotCollector:
             "paysync_outbox_pending", "outbox rows waiting to be sent", "event_type", s.outbox_pending_by_type, []
         )
         yield GaugeMetricFamily("paysync_manual_review_open", "open manual review items", value=s.manual_review_open)
-        yield _gauge("paysync_alerts", "open alerts by status", "status", s.alerts_by_status, ["pending", "firing"])
+        yield _gauge(
+            "paysync_alerts",
+            "open alerts by status",
+            "status",
+            s.alerts_by_status,
+            [AlertStatus.PENDING.value, AlertStatus.FIRING.value],
+        )
         breakers = GaugeMetricFamily(
             "paysync_provider_breaker_open", "1 while a provider's circuit breaker is open", labels=["provider"]
         )

@@ -15,16 +15,13 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, and_, case, select, update
 
-from payments.db import insert_ignore
+from payments.db import upsert
 from payments.schema import alert
+from payments.states import AlertStatus
 
 log = logging.getLogger("paysync.alerts")
-
-PENDING = "pending"
-FIRING = "firing"
-RESOLVED = "resolved"
 
 
 def _dumps(details: dict[str, Any] | None) -> str | None:
@@ -41,39 +38,43 @@ def observe(
     sustain_seconds: float = 0,
     details: dict[str, Any] | None = None,
     severity: str = "warning",
-) -> str:
+) -> AlertStatus:
     """Record that the condition behind ``key`` holds now; return the alert's status.
 
     The alert fires once the condition has held for ``sustain_seconds``
-    (0: at once). Safe against concurrent evaluators: the open key is UNIQUE.
+    (0: at once). Safe against concurrent evaluators: the open key is UNIQUE,
+    and one upsert takes the row's lock without a shared lock first.
     """
-    status = FIRING if sustain_seconds <= 0 else PENDING
-    inserted = conn.execute(
-        insert_ignore(alert).values(
-            rule=rule,
-            dedupe_key=key,
-            open_key=key,
-            severity=severity,
-            status=status,
-            message=message[:500],
-            details=_dumps(details),
-            first_seen_at=now,
-            last_seen_at=now,
-            fired_at=now if status == FIRING else None,
-        )
-    ).rowcount
-    if inserted:
-        return status
-    row = conn.execute(select(alert.c.status, alert.c.first_seen_at).where(alert.c.open_key == key)).first()
-    if row is None:  # resolved between our insert and select; the next evaluation reopens it
-        return RESOLVED
-    values: dict[str, Any] = {"last_seen_at": now, "message": message[:500], "details": _dumps(details)}
-    status = row.status
-    if status == PENDING and now - row.first_seen_at >= timedelta(seconds=sustain_seconds):
-        values.update(status=FIRING, fired_at=now)
-        status = FIRING
-    conn.execute(update(alert).where(alert.c.open_key == key).values(**values))
-    return status
+    status = AlertStatus.FIRING if sustain_seconds <= 0 else AlertStatus.PENDING
+    fires = and_(
+        alert.c.status == AlertStatus.PENDING, alert.c.first_seen_at <= now - timedelta(seconds=sustain_seconds)
+    )
+    upsert(
+        conn,
+        alert,
+        {
+            "rule": rule,
+            "dedupe_key": key,
+            "open_key": key,
+            "severity": severity,
+            "status": status,
+            "message": message[:500],
+            "details": _dumps(details),
+            "first_seen_at": now,
+            "last_seen_at": now,
+            "fired_at": now if status == AlertStatus.FIRING else None,
+        },
+        alert.c.open_key,
+        # fired_at before status: MySQL evaluates these left to right and must still see the old status.
+        {
+            "fired_at": case((fires, now), else_=alert.c.fired_at),
+            "status": case((fires, AlertStatus.FIRING.value), else_=alert.c.status),
+            "last_seen_at": now,
+            "message": message[:500],
+            "details": _dumps(details),
+        },
+    )
+    return AlertStatus(conn.execute(select(alert.c.status).where(alert.c.open_key == key)).scalar_one())
 
 
 def clear(conn: Connection, *, key: str, now: datetime) -> bool:
@@ -81,7 +82,7 @@ def clear(conn: Connection, *, key: str, now: datetime) -> bool:
     result = conn.execute(
         update(alert)
         .where(alert.c.open_key == key)
-        .values(status=RESOLVED, open_key=None, resolved_at=now, last_seen_at=now)
+        .values(status=AlertStatus.RESOLVED, open_key=None, resolved_at=now, last_seen_at=now)
     )
     return result.rowcount > 0
 
@@ -95,7 +96,7 @@ def deliver(conn: Connection, now: datetime, channels: list[Callable[[dict[str, 
     rows = (
         conn.execute(
             select(alert)
-            .where(alert.c.status == FIRING, alert.c.notified_at.is_(None))
+            .where(alert.c.status == AlertStatus.FIRING, alert.c.notified_at.is_(None))
             .order_by(alert.c.id)
             .with_for_update()
         )

@@ -18,10 +18,9 @@ worth of calls, and one process's probe could not close the others'.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
 
@@ -32,11 +31,9 @@ from payments.backoff import compute_backoff
 from payments.db import insert_ignore
 from payments.schema import provider_breaker
 from payments.settings import Settings
+from payments.states import BreakerState
 
 log = logging.getLogger("paysync.breaker")
-
-CLOSED = "closed"
-OPEN = "open"
 
 
 class Admission(StrEnum):
@@ -52,7 +49,7 @@ class Admission(StrEnum):
 class Snapshot:
     """The breaker row as last read."""
 
-    state: str = CLOSED
+    state: BreakerState = BreakerState.CLOSED
     consecutive_failures: int = 0
     open_count: int = 0
     retry_at: datetime | None = None
@@ -92,25 +89,71 @@ def _forget(engine: Engine, provider: str) -> None:
         _cache.pop((id(engine), provider), None)
 
 
-def admit(engine: Engine, provider: str, snapshot: Snapshot, now: datetime, probe_seconds: float) -> Admission:
-    """ALLOW when closed; when open, PROBE for the one caller that takes the slot at ``retry_at``, else DENY."""
-    if snapshot.state == CLOSED:
-        return Admission.ALLOW
+def clear_cache() -> None:
+    """Forget every cached breaker row: after the table was emptied behind this process's back (tests do)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One caller's admission, and the breaker row it was decided on."""
+
+    admission: Admission = Admission.ALLOW
+    snapshot: Snapshot = Snapshot()
+    probe_until: datetime | None = None
+    """While PROBE: when the slot expires on its own; also the slot's token for ``release``."""
+
+    @property
+    def probe(self) -> bool:
+        """True when this caller holds the probe slot: its call's result decides the breaker."""
+        return self.admission == Admission.PROBE
+
+
+def admit(engine: Engine, provider: str, now: datetime, probe_seconds: float) -> Gate:
+    """ALLOW when closed; when open, PROBE for the one caller that takes the slot at ``retry_at``, else DENY.
+
+    A caller that takes the slot and then makes no call must ``release`` it,
+    or the breaker stays open until the slot expires (``probe_seconds``).
+    """
+    snapshot = read(engine, provider)
+    if snapshot.state == BreakerState.CLOSED:
+        return Gate(Admission.ALLOW, snapshot)
     if snapshot.retry_at is not None and now < snapshot.retry_at:
-        return Admission.DENY
+        return Gate(Admission.DENY, snapshot)
+    probe_until = now + timedelta(seconds=probe_seconds)
     with engine.begin() as conn:
         taken = conn.execute(
             update(provider_breaker)
             .where(
                 provider_breaker.c.provider == provider,
-                provider_breaker.c.state == OPEN,
+                provider_breaker.c.state == BreakerState.OPEN,
                 provider_breaker.c.retry_at <= now,
             )
-            .values(retry_at=now + timedelta(seconds=probe_seconds), updated_at=now)
+            .values(retry_at=probe_until, updated_at=now)
         ).rowcount
     _forget(engine, provider)
-    # … or another process took the probe slot first, or a probe already closed the breaker.
-    return Admission.PROBE if taken else Admission.DENY
+    if not taken:  # … another process took the probe slot first, or a probe already closed the breaker
+        # Whoever took the slot holds it until about probe_until: that is when to look again.
+        return Gate(Admission.DENY, replace(snapshot, retry_at=probe_until))
+    return Gate(Admission.PROBE, snapshot, probe_until)
+
+
+def release(engine: Engine, provider: str, gate: Gate, now: datetime) -> None:
+    """Give an unused probe slot back at once (the caller made no call), so the next caller may probe."""
+    if not gate.probe:
+        return
+    with engine.begin() as conn:
+        conn.execute(
+            update(provider_breaker)
+            .where(
+                provider_breaker.c.provider == provider,
+                provider_breaker.c.state == BreakerState.OPEN,
+                provider_breaker.c.retry_at == gate.probe_until,  # still our slot
+            )
+            .values(retry_at=now, updated_at=now)
+        )
+    _forget(engine, provider)
 
 
 def record(
@@ -122,20 +165,19 @@ def record(
     snapshot: Snapshot,
     settings: Settings,
     now: datetime,
-    rng: random.Random | None = None,
 ) -> None:
     """Count one call's result. Writes nothing for a healthy call while nothing is wrong (the common case)."""
     if healthy:
-        if snapshot.state == CLOSED and snapshot.consecutive_failures == 0:
+        if snapshot.state == BreakerState.CLOSED and snapshot.consecutive_failures == 0:
             return
         _forget(engine, provider)
         with engine.begin() as conn:
             closed = conn.execute(
                 update(provider_breaker)
                 .where(provider_breaker.c.provider == provider)
-                .values(state=CLOSED, consecutive_failures=0, open_count=0, retry_at=None, updated_at=now)
+                .values(state=BreakerState.CLOSED, consecutive_failures=0, open_count=0, retry_at=None, updated_at=now)
             ).rowcount
-            if snapshot.state == OPEN and closed:
+            if snapshot.state == BreakerState.OPEN and closed:
                 alerts.clear(conn, key=alert_key(provider), now=now)
                 log.warning("circuit breaker for %s closed: a probe got an answer", provider)
         return
@@ -145,7 +187,7 @@ def record(
     with engine.begin() as conn:
         conn.execute(
             insert_ignore(provider_breaker).values(
-                provider=provider, state=CLOSED, consecutive_failures=0, open_count=0, updated_at=now
+                provider=provider, state=BreakerState.CLOSED, consecutive_failures=0, open_count=0, updated_at=now
             )
         )
     with engine.begin() as conn:
@@ -155,13 +197,13 @@ def record(
         failures = row.consecutive_failures + 1
         values: dict = {"consecutive_failures": failures, "updated_at": now}
         opens = None
-        if row.state == CLOSED and failures >= settings.breaker_failure_threshold:
+        if row.state == BreakerState.CLOSED and failures >= settings.breaker_failure_threshold:
             opens = 1
-            values.update(state=OPEN, opened_at=now)
-        elif row.state == OPEN and probe:
+            values.update(state=BreakerState.OPEN, opened_at=now)
+        elif row.state == BreakerState.OPEN and probe:
             opens = row.open_count + 1
         if opens is not None:
-            pause = compute_backoff(opens, settings.breaker_open_seconds, settings.breaker_max_open_seconds, rng)
+            pause = compute_backoff(opens, settings.breaker_open_seconds, settings.breaker_max_open_seconds)
             values.update(open_count=opens, retry_at=now + timedelta(seconds=pause))
             alerts.observe(
                 conn,

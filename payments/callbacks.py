@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -21,32 +20,20 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 
-from payments import alerts
 from payments.backoff import RetryPolicy
 from payments.db import insert_ignore, utcnow
 from payments.errors import CallbackRejected, EventIgnored, PaysyncError, TargetNotFound, UnsupportedContentType
 from payments.providers import get_provider
 from payments.providers.base import CallbackEvent, Provider
-from payments.review import open_review
-from payments.schema import (
-    CB_FAILED,
-    CB_GAVE_UP,
-    CB_PENDING,
-    CB_PROCESSED,
-    CB_REJECTED,
-    CB_RETRYABLE,
-    SOURCE_API,
-    SOURCE_WEBHOOK,
-    payment_callback_log,
-    processed_event,
-)
-from payments.states import PaymentStatus, Verdict, decide
+from payments.review import escalate
+from payments.schema import SOURCE_API, SOURCE_WEBHOOK, payment_callback_log, processed_event
+from payments.states import CALLBACK_RETRYABLE, CallbackStatus, PaymentStatus, Verdict, decide
 from payments.transitions import TARGETS, Target, apply_decision
 
 log = logging.getLogger("paysync.callbacks")
 
 
-class Outcome(StrEnum):
+class CallbackResult(StrEnum):
     """What one ``process_callback`` call did."""
 
     APPLIED = "applied"
@@ -119,7 +106,7 @@ def store_callback(
                 "payment_order_no": index.get("payment_order_no"),
                 "provider_event_id": index.get("provider_event_id"),
                 "event_type": index.get("event_type"),
-                "status": CB_PENDING,
+                "status": CallbackStatus.PENDING,
                 "retry_count": 0,
                 "next_retry_at": now,
                 "create_time": now,
@@ -151,8 +138,8 @@ def reject_callback(engine: Engine, log_id: int, reason: str, now: datetime | No
     with engine.begin() as conn:
         result = conn.execute(
             update(payment_callback_log)
-            .where(payment_callback_log.c.id == log_id, payment_callback_log.c.status == CB_PENDING)
-            .values(status=CB_REJECTED, result=f"rejected: {reason}"[:500], update_time=now)
+            .where(payment_callback_log.c.id == log_id, payment_callback_log.c.status == CallbackStatus.PENDING)
+            .values(status=CallbackStatus.REJECTED, result=f"rejected: {reason}"[:500], update_time=now)
         )
         return result.rowcount == 1
 
@@ -164,8 +151,7 @@ def process_callback(
     policy: RetryPolicy,
     *,
     now: datetime | None = None,
-    rng: random.Random | None = None,
-) -> Outcome:
+) -> CallbackResult:
     """Process one stored callback in ONE transaction; on any error record a retry (or give up).
 
     Only rows with status 0 or 2 proceed; calling it again for a processed row
@@ -177,15 +163,15 @@ def process_callback(
         with engine.begin() as conn:
             return _process_locked(conn, providers, log_id, now)
     except Exception as exc:  # noqa: BLE001 - every failure is recorded on the row, then retried
-        return _record_failure(engine, log_id, exc, policy, now, rng)
+        return _record_failure(engine, log_id, exc, policy, now)
 
 
-def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: int, now: datetime) -> Outcome:
+def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: int, now: datetime) -> CallbackResult:
     row = conn.execute(_LOCK_ROW, {"log_id": log_id}).first()
     if row is None:
-        return Outcome.MISSING
-    if row.status not in CB_RETRYABLE:
-        return Outcome.SKIPPED
+        return CallbackResult.MISSING
+    if row.status not in CALLBACK_RETRYABLE:
+        return CallbackResult.SKIPPED
     try:
         provider = get_provider(providers, row.provider)
         # Verified against the time it was received, so a row retried hours later still verifies.
@@ -197,13 +183,13 @@ def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: in
             event = verify_callback(provider, bytes(row.callback_data), json.loads(row.headers), now=received)
     except EventIgnored as exc:
         # Genuine, but about nothing we apply (another integration's object, an event type we do not act on).
-        _finish(conn, log_id, CB_PROCESSED, f"ignored: {exc}", now)
-        return Outcome.NOOP
+        _finish(conn, log_id, CallbackStatus.PROCESSED, f"ignored: {exc}", now)
+        return CallbackResult.NOOP
     except (CallbackRejected, PaysyncError) as exc:
         if not exc.permanent:
             raise
-        _finish(conn, log_id, CB_REJECTED, f"rejected: {exc.code}: {exc}", now)
-        return Outcome.REJECTED
+        _finish(conn, log_id, CallbackStatus.REJECTED, f"rejected: {exc.code}: {exc}", now)
+        return CallbackResult.REJECTED
 
     indexed = {
         "order_no": event.merchant_reference,
@@ -227,16 +213,23 @@ def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: in
             )
         ).scalar()
         _finish(
-            conn, log_id, CB_PROCESSED, f"duplicate: event {event.event_id} applied by callback {first}", now, indexed
+            conn,
+            log_id,
+            CallbackStatus.PROCESSED,
+            f"duplicate: event {event.event_id} applied by callback {first}",
+            now,
+            indexed,
         )
-        return Outcome.DUPLICATE
+        return CallbackResult.DUPLICATE
 
-    outcome, result = _apply_event(conn, event, log_id, now)
-    _finish(conn, log_id, CB_PROCESSED, result, now, indexed)
+    outcome, result = _apply_event(conn, providers, event, log_id, now)
+    _finish(conn, log_id, CallbackStatus.PROCESSED, result, now, indexed)
     return outcome
 
 
-def _apply_event(conn: Connection, event: CallbackEvent, log_id: int, now: datetime) -> tuple[Outcome, str]:
+def _apply_event(
+    conn: Connection, providers: dict[str, Provider], event: CallbackEvent, log_id: int, now: datetime
+) -> tuple[CallbackResult, str]:
     spec = TARGETS[event.target]
     current = conn.execute(_LOCK_TARGET[event.target], {"reference": event.merchant_reference}).first()
     if current is None:
@@ -244,14 +237,14 @@ def _apply_event(conn: Connection, event: CallbackEvent, log_id: int, now: datet
     current = current._mapping
     source = f"callback:{log_id}"
 
-    mismatch = _mismatch(event, current, spec)
+    mismatch = _mismatch(event, current, spec, providers)
     decision = decide(PaymentStatus(current["status"]), event.report)
     if mismatch or decision.verdict == Verdict.CONFLICT:
         reason = mismatch or decision.reason
         _open_conflict(conn, event, current, log_id, reason, now)
-        return Outcome.CONFLICT, f"conflict: {reason}; manual review opened"
+        return CallbackResult.CONFLICT, f"conflict: {reason}; manual review opened"
     if decision.verdict == Verdict.NOOP:
-        return Outcome.NOOP, f"noop: {decision.reason}"
+        return CallbackResult.NOOP, f"noop: {decision.reason}"
 
     apply_decision(
         conn,
@@ -264,12 +257,16 @@ def _apply_event(conn: Connection, event: CallbackEvent, log_id: int, now: datet
         failure_code=event.failure_code,
         details={"event_id": event.event_id},
     )
-    return Outcome.APPLIED, f"applied: {decision.reason}"
+    return CallbackResult.APPLIED, f"applied: {decision.reason}"
 
 
-def _mismatch(event: CallbackEvent, current: Mapping[str, Any], spec: Target) -> str | None:
+def _mismatch(
+    event: CallbackEvent, current: Mapping[str, Any], spec: Target, providers: dict[str, Provider]
+) -> str | None:
     """Why a report cannot be about this row at all, or None."""
-    if event.provider != current["provider"]:
+    adapter = providers.get(current["provider"])
+    # The callback names its platform; the row names the adapter it was made through, which belongs to one.
+    if event.provider != (adapter.platform if adapter else current["provider"]):
         return f"callback from {event.provider} for a {current['provider']} {event.target}"
     if event.amount_minor != current["amount_minor"] or event.currency != current["currency"]:
         return (
@@ -287,27 +284,25 @@ def _mismatch(event: CallbackEvent, current: Mapping[str, Any], spec: Target) ->
 def _open_conflict(
     conn: Connection, event: CallbackEvent, current: Mapping[str, Any], log_id: int, reason: str, now: datetime
 ) -> None:
-    review_id = open_review(
+    escalate(
         conn,
         kind="conflicting_report",
-        reason=reason,
+        subject=f"{event.target}:{event.merchant_reference}",
+        reason=f"conflicting report for {event.target} {event.merchant_reference}: {reason}",
         now=now,
+        severity="critical",
         payment_id=current["payment_id"],
         refund_id=event.merchant_reference if event.target == "refund" else None,
         callback_log_id=log_id,
-        details={"event_id": event.event_id, "event_type": event.event_type, "our_status": current["status"]},
-    )
-    alerts.observe(
-        conn,
-        rule="conflicting_report",
-        key=f"conflicting_report:{event.target}:{event.merchant_reference}",
-        message=f"conflicting report for {event.target} {event.merchant_reference}: {reason}",
-        now=now,
-        severity="critical",
-        details={"callback_log_id": log_id, "manual_review_id": review_id},
+        details={
+            "callback_log_id": log_id,
+            "event_id": event.event_id,
+            "event_type": event.event_type,
+            "our_status": current["status"],
+        },
     )
     log.warning(
-        "conflicting report, manual review opened",
+        "conflicting report, sent to manual review",
         extra={"callback_log_id": log_id, "reference": event.merchant_reference, "reason": reason},
     )
 
@@ -315,7 +310,7 @@ def _open_conflict(
 def _finish(
     conn: Connection,
     log_id: int,
-    status: int,
+    status: CallbackStatus,
     result: str,
     now: datetime,
     indexed: Mapping[str, str | None] | None = None,
@@ -331,8 +326,7 @@ def _record_failure(
     exc: Exception,
     policy: RetryPolicy,
     now: datetime,
-    rng: random.Random | None,
-) -> Outcome:
+) -> CallbackResult:
     """Count one failed attempt in its own transaction: back off, or give up into the manual queue."""
     reason = f"{getattr(exc, 'code', type(exc).__name__)}: {exc}"[:480]
     if isinstance(exc, PaysyncError):
@@ -345,46 +339,41 @@ def _record_failure(
             .where(payment_callback_log.c.id == log_id)
             .with_for_update()
         ).first()
-        if row is None or row.status not in CB_RETRYABLE:
-            return Outcome.SKIPPED
+        if row is None or row.status not in CALLBACK_RETRYABLE:
+            return CallbackResult.SKIPPED
         attempts = row.retry_count + 1
-        guard = (payment_callback_log.c.id == log_id, payment_callback_log.c.status.in_(CB_RETRYABLE))
+        guard = (payment_callback_log.c.id == log_id, payment_callback_log.c.status.in_(CALLBACK_RETRYABLE))
         if policy.exhausted(attempts):
             conn.execute(
                 update(payment_callback_log)
                 .where(*guard)
                 .values(
-                    status=CB_GAVE_UP,
+                    status=CallbackStatus.GAVE_UP,
                     result=f"gave up after {attempts} attempts: {reason}"[:500],
                     retry_count=attempts,
                     last_retry_time=now,
                     update_time=now,
                 )
             )
-            review_id = open_review(
+            escalate(
                 conn,
                 kind="callback_gave_up",
+                subject=f"callback:{log_id}",
+                alert_key=f"callback_gave_up:{log_id}",
                 reason=f"callback {log_id} gave up after {attempts} attempts: {reason}",
                 now=now,
                 payment_id=row.order_no if row.order_no and row.order_no.startswith("pay_") else None,
                 callback_log_id=log_id,
-            )
-            alerts.observe(
-                conn,
-                rule="callback_gave_up",
-                key=f"callback_gave_up:{log_id}",
-                message=f"callback {log_id} gave up after {attempts} attempts: {reason}",
-                now=now,
-                details={"callback_log_id": log_id, "manual_review_id": review_id},
+                details={"callback_log_id": log_id},
             )
             log.warning("callback %s gave up after %s attempts", log_id, attempts)
-            return Outcome.GAVE_UP
-        delay = policy.delay(attempts, rng)
+            return CallbackResult.GAVE_UP
+        delay = policy.delay(attempts)
         conn.execute(
             update(payment_callback_log)
             .where(*guard)
             .values(
-                status=CB_FAILED,
+                status=CallbackStatus.FAILED,
                 result=reason,
                 retry_count=attempts,
                 last_retry_time=now,
@@ -392,4 +381,4 @@ def _record_failure(
                 update_time=now,
             )
         )
-        return Outcome.RETRY
+        return CallbackResult.RETRY

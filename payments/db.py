@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Column, Engine, Row, Select, Table, create_engine, event, insert, update
+from sqlalchemy import Column, Connection, Engine, Row, Select, Table, create_engine, event, insert, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.schema import CreateIndex, CreateTable
 
@@ -132,6 +132,28 @@ def claim_rows(engine: Engine, query: Select, table: Table, lease_column: Column
         if rows:
             conn.execute(update(table).where(table.c.id.in_([r.id for r in rows])).values({lease_column: lease_until}))
     return rows
+
+
+def upsert(conn: Connection, table: Table, values: dict[str, Any], key: Column, changes: dict[str, Any]) -> None:
+    """INSERT ``values``; if a row with the same UNIQUE ``key`` exists, apply ``changes`` to it instead.
+
+    One statement (``ON DUPLICATE KEY UPDATE`` on MySQL, ``ON CONFLICT … DO
+    UPDATE`` on SQLite) that takes the row's exclusive lock at once. INSERT
+    IGNORE followed by an UPDATE takes a shared lock on the existing row
+    first, and two callers each holding one while asking for the exclusive
+    lock deadlock. In ``changes`` a column expression reads the existing row
+    (MySQL applies the changes in order, so a later one sees an earlier one's
+    new value: list the ones that read a column before the one that sets it).
+    """
+    if conn.dialect.name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        statement = sqlite_insert(table).values(**values).on_conflict_do_update(index_elements=[key], set_=changes)
+    else:
+        from sqlalchemy.dialects.mysql import insert as mysql_insert
+
+        statement = mysql_insert(table).values(**values).on_duplicate_key_update(list(changes.items()))
+    conn.execute(statement)
 
 
 def insert_ignore(table):  # noqa: ANN001, ANN201

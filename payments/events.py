@@ -2,8 +2,8 @@
 
 Every payment and refund state change writes a domain event (``PaymentSucceeded``,
 ``RefundFailed``, …) to the ``outbox`` in the same transaction as the change
-(``payments/transitions.py``). The ``publish_events`` compensator job delivers
-them to up to two destinations:
+(``transitions.apply_decision`` calls ``enqueue_status_change`` below). The
+``publish_events`` compensator job delivers them to up to two destinations:
 
 - ``amqp``: the RabbitMQ topic exchange ``EVENTS_EXCHANGE`` (routing key = event type);
 - ``webhook``: ``MERCHANT_WEBHOOK_URL``, signed in the Standard Webhooks format.
@@ -14,7 +14,7 @@ keeps its own attempt count, backoff and give-up, so a broker outage never
 re-sends a webhook that already got its 2xx (and a failing merchant endpoint
 never re-publishes to the broker), and adding a destination later means rows,
 not columns. The ``outbox`` row stays the unit that is claimed: it is
-``PENDING`` while any configured destination is pending, its
+``OutboxStatus.PENDING`` while any configured destination is pending, its
 ``next_attempt_at`` is the earliest pending destination's, and it becomes
 ``DONE`` once every configured destination has the event (``DEAD`` if one of
 them gave up into the manual queue).
@@ -41,37 +41,82 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Connection, Engine, select, update
 
 from payments import alerts, outbox
 from payments.backoff import RetryPolicy
 from payments.db import insert_ignore, is_sqlite
-from payments.review import open_review
+from payments.review import escalate
 from payments.schema import event_delivery
 from payments.schema import outbox as outbox_table
-from payments.transitions import DOMAIN_EVENTS
+from payments.states import DeliveryStatus, OutboxStatus, PaymentStatus, StatusChange
 
 log = logging.getLogger("paysync.events")
 
-DOMAIN_EVENT_TYPES = frozenset(DOMAIN_EVENTS.values())
-"""Outbox event types that are news for the merchant (every other type is a command for relay_outbox).
+DOMAIN_EVENTS = {
+    ("payment", PaymentStatus.SUCCEEDED): "PaymentSucceeded",
+    ("payment", PaymentStatus.FAILED): "PaymentFailed",
+    ("payment", PaymentStatus.UNKNOWN): "PaymentUnknown",
+    ("refund", PaymentStatus.SUCCEEDED): "RefundSucceeded",
+    ("refund", PaymentStatus.FAILED): "RefundFailed",
+    ("refund", PaymentStatus.UNKNOWN): "RefundUnknown",
+}
+"""Domain events for the merchant's own systems, by (kind, new status); Pending has none."""
 
-Taken from ``payments.transitions.DOMAIN_EVENTS``, the one place status changes write them."""
+DOMAIN_EVENT_TYPES = frozenset(DOMAIN_EVENTS.values())
+"""Outbox event types that are news for the merchant (every other type is a command for relay_outbox)."""
 
 AMQP = "amqp"
 """Destination: the RabbitMQ topic exchange."""
 WEBHOOK = "webhook"
 """Destination: the merchant's webhook URL."""
 
-PENDING = 0
-"""Delivery not done yet; due at next_attempt_at."""
-DELIVERED = 1
-"""The destination has the event (broker confirm, or a 2xx)."""
-GAVE_UP = 2
-"""Retries exhausted or deadline passed (or a permanent refusal): in the manual queue."""
 
-LEASE_SECONDS = 120
-"""A claimed outbox row is invisible to other relays this long; a relay that crashes gives it back after."""
+def status_change_event(
+    change: StatusChange,
+    now: datetime,
+    *,
+    order_no: str | None,
+    provider_reference: str | None,
+    failure_code: str | None,
+) -> tuple[str, dict[str, Any]] | None:
+    """The domain event (type, outbox payload) a status change announces (pure); None for Pending."""
+    event_type = DOMAIN_EVENTS.get((change.kind, change.target))
+    if event_type is None:
+        return None
+    return event_type, {
+        "type": event_type,
+        "payment_id": change.payment_id,
+        "refund_id": change.reference if change.kind == "refund" else None,
+        "order_no": order_no,
+        "amount": change.amount_minor,
+        "currency": change.currency,
+        "status": change.target.value,
+        "provider": change.provider,
+        "provider_transaction_id": provider_reference,
+        "failure_code": failure_code,
+        "source": change.source,
+        "occurred_at": now.isoformat() + "Z",
+    }
+
+
+def enqueue_status_change(
+    conn: Connection,
+    change: StatusChange,
+    now: datetime,
+    *,
+    order_no: str | None,
+    provider_reference: str | None,
+    failure_code: str | None,
+) -> str | None:
+    """Write the status change's domain event to the outbox, in the caller's transaction; return its event id."""
+    event = status_change_event(
+        change, now, order_no=order_no, provider_reference=provider_reference, failure_code=failure_code
+    )
+    if event is None:
+        return None
+    event_type, payload = event
+    return outbox.enqueue(conn, event_type=event_type, aggregate_id=change.reference, now=now, payload=payload)
 
 
 def envelope(event_id: str, event_type: str, payload: str, created_at: datetime) -> bytes:
@@ -91,7 +136,7 @@ def envelope(event_id: str, event_type: str, payload: str, created_at: datetime)
 class Delivery:
     """One destination's state for one claimed event."""
 
-    status: int = PENDING
+    status: DeliveryStatus = DeliveryStatus.PENDING
     attempts: int = 0
     next_attempt_at: datetime | None = None
 
@@ -112,7 +157,11 @@ class ClaimedEvent:
     def due(self, destination: str, now: datetime) -> bool:
         """True when ``destination`` still needs this event and its backoff has passed."""
         d = self.deliveries.get(destination)
-        return d is not None and d.status == PENDING and (d.next_attempt_at is None or d.next_attempt_at <= now)
+        return (
+            d is not None
+            and d.status == DeliveryStatus.PENDING
+            and (d.next_attempt_at is None or d.next_attempt_at <= now)
+        )
 
     def body(self) -> bytes:
         """The envelope sent to every destination."""
@@ -134,7 +183,7 @@ class Attempt:
 
 
 def claim(
-    engine: Engine, now: datetime, batch_size: int, destinations: Sequence[str]
+    engine: Engine, now: datetime, batch_size: int, destinations: Sequence[str], lease_seconds: float
 ) -> tuple[list[ClaimedEvent], int]:
     """Claim up to ``batch_size`` due domain-event rows; return (leased events, rows finished at once).
 
@@ -146,20 +195,24 @@ def claim(
     t = outbox_table
     query = (
         select(t.c.id, t.c.event_id, t.c.event_type, t.c.aggregate_id, t.c.payload, t.c.created_at)
-        .where(t.c.status == outbox.PENDING, t.c.event_type.in_(sorted(DOMAIN_EVENT_TYPES)), t.c.next_attempt_at <= now)
+        .where(
+            t.c.status == OutboxStatus.PENDING,
+            t.c.event_type.in_(sorted(DOMAIN_EVENT_TYPES)),
+            t.c.next_attempt_at <= now,
+        )
         .order_by(t.c.id)
         .limit(batch_size)
     )
     if not is_sqlite(engine):  # SQLite has one writer at a time; BEGIN IMMEDIATE already serialises us
         query = query.with_for_update(skip_locked=True)
-    lease_until = now + timedelta(seconds=LEASE_SECONDS)
+    lease_until = now + timedelta(seconds=lease_seconds)
     with engine.begin() as conn:
         rows = conn.execute(query).all()
         if not rows:
             return [], 0
         ids = [r.id for r in rows]
         if not destinations:
-            conn.execute(update(t).where(t.c.id.in_(ids)).values(status=outbox.DONE, updated_at=now))
+            conn.execute(update(t).where(t.c.id.in_(ids)).values(status=OutboxStatus.DONE, updated_at=now))
             return [], len(ids)
         conn.execute(update(t).where(t.c.id.in_(ids)).values(next_attempt_at=lease_until, updated_at=now))
         event_ids = [r.event_id for r in rows]
@@ -167,7 +220,7 @@ def claim(
             {
                 "event_id": r.event_id,
                 "destination": destination,
-                "status": PENDING,
+                "status": DeliveryStatus.PENDING,
                 "attempts": 0,
                 "next_attempt_at": now,
                 "created_at": now,
@@ -213,7 +266,7 @@ def release(engine: Engine, events: Iterable[ClaimedEvent], now: datetime) -> in
                 update(outbox_table)
                 .where(
                     outbox_table.c.id == ev.outbox_id,
-                    outbox_table.c.status == outbox.PENDING,
+                    outbox_table.c.status == OutboxStatus.PENDING,
                     outbox_table.c.next_attempt_at == ev.lease_until,  # still ours
                 )
                 .values(next_attempt_at=now, updated_at=now)
@@ -228,7 +281,7 @@ def record(
     policy: RetryPolicy,
     deadline_seconds: float,
     destinations: Sequence[str],
-) -> list[int]:
+) -> list[OutboxStatus]:
     """Record a chunk of delivery passes in ONE transaction; return the outbox status each event is left in.
 
     Delivered destinations are marked; failed ones back off (exponential with
@@ -242,10 +295,10 @@ def record(
     delivery is at least once either way). The common case, delivered
     everywhere, is a handful of set-wise UPDATEs whatever the chunk size.
     Outbox UPDATEs are guarded by the lease token; if the lease was lost (the
-    pass took longer than LEASE_SECONDS) the delivery facts are still written
+    pass took longer than EVENTS_LEASE_SECONDS) the delivery facts are still written
     and the row is left to whoever holds it now.
     """
-    statuses: list[int] = []
+    statuses: list[OutboxStatus] = []
     delivered: dict[tuple[str, int | None], list[str]] = {}
     finished: dict[datetime, list[int]] = {}
     with engine.begin() as conn:
@@ -255,12 +308,12 @@ def record(
                 state = ev.deliveries[a.destination]
                 if a.ok:
                     delivered.setdefault((a.destination, a.http_status), []).append(ev.event_id)
-                    state.status = DELIVERED
+                    state.status = DeliveryStatus.DELIVERED
                     continue
                 guard = (
                     event_delivery.c.event_id == ev.event_id,
                     event_delivery.c.destination == a.destination,
-                    event_delivery.c.status == PENDING,
+                    event_delivery.c.status == DeliveryStatus.PENDING,
                 )
                 failures = state.attempts + 1
                 error = (a.error or "failed")[:480]
@@ -276,11 +329,12 @@ def record(
                     else:
                         why = "deadline passed" if now >= deadline else "retries exhausted"
                     values.update(
-                        status=GAVE_UP, last_error=f"gave up ({why}) after {failures} attempts: {error}"[:500]
+                        status=DeliveryStatus.GAVE_UP,
+                        last_error=f"gave up ({why}) after {failures} attempts: {error}"[:500],
                     )
                     conn.execute(update(event_delivery).where(*guard).values(**values))
                     _give_up(conn, ev, a.destination, failures, why, error, now)
-                    state.status, state.attempts = GAVE_UP, failures
+                    state.status, state.attempts = DeliveryStatus.GAVE_UP, failures
                     continue
                 delay = policy.delay(failures)
                 if a.retry_after:
@@ -291,17 +345,21 @@ def record(
                 )
 
             configured = [s for d, s in ev.deliveries.items() if d in destinations]
-            pending = [s for s in configured if s.status == PENDING]
+            pending = [s for s in configured if s.status == DeliveryStatus.PENDING]
             errors = "; ".join(f"{a.destination}: {a.error}" for a in attempts if not a.ok)[:500] or None
-            if not pending and not errors and all(s.status == DELIVERED for s in configured):
+            if not pending and not errors and all(s.status == DeliveryStatus.DELIVERED for s in configured):
                 finished.setdefault(ev.lease_until, []).append(ev.outbox_id)
-                statuses.append(outbox.DONE)
+                statuses.append(OutboxStatus.DONE)
                 continue
             if pending:
-                status = outbox.PENDING
+                status = OutboxStatus.PENDING
                 row: dict[str, Any] = {"next_attempt_at": min(s.next_attempt_at or now for s in pending)}
             else:
-                status = outbox.DEAD if any(s.status == GAVE_UP for s in configured) else outbox.DONE
+                status = (
+                    OutboxStatus.DEAD
+                    if any(s.status == DeliveryStatus.GAVE_UP for s in configured)
+                    else OutboxStatus.DONE
+                )
                 row = {"status": status}
             statuses.append(status)
             _update_leased(conn, [ev.outbox_id], ev.lease_until, last_error=errors, **row, now=now)
@@ -312,14 +370,18 @@ def record(
                 .where(
                     event_delivery.c.event_id.in_(event_ids),
                     event_delivery.c.destination == destination,
-                    event_delivery.c.status == PENDING,
+                    event_delivery.c.status == DeliveryStatus.PENDING,
                 )
                 .values(
-                    status=DELIVERED, delivered_at=now, last_error=None, last_http_status=http_status, updated_at=now
+                    status=DeliveryStatus.DELIVERED,
+                    delivered_at=now,
+                    last_error=None,
+                    last_http_status=http_status,
+                    updated_at=now,
                 )
             )
         for lease_until, ids in finished.items():
-            _update_leased(conn, ids, lease_until, status=outbox.DONE, last_error=None, now=now)
+            _update_leased(conn, ids, lease_until, status=OutboxStatus.DONE, last_error=None, now=now)
     return statuses
 
 
@@ -328,7 +390,7 @@ def _update_leased(conn: Any, ids: list[int], lease_until: datetime, *, now: dat
     t = outbox_table
     changed = conn.execute(
         update(t)
-        .where(t.c.id.in_(ids), t.c.status == outbox.PENDING, t.c.next_attempt_at == lease_until)
+        .where(t.c.id.in_(ids), t.c.status == OutboxStatus.PENDING, t.c.next_attempt_at == lease_until)
         .values(attempts=t.c.attempts + 1, updated_at=now, **values)
     ).rowcount
     if changed != len(ids):
@@ -340,9 +402,11 @@ def _update_leased(conn: Any, ids: list[int], lease_until: datetime, *, now: dat
 def _give_up(conn: Any, ev: ClaimedEvent, destination: str, failures: int, why: str, error: str, now: datetime) -> None:
     data = json.loads(ev.payload)
     reason = f"event {ev.event_id} ({ev.event_type}) not delivered to {destination}: {why} after {failures} attempts"
-    review_id = open_review(
+    # Its own subject per event and destination: every give-up is news, and no two relays share an alert row.
+    escalate(
         conn,
         kind="event_delivery_gave_up",
+        subject=f"event:{ev.event_id}:{destination}",
         reason=reason,
         now=now,
         payment_id=data.get("payment_id"),
@@ -354,14 +418,6 @@ def _give_up(conn: Any, ev: ClaimedEvent, destination: str, failures: int, why: 
             "attempts": failures,
             "last_error": error,
         },
-    )
-    alerts.observe(
-        conn,
-        rule="event_delivery_gave_up",
-        key=f"event_delivery_gave_up:{destination}",
-        message=reason,
-        now=now,
-        details={"event_id": ev.event_id, "manual_review_id": review_id},
     )
     log.warning("event delivery gave up", extra={"event_id": ev.event_id, "destination": destination, "why": why})
 

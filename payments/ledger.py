@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import Connection, insert, select
 
 from payments.schema import ledger_entry, ledger_event
+from payments.states import PaymentStatus, StatusChange
 
 INCOME_PAYMENTS = "income:payments"
 """Credited when a payment is confirmed."""
@@ -33,6 +34,57 @@ def provider_account(provider: str) -> str:
 
 class UnbalancedEntries(ValueError):
     """The lines of one ledger event do not sum to zero."""
+
+
+CONFIRMED_EVENTS = {"payment": "PaymentConfirmed", "refund": "RefundConfirmed"}
+"""The ledger event a Succeeded payment or refund books."""
+FAILED_EVENTS = {"payment": "PaymentFailed", "refund": "RefundFailed"}
+"""The ledger event a Failed payment or refund books (no lines: no money moved)."""
+SOURCE_TYPES = {"callback": "callback", "call": "provider_call", "query": "query"}
+"""ledger_event.source_type for each kind of status_source."""
+
+
+def status_change_postings(change: StatusChange) -> tuple[str, list[tuple[str, int]]] | None:
+    """The ledger event type and lines a status change books (pure); None when it books nothing.
+
+    Only terminal states are booked. A confirmed payment moves its amount
+    from income to the provider's asset account; a confirmed refund moves it
+    back through contra-income; a failure is an event with no lines.
+    """
+    amount = change.amount_minor
+    provider_acct = provider_account(change.provider)
+    if change.target == PaymentStatus.SUCCEEDED:
+        if change.kind == "payment":
+            return CONFIRMED_EVENTS["payment"], [(provider_acct, amount), (INCOME_PAYMENTS, -amount)]
+        return CONFIRMED_EVENTS["refund"], [(INCOME_REFUNDS, amount), (provider_acct, -amount)]
+    if change.target == PaymentStatus.FAILED:
+        return FAILED_EVENTS[change.kind], []
+    return None
+
+
+def post_status_change(
+    conn: Connection, change: StatusChange, now: datetime, details: dict[str, Any] | None = None
+) -> int | None:
+    """Book a status change in the caller's transaction (see ``status_change_postings``); return the event id."""
+    postings = status_change_postings(change)
+    if postings is None:
+        return None
+    event_type, entries = postings
+    source_type, _, source_id = change.source.partition(":")
+    return append(
+        conn,
+        event_type=event_type,
+        dedupe_key=f"{event_type}:{change.reference}",
+        amount_minor=change.amount_minor,
+        currency=change.currency,
+        source_type=SOURCE_TYPES.get(source_type, source_type),
+        source_id=source_id or None,
+        now=now,
+        entries=entries,
+        payment_id=change.payment_id,
+        refund_id=change.reference if change.kind == "refund" else None,
+        details={"from": change.previous.value, "path": [s.value for s in change.path], **(details or {})},
+    )
 
 
 # Built once: every confirmed payment appends here (values are execute-time parameters).

@@ -22,10 +22,6 @@ from datetime import datetime
 from sqlalchemy import Connection, func, select
 
 from payments.schema import (
-    CB_GAVE_UP,
-    CB_PROCESSED,
-    CB_REJECTED,
-    CB_RETRYABLE,
     alert,
     manual_review,
     outbox,
@@ -34,7 +30,7 @@ from payments.schema import (
     provider_breaker,
     refund,
 )
-from payments.states import PaymentStatus
+from payments.states import CALLBACK_RETRYABLE, BreakerState, CallbackStatus, OutboxStatus, PaymentStatus, ReviewStatus
 
 
 @dataclass
@@ -51,7 +47,7 @@ class Snapshot:
     open_breakers: list[str] = field(default_factory=list)
 
 
-SETTLED_CALLBACK = (CB_PROCESSED, CB_REJECTED, CB_GAVE_UP)
+SETTLED_CALLBACK = (CallbackStatus.PROCESSED, CallbackStatus.REJECTED, CallbackStatus.GAVE_UP)
 """Callback statuses rows stay in (until retention or reverify): counted in ``settled_counts``."""
 SETTLED_PAYMENT = (PaymentStatus.SUCCEEDED.value, PaymentStatus.FAILED.value)
 """Final payment and refund statuses: counted in ``settled_counts``."""
@@ -69,19 +65,21 @@ def _grouped(conn: Connection, column, where=None) -> dict:  # noqa: ANN001
 def live_counts(conn: Connection, now: datetime) -> Snapshot:
     """What can pile up, by index ranges over the few rows not yet settled (no settled counts filled in)."""
     t = payment_callback_log
-    oldest = conn.execute(select(func.min(t.c.create_time)).where(t.c.status.in_(CB_RETRYABLE))).scalar()
+    oldest = conn.execute(select(func.min(t.c.create_time)).where(t.c.status.in_(CALLBACK_RETRYABLE))).scalar()
     return Snapshot(
-        callbacks_by_status=_grouped(conn, t.c.status, t.c.status.in_(CB_RETRYABLE)),
+        callbacks_by_status=_grouped(conn, t.c.status, t.c.status.in_(CALLBACK_RETRYABLE)),
         oldest_waiting_callback_seconds=(now - oldest).total_seconds() if oldest else 0.0,
         payments_by_status=_grouped(conn, payment.c.status, payment.c.status.in_(OPEN_PAYMENT)),
         refunds_by_status=_grouped(conn, refund.c.status, refund.c.status.in_(OPEN_PAYMENT)),
-        outbox_pending_by_type=_grouped(conn, outbox.c.event_type, outbox.c.status == 0),
+        outbox_pending_by_type=_grouped(conn, outbox.c.event_type, outbox.c.status == OutboxStatus.PENDING),
         manual_review_open=conn.execute(
-            select(func.count()).select_from(manual_review).where(manual_review.c.status == "open")
+            select(func.count()).select_from(manual_review).where(manual_review.c.status == ReviewStatus.OPEN)
         ).scalar_one(),
         alerts_by_status=_grouped(conn, alert.c.status, alert.c.open_key.is_not(None)),
         open_breakers=list(
-            conn.execute(select(provider_breaker.c.provider).where(provider_breaker.c.state == "open")).scalars()
+            conn.execute(
+                select(provider_breaker.c.provider).where(provider_breaker.c.state == BreakerState.OPEN)
+            ).scalars()
         ),
     )
 

@@ -1,8 +1,10 @@
 """The transactional outbox: work to send, written in the caller's transaction.
 
-Relays (``compensator/relay_outbox.py`` and friends) claim due rows and mark
-them done in the same transaction as the effect of sending them, so a crash
-anywhere means the row is simply claimed again.
+Two jobs claim due rows: ``relay_outbox`` takes the commands
+(``ChargeRequested``, sent to the provider by ``payments.relay``) and
+``publish_events`` the domain events (``payments.events``). Each marks a row
+done in the same transaction as the effect of sending it, so a crash anywhere
+means the row is simply claimed again.
 """
 
 from __future__ import annotations
@@ -15,13 +17,7 @@ from sqlalchemy import Connection, insert
 
 from payments.ids import new_id
 from payments.schema import outbox
-
-PENDING = 0
-"""Due at next_attempt_at."""
-DONE = 1
-"""Sent and its effect recorded."""
-DEAD = 2
-"""Given up: in the manual queue."""
+from payments.states import OutboxStatus
 
 _INSERT = insert(outbox)
 """Built once: every processed callback enqueues a domain event (values are execute-time parameters)."""
@@ -46,7 +42,7 @@ def enqueue(
             "event_type": event_type,
             "aggregate_id": aggregate_id,
             "payload": json.dumps(payload, sort_keys=True, default=str),
-            "status": PENDING,
+            "status": OutboxStatus.PENDING,
             "attempts": 0,
             "next_attempt_at": now + timedelta(seconds=delay_seconds),
             "created_at": now,

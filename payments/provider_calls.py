@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
 
-from payments.providers.base import Failed, NotFound, Pending, QueryOutcome, Succeeded, Unknown
+from payments.providers.base import Failed, Mismatch, QueryOutcome, Unknown
 from payments.schema import provider_call
 
 
@@ -35,7 +35,7 @@ def outcome_code(outcome: QueryOutcome) -> str | None:
     """The decline code or the reason an answer was Unknown."""
     if isinstance(outcome, Failed):
         return outcome.code[:64]
-    if isinstance(outcome, Unknown):
+    if isinstance(outcome, Unknown | Mismatch):
         return outcome.reason[:64]
     return None
 
@@ -104,8 +104,3 @@ def for_payment(conn: Connection, payment_id: str) -> list[dict[str, Any]]:
         }
         for r in rows
     ]
-
-
-def is_answer(outcome: QueryOutcome) -> bool:
-    """True when the provider gave a real answer (anything but Unknown): the breaker counts it as healthy."""
-    return isinstance(outcome, Succeeded | Failed | Pending | NotFound)

@@ -10,6 +10,8 @@ Money is BIGINT minor units.
 
 from __future__ import annotations
 
+from enum import IntEnum, StrEnum
+
 from sqlalchemy import (
     BigInteger,
     CheckConstraint,
@@ -26,6 +28,9 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.dialects import mysql
+from sqlalchemy.types import TypeDecorator
+
+from payments.states import BreakerState, CallbackStatus, DeliveryStatus, OutboxStatus, PaymentStatus, ReviewStatus
 
 metadata = MetaData()
 
@@ -35,18 +40,26 @@ BLOB = LargeBinary().with_variant(mysql.MEDIUMBLOB(), "mysql", "mariadb")
 LONGTEXT = Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
 MYSQL = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4", "mysql_collate": "utf8mb4_bin"}
 
-# Callback row statuses (payment_callback_log.status).
-CB_PENDING = 0
-"""Stored, not processed yet."""
-CB_PROCESSED = 1
-"""Applied (or recognised as a duplicate or a conflict for review)."""
-CB_FAILED = 2
-"""Processing raised; will be retried at next_retry_at."""
-CB_REJECTED = 3
-"""Signature or parse failure: kept for audit, never retried automatically."""
-CB_GAVE_UP = 4
-"""Retries exhausted: in the manual queue."""
-CB_RETRYABLE = (CB_PENDING, CB_FAILED)
+
+class StatusCode(TypeDecorator):
+    """A SMALLINT status column whose values are an IntEnum: binds the member as a plain int.
+
+    PyMySQL escapes an int subclass as a quoted string; the database would
+    coerce it, but a comparison with a string on an indexed integer column is
+    nothing to rely on.
+    """
+
+    impl = SmallInteger
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):  # noqa: ANN001, ANN201
+        return None if value is None else int(value)
+
+
+def _in(column: str, values: type[IntEnum] | type[StrEnum]) -> str:
+    """The CHECK text allowing exactly an enum's values."""
+    items = ", ".join(str(int(v)) if isinstance(v, int) else f"'{v.value}'" for v in values)
+    return f"{column} IN ({items})"
 
 # Where a stored delivery came from (payment_callback_log.source).
 SOURCE_WEBHOOK = "webhook"
@@ -77,9 +90,9 @@ payment_callback_log = Table(
     Column("event_type", String(64), nullable=True),
     Column(
         "status",
-        SmallInteger,
+        StatusCode,
         nullable=False,
-        default=CB_PENDING,
+        default=CallbackStatus.PENDING,
         comment="0 pending 1 processed 2 failed 3 rejected 4 gave up",
     ),
     Column("result", String(500), nullable=True, comment="what processing did, or why it failed"),
@@ -88,7 +101,7 @@ payment_callback_log = Table(
     Column("next_retry_at", TS, nullable=False, comment="earliest time a sweep may take the row"),
     Column("create_time", TS, nullable=False),
     Column("update_time", TS, nullable=False),
-    CheckConstraint("status IN (0, 1, 2, 3, 4)", name="ck_callback_status"),
+    CheckConstraint(_in("status", CallbackStatus), name="ck_callback_status"),
     Index("idx_callback_sweep", "status", "next_retry_at"),
     Index("idx_callback_order_no", "order_no"),
     Index("idx_callback_event", "provider", "provider_event_id"),
@@ -134,7 +147,7 @@ payment = Table(
     UniqueConstraint("provider_transaction_id", name="uq_payment_provider_txn"),
     UniqueConstraint("idempotency_key", name="uq_payment_idempotency_key"),
     CheckConstraint("amount_minor > 0", name="ck_payment_amount_positive"),
-    CheckConstraint("status IN ('Created', 'Pending', 'Succeeded', 'Failed', 'Unknown')", name="ck_payment_status"),
+    CheckConstraint(_in("status", PaymentStatus), name="ck_payment_status"),
     Index("idx_payment_status_query", "status", "next_query_at"),
     Index("idx_payment_order_no", "order_no"),
     comment="One row per payment; status changes only through the state machine's guarded UPDATEs.",
@@ -165,7 +178,7 @@ refund = Table(
     UniqueConstraint("provider_refund_id", name="uq_refund_provider_refund_id"),
     UniqueConstraint("idempotency_key", name="uq_refund_idempotency_key"),
     CheckConstraint("amount_minor > 0", name="ck_refund_amount_positive"),
-    CheckConstraint("status IN ('Created', 'Pending', 'Succeeded', 'Failed', 'Unknown')", name="ck_refund_status"),
+    CheckConstraint(_in("status", PaymentStatus), name="ck_refund_status"),
     Index("idx_refund_payment", "payment_id"),
     Index("idx_refund_status_query", "status", "next_query_at"),
     comment="One row per refund; same state machine as payments.",
@@ -193,7 +206,9 @@ outbox = Table(
     Column("event_type", String(64), nullable=False, comment="ChargeRequested, RefundRequested, PaymentSucceeded, …"),
     Column("aggregate_id", String(40), nullable=False, comment="payment_id or refund_id"),
     Column("payload", Text, nullable=False, comment="JSON"),
-    Column("status", SmallInteger, nullable=False, default=0, comment="0 pending 1 done 2 dead (manual)"),
+    Column(
+        "status", StatusCode, nullable=False, default=OutboxStatus.PENDING, comment="0 pending 1 done 2 dead (manual)"
+    ),
     Column("attempts", Integer, nullable=False, default=0),
     Column("next_attempt_at", TS, nullable=False),
     Column("last_error", String(500), nullable=True),
@@ -212,7 +227,13 @@ event_delivery = Table(
     Column("id", ID, primary_key=True, autoincrement=True),
     Column("event_id", String(40), nullable=False, comment="outbox.event_id of a domain event"),
     Column("destination", String(16), nullable=False, comment="amqp (the paysync.events exchange) or webhook"),
-    Column("status", SmallInteger, nullable=False, default=0, comment="0 pending 1 delivered 2 gave up (manual)"),
+    Column(
+        "status",
+        StatusCode,
+        nullable=False,
+        default=DeliveryStatus.PENDING,
+        comment="0 pending 1 delivered 2 gave up (manual)",
+    ),
     Column("attempts", Integer, nullable=False, default=0, comment="failed attempts so far"),
     Column("next_attempt_at", TS, nullable=False),
     Column("last_error", String(500), nullable=True),
@@ -221,7 +242,7 @@ event_delivery = Table(
     Column("created_at", TS, nullable=False),
     Column("updated_at", TS, nullable=False),
     UniqueConstraint("event_id", "destination", name="uq_event_delivery"),
-    CheckConstraint("status IN (0, 1, 2)", name="ck_event_delivery_status"),
+    CheckConstraint(_in("status", DeliveryStatus), name="ck_event_delivery_status"),
     comment="Per-destination delivery state of domain events, so one destination's outage never re-sends the other.",
     **MYSQL,
 )
@@ -244,7 +265,7 @@ provider_call = Table(
         "outcome",
         String(16),
         nullable=True,
-        comment="Succeeded, Failed, Pending, Unknown, NotFound; NULL: sent, no outcome recorded (crash)",
+        comment="Succeeded, Failed, Pending, Unknown, Mismatch, NotFound; NULL: sent, no outcome recorded (crash)",
     ),
     Column("started_at", TS, nullable=False, comment="written and committed before the request goes out"),
     Column("finished_at", TS, nullable=True),
@@ -265,7 +286,7 @@ provider_breaker = Table(
     Column("opened_at", TS, nullable=True),
     Column("retry_at", TS, nullable=True, comment="while open: when the next probe may go out"),
     Column("updated_at", TS, nullable=False),
-    CheckConstraint("state IN ('closed', 'open')", name="ck_provider_breaker_state"),
+    CheckConstraint(_in("state", BreakerState), name="ck_provider_breaker_state"),
     comment="Circuit breaker per provider, shared by every compensator process.",
     **MYSQL,
 )
@@ -349,16 +370,31 @@ manual_review = Table(
     metadata,
     Column("id", ID, primary_key=True, autoincrement=True),
     Column("kind", String(40), nullable=False, comment="callback_gave_up, conflicting_report, unresolved_payment, …"),
+    Column(
+        "subject",
+        String(150),
+        nullable=True,
+        comment="what it is about: payment:<id>, refund:<id>, callback:<id>, event:<id>:<destination>",
+    ),
     Column("payment_id", String(40), nullable=True),
     Column("refund_id", String(40), nullable=True),
     Column("callback_log_id", BigInteger, nullable=True),
     Column("reason", String(500), nullable=False),
     Column("details", Text, nullable=True, comment="JSON"),
-    Column("status", String(16), nullable=False, default="open", comment="open, resolved"),
+    Column("status", String(16), nullable=False, default=ReviewStatus.OPEN.value, comment="open, resolved"),
+    Column(
+        "open_key",
+        String(191),
+        nullable=True,
+        comment="<kind>:<subject> while open, NULL once resolved: one open review per subject",
+    ),
+    Column("occurrences", Integer, nullable=False, default=1, comment="how often the subject was escalated while open"),
     Column("resolution", String(500), nullable=True),
     Column("resolved_by", String(64), nullable=True),
     Column("created_at", TS, nullable=False),
+    Column("last_seen_at", TS, nullable=False, comment="the latest escalation of this subject"),
     Column("resolved_at", TS, nullable=True),
+    UniqueConstraint("open_key", name="uq_manual_review_open_key"),
     Index("idx_manual_review_status", "status", "created_at"),
     Index("idx_manual_review_payment", "payment_id"),
     comment="The manual queue: what automation refused to decide.",

@@ -148,6 +148,14 @@ class Settings:
     """Upper bound on callback rows processed per second by one compensator."""
     compensator_concurrency: int = 4
     """Callback rows one compensator processes at once (each in its own transaction and connection)."""
+    compensator_lease_seconds: float = 120.0
+    """A claimed batch of callback rows is invisible to other sweeps this long (longer if the rate limit needs it)."""
+    evaluate_alerts_interval_seconds: float = 15.0
+    """How often evaluate_alerts runs."""
+    publish_events_interval_seconds: float = 1.0
+    """How often publish_events runs: events reach the merchant within about this long."""
+    events_lease_seconds: float = 120.0
+    """A claimed domain event is invisible to other publish_events runs this long (a dead run gives it back after)."""
     retry_base_seconds: float = 2.0
     """First retry delay; doubles each attempt, with jitter."""
     retry_max_seconds: float = 3600.0
@@ -184,6 +192,8 @@ class Settings:
     """First delay before querying an Unknown payment; doubles per attempt, with jitter."""
     query_max_seconds: float = 600.0
     """Cap on one query delay."""
+    query_not_found_grace_seconds: float = 60.0
+    """A NotFound this soon after the last send is not believed yet (the charge may not be visible): no re-send."""
     payment_deadline_seconds: int = 86400
     """A payment unresolved this long after creation goes to manual review with an alert."""
     breaker_failure_threshold: int = 5
@@ -264,6 +274,17 @@ class Settings:
         return self.compensator_grace_seconds if self.has_broker else 0.0
 
     @property
+    def call_lease_seconds(self) -> float:
+        """How long a claimed relay or query row stays leased: its wait for the rate limiter, a full call, slack.
+
+        The relay and the query job share one token bucket per provider in a
+        process, so up to twice RELAY_CONCURRENCY calls may be queued ahead of
+        a claimed row. The prepare step renews the lease for the call itself.
+        """
+        wait = 2 * self.relay_concurrency / self.provider_rate_limit
+        return wait + self.provider_timeout_seconds * 2 + 3.0
+
+    @property
     def effective_interval_seconds(self) -> float:
         """The sweep interval: short without a broker so callbacks still apply within seconds."""
         if self.has_broker:
@@ -307,6 +328,10 @@ _PARSERS = {
     "compensator_max_retries": lambda n, v: _int(n, v, 1, 1000),
     "compensator_rate_limit": lambda n, v: _float(n, v, 0.1, 1_000_000),
     "compensator_concurrency": lambda n, v: _int(n, v, 1, 8),
+    "compensator_lease_seconds": lambda n, v: _float(n, v, 1, 86400),
+    "evaluate_alerts_interval_seconds": lambda n, v: _float(n, v, 0.1, 86400),
+    "publish_events_interval_seconds": lambda n, v: _float(n, v, 0.05, 86400),
+    "events_lease_seconds": lambda n, v: _float(n, v, 1, 86400),
     "retry_base_seconds": lambda n, v: _float(n, v, 0.001, 86400),
     "retry_max_seconds": lambda n, v: _float(n, v, 0.001, 7 * 86400),
     "alert_backlog_threshold": lambda n, v: _int(n, v, 0),
@@ -325,6 +350,7 @@ _PARSERS = {
     "query_pending_after_seconds": lambda n, v: _float(n, v, 0, 86400),
     "query_base_seconds": lambda n, v: _float(n, v, 0.001, 86400),
     "query_max_seconds": lambda n, v: _float(n, v, 0.001, 7 * 86400),
+    "query_not_found_grace_seconds": lambda n, v: _float(n, v, 0, 86400),
     "payment_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),
     "breaker_failure_threshold": lambda n, v: _int(n, v, 1, 100_000),
     "breaker_open_seconds": lambda n, v: _float(n, v, 0.01, 86400),
@@ -708,6 +734,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("QUERY_MAX_SECONDS must be >= QUERY_BASE_SECONDS")
     if settings.breaker_max_open_seconds < settings.breaker_open_seconds:
         raise ConfigError("BREAKER_MAX_OPEN_SECONDS must be >= BREAKER_OPEN_SECONDS")
+    if settings.events_lease_seconds < 2 * settings.merchant_webhook_timeout_seconds + 30:
+        # publish_events stops starting deliveries once the slowest one could outlive the lease.
+        raise ConfigError("EVENTS_LEASE_SECONDS must be >= 2 * MERCHANT_WEBHOOK_TIMEOUT_SECONDS + 30")
     _check_complete(settings)
     if settings.merchant_webhook_url and not settings.merchant_webhook_secret:
         raise ConfigError("MERCHANT_WEBHOOK_SECRET (whsec_…) is required when MERCHANT_WEBHOOK_URL is set")

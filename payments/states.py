@@ -1,4 +1,14 @@
-"""The payment (and refund) state machine: one transition table, pure functions.
+"""Every status column's values, and the payment (and refund) state machine.
+
+One enum per status column: ``PaymentStatus`` (payment.status and
+refund.status, with the state machine below), ``CallbackStatus``
+(payment_callback_log.status), ``OutboxStatus`` (outbox.status),
+``DeliveryStatus`` (event_delivery.status), ``ReviewStatus``
+(manual_review.status), ``AlertStatus`` (alert.status) and ``BreakerState``
+(provider_breaker.state). Nothing else
+spells those values out.
+
+The state machine, one transition table and pure functions:
 
     Created ──▶ Pending ──▶ Succeeded
                    │   ╲
@@ -14,7 +24,7 @@ current``; nothing else writes the status column.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 
 
 class PaymentStatus(StrEnum):
@@ -30,6 +40,70 @@ class PaymentStatus(StrEnum):
     """The provider said definitively that it did not and will not."""
     UNKNOWN = "Unknown"
     """Timeout, dropped connection or unreadable answer: must be queried, never assumed."""
+
+
+class CallbackStatus(IntEnum):
+    """Status of a raw callback row (payment_callback_log.status)."""
+
+    PENDING = 0
+    """Stored, not processed yet."""
+    PROCESSED = 1
+    """Applied (or recognised as a duplicate or a conflict for review)."""
+    FAILED = 2
+    """Processing raised; will be retried at next_retry_at."""
+    REJECTED = 3
+    """Signature or parse failure: kept for audit, never retried automatically."""
+    GAVE_UP = 4
+    """Retries exhausted: in the manual queue."""
+
+
+CALLBACK_RETRYABLE = (CallbackStatus.PENDING, CallbackStatus.FAILED)
+"""Callback statuses the consumer and the sweep still work on."""
+
+
+class OutboxStatus(IntEnum):
+    """Status of an outbox row (outbox.status)."""
+
+    PENDING = 0
+    """Due at next_attempt_at."""
+    DONE = 1
+    """Sent and its effect recorded."""
+    DEAD = 2
+    """Given up: in the manual queue."""
+
+
+class DeliveryStatus(IntEnum):
+    """Status of one domain event at one destination (event_delivery.status)."""
+
+    PENDING = 0
+    """Not delivered yet; due at next_attempt_at."""
+    DELIVERED = 1
+    """The destination has the event (broker confirm, or a 2xx)."""
+    GAVE_UP = 2
+    """Retries exhausted or deadline passed (or a permanent refusal): in the manual queue."""
+
+
+class ReviewStatus(StrEnum):
+    """Status of a manual review item (manual_review.status)."""
+
+    OPEN = "open"
+    RESOLVED = "resolved"
+
+
+class AlertStatus(StrEnum):
+    """Status of an alert (alert.status)."""
+
+    PENDING = "pending"
+    """Condition seen, not for long enough yet."""
+    FIRING = "firing"
+    RESOLVED = "resolved"
+
+
+class BreakerState(StrEnum):
+    """State of a provider's circuit breaker (provider_breaker.state)."""
+
+    CLOSED = "closed"
+    OPEN = "open"
 
 
 TERMINAL = frozenset({PaymentStatus.SUCCEEDED, PaymentStatus.FAILED})
@@ -65,6 +139,25 @@ class Decision:
     def target(self) -> PaymentStatus | None:
         """The final state when applied, else None."""
         return self.path[-1] if self.path else None
+
+
+@dataclass(frozen=True)
+class StatusChange:
+    """One applied transition of a payment or a refund, as the ledger and the merchant's events see it."""
+
+    kind: str
+    """"payment" or "refund"."""
+    reference: str
+    """The payment_id or the refund_id."""
+    payment_id: str
+    provider: str
+    amount_minor: int
+    currency: str
+    previous: PaymentStatus
+    target: PaymentStatus
+    path: tuple[PaymentStatus, ...]
+    source: str
+    """What caused it: callback:<id>, call:<id> or query:<id>."""
 
 
 def is_allowed(source: PaymentStatus, target: PaymentStatus) -> bool:

@@ -12,6 +12,7 @@ import uuid
 import pytest
 from sqlalchemy import text
 
+from payments import breaker
 from payments.db import init_db, make_engine
 from payments.migrations import VERSION_TABLE
 from payments.schema import metadata
@@ -75,6 +76,7 @@ def truncate_all(engine) -> None:
             conn.execute(text("SET FOREIGN_KEY_CHECKS = 1"))
     if engine.dialect.name == "sqlite":
         init_db(engine)
+    breaker.clear_cache()  # the process caches breaker rows for 200 ms: none may outlive the tables
 
 
 @pytest.fixture
@@ -89,6 +91,7 @@ def sqlite(tmp_path):
     """A fresh SQLite database file (the embedded default) with the schema."""
     engine = make_engine(f"sqlite:///{tmp_path / 'paysync.db'}")
     init_db(engine)
+    breaker.clear_cache()  # cached by id(engine), which a new engine may reuse
     yield engine
     engine.dispose()
 

@@ -18,7 +18,8 @@ from sqlalchemy import select, text
 from payments.callbacks import process_callback, store_callback
 from payments.providers import build_providers
 from payments.runtime import build_runtime
-from payments.schema import CB_PENDING, CB_PROCESSED, ledger_event, outbox, payment_callback_log
+from payments.schema import ledger_event, outbox, payment_callback_log
+from payments.states import CallbackStatus
 from tests.stack import (
     Stack,
     callback_rows,
@@ -115,9 +116,9 @@ def test_sigterm_finishes_the_message_in_hand_and_hands_back_the_rest(mariadb, a
         blocker.rollback()  # release: the message in hand completes
         assert consumer.popen.wait(15) == 0
 
-    assert _row(mariadb, held_id).status == CB_PROCESSED
+    assert _row(mariadb, held_id).status == CallbackStatus.PROCESSED
     assert payment_status(mariadb, held_payment) == "Succeeded"
-    assert _row(mariadb, next_id).status == CB_PENDING, "nothing new may start after SIGTERM"
+    assert _row(mariadb, next_id).status == CallbackStatus.PENDING, "nothing new may start after SIGTERM"
     assert _stopped_after(consumer) == 1
     assert ready_count(amqp_url, amqp_queue) == 1, "the finished message is acked, the other one handed back"
 
@@ -133,7 +134,7 @@ def test_a_consumer_killed_after_commit_before_ack_gets_a_redelivery_with_no_sec
         assert doomed.popen.wait(20) == -signal.SIGKILL
         assert "failpoint consumer.after_commit: SIGKILL" in doomed.output()
         committed = _row(mariadb, log_id)
-        assert committed.status == CB_PROCESSED and payment_status(mariadb, payment_id) == "Succeeded"
+        assert committed.status == CallbackStatus.PROCESSED and payment_status(mariadb, payment_id) == "Succeeded"
         assert ready_count(amqp_url, amqp_queue) == 1, "the unacked message must come back"
 
         clean = stack.start("consumer", "consumer-clean")
@@ -168,7 +169,7 @@ def test_the_same_event_delivered_20_times_at_once_changes_state_once(mariadb, a
             t.join(30)
         assert answers == [200] * 20
         wait_until(
-            lambda: [r.status for r in callback_rows(mariadb)] == [CB_PROCESSED] * 20,
+            lambda: [r.status for r in callback_rows(mariadb)] == [CallbackStatus.PROCESSED] * 20,
             timeout=30,
             message="all 20 rows processed",
         )

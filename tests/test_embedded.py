@@ -9,7 +9,8 @@ import pytest
 from sqlalchemy import select
 
 from payments.db import init_db, make_engine
-from payments.schema import CB_PROCESSED, payment_callback_log
+from payments.schema import payment_callback_log
+from payments.states import CallbackStatus
 from tests.stack import Stack, median_ms, post
 from tests.support import create_payment, sandbox_event, signed, wait_until
 
@@ -51,7 +52,7 @@ def test_embedded_mode_applies_concurrent_callbacks_within_seconds_without_locki
             with engine.connect() as conn:
                 rows = conn.execute(
                     select(payment_callback_log.c.provider_event_id).where(
-                        payment_callback_log.c.status == CB_PROCESSED
+                        payment_callback_log.c.status == CallbackStatus.PROCESSED
                     )
                 ).scalars()
                 seen = time.time()

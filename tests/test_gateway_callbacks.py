@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from gateway import create_app
-from payments.schema import CB_PENDING, CB_REJECTED
+from payments.states import CallbackStatus
 from tests.stack import Stack, callback_rows, db_url, post
 from tests.support import SECRET, create_payment, make_settings, sandbox_event, signed
 
@@ -45,13 +45,13 @@ def cases(payment_id: str) -> list[Case]:
     float_event["data"]["amount"] = 1000.0
     oversized = sandbox_event(payment_id, description="x" * MAX_BODY)
     return [
-        Case("valid", *signed(event), 200, None, CB_PENDING),
+        Case("valid", *signed(event), 200, None, CallbackStatus.PENDING),
         Case(
             "bad signature",
             *signed(sandbox_event(payment_id), secret="whsec_someone_else"),
             401,
             "invalid_signature",
-            CB_REJECTED,
+            CallbackStatus.REJECTED,
         ),
         Case(
             "missing signature",
@@ -59,28 +59,32 @@ def cases(payment_id: str) -> list[Case]:
             {},
             401,
             "invalid_signature",
-            CB_REJECTED,
+            CallbackStatus.REJECTED,
         ),
         Case(
             "stale timestamp",
             *signed(sandbox_event(payment_id), timestamp=int(time.time()) - 301),
             401,
             "stale_timestamp",
-            CB_REJECTED,
+            CallbackStatus.REJECTED,
         ),
-        Case("tampered body", *_tampered(payment_id), 401, "invalid_signature", CB_REJECTED),
-        Case("malformed json", *signed(b'{"id": "evt_1", "type": '), 400, "malformed_callback", CB_REJECTED),
+        Case("tampered body", *_tampered(payment_id), 401, "invalid_signature", CallbackStatus.REJECTED),
+        Case(
+            "malformed json", *signed(b'{"id": "evt_1", "type": '), 400, "malformed_callback", CallbackStatus.REJECTED
+        ),
         # Genuine but not applicable yet (or ever): acknowledged and stored; processing decides (status 2 / 1).
-        Case("unknown payment", *signed(sandbox_event(f"pay_{uuid.uuid4().hex[:20]}")), 200, None, CB_PENDING),
-        Case("conflicting amount", *signed(sandbox_event(payment_id, amount=999)), 200, None, CB_PENDING),
-        Case("deeply nested json", *signed(b"[" * 100_000), 400, "malformed_callback", CB_REJECTED),
-        Case("float amount", *signed(float_event), 400, "malformed_callback", CB_REJECTED),
+        Case(
+            "unknown payment", *signed(sandbox_event(f"pay_{uuid.uuid4().hex[:20]}")), 200, None, CallbackStatus.PENDING
+        ),
+        Case("conflicting amount", *signed(sandbox_event(payment_id, amount=999)), 200, None, CallbackStatus.PENDING),
+        Case("deeply nested json", *signed(b"[" * 100_000), 400, "malformed_callback", CallbackStatus.REJECTED),
+        Case("float amount", *signed(float_event), 400, "malformed_callback", CallbackStatus.REJECTED),
         Case(
             "unknown event type",
             *signed(sandbox_event(payment_id, event_type="charge.exploded")),
             400,
             "malformed_callback",
-            CB_REJECTED,
+            CallbackStatus.REJECTED,
         ),
         # Refused, and still on record: its first CALLBACK_MAX_BODY_BYTES, rejected (invariant 2).
         Case("oversized body", *signed(oversized), 413, "body_too_large", CB_REJECTED),
@@ -93,9 +97,15 @@ def cases(payment_id: str) -> list[Case]:
             *_signature_header(payment_id, "v1=\u00e9\u00e9"),
             401,
             "invalid_signature",
-            CB_REJECTED,
+            CallbackStatus.REJECTED,
         ),
-        Case("non-ascii timestamp", *_signature_header(payment_id, "t=\u00b2"), 401, "invalid_signature", CB_REJECTED),
+        Case(
+            "non-ascii timestamp",
+            *_signature_header(payment_id, "t=\u00b2"),
+            401,
+            "invalid_signature",
+            CallbackStatus.REJECTED,
+        ),
     ]
 
 
@@ -165,7 +175,7 @@ def test_each_delivery_gets_its_documented_answer_and_status_and_no_row_is_lost(
         assert bytes(row.callback_data) == case.body[:MAX_BODY], case.name
         assert row.status == case.stored_status, case.name
         assert row.provider == "sandbox" and row.remote_addr
-        if case.stored_status == CB_REJECTED:
+        if case.stored_status == CallbackStatus.REJECTED:
             assert row.result.startswith(f"rejected: {case.error_code}"), (case.name, row.result)
             # What re-verification after a key fix needs is kept with the row.
             assert json.loads(row.headers).get("Sandbox-Signature") == case.headers.get("Sandbox-Signature")
@@ -232,7 +242,7 @@ def test_the_real_gunicorn_gateway_answers_every_case_and_loses_no_row(mariadb, 
         expected.append((over[:MAX_BODY], CB_REJECTED))
         at_limit = exactly(MAX_BODY, payment_id)
         assert post(port, _chunked(at_limit), signed(at_limit)[1]).status_code == 200
-        expected.append((at_limit, CB_PENDING))
+        expected.append((at_limit, CallbackStatus.PENDING))
         rows = callback_rows(mariadb)
         assert [(bytes(r.callback_data), r.status) for r in rows] == expected
 
@@ -246,5 +256,5 @@ def test_headers_of_non_ascii_bytes_at_gunicorns_size_limit_are_still_stored(eng
     answer = client.post("/callbacks/sandbox", data=body, headers=noisy)
     assert answer.status_code == 401, answer.get_data(as_text=True)
     (row,) = callback_rows(engine)
-    assert row.status == CB_REJECTED and bytes(row.callback_data) == body
+    assert row.status == CallbackStatus.REJECTED and bytes(row.callback_data) == body
     assert json.loads(row.headers)["User-Agent"] == "\u00ff" * 8000

@@ -22,13 +22,10 @@ from gateway import create_app
 from gateway.publisher import CallbackPublisher
 from payments import ledger
 from payments.backoff import RetryPolicy
-from payments.callbacks import Outcome, process_callback, store_callback
+from payments.callbacks import CallbackResult, process_callback, store_callback
 from payments.db import make_engine, utcnow
 from payments.providers import build_providers
 from payments.schema import (
-    CB_GAVE_UP,
-    CB_PROCESSED,
-    CB_REJECTED,
     alert,
     ledger_entry,
     ledger_event,
@@ -36,6 +33,7 @@ from payments.schema import (
     payment,
     payment_callback_log,
 )
+from payments.states import CallbackStatus
 from tests.stack import Stack, callback_rows, db_url, effect_counts, post, ready_count, url_via
 from tests.support import SECRET, TcpProxy, create_payment, make_settings, sandbox_event, signed, wait_until
 
@@ -128,15 +126,15 @@ def test_inv2_every_delivery_that_reached_the_gateway_is_kept_byte_for_byte(engi
         client.post("/callbacks/sandbox", data=body, headers=headers)
     rows = callback_rows(engine)
     assert [bytes(r.callback_data) for r in rows] == [body for body, _ in deliveries]
-    assert all(r.status in (0, CB_REJECTED) for r in rows)
+    assert all(r.status in (CallbackStatus.PENDING, CallbackStatus.REJECTED) for r in rows)
 
 
 def test_inv2_a_forged_row_left_pending_is_rejected_by_processing_not_retried_forever(engine):
     # If the gateway could not mark a bad signature as rejected, the row stays 0 and the sweep rejects it.
     log_id = _store(engine, sandbox_event(create_payment(engine)), secret="whsec_wrong")
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.REJECTED
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.REJECTED
     (row,) = callback_rows(engine)
-    assert (row.status, row.retry_count) == (CB_REJECTED, 0)
+    assert (row.status, row.retry_count) == (CallbackStatus.REJECTED, 0)
     assert row.result.startswith("rejected: invalid_signature")
 
 
@@ -150,7 +148,7 @@ def test_inv3_concurrent_workers_on_duplicate_rows_and_on_one_row_apply_the_effe
     ids = [_store(mariadb, event) for _ in range(8)]
     work = ids + ids[:4]  # 8 duplicate deliveries, 4 of them also processed twice at the same moment
     barrier = threading.Barrier(len(work))
-    outcomes: list[Outcome] = []
+    outcomes: list[CallbackResult] = []
 
     def worker(log_id: int) -> None:
         barrier.wait()
@@ -161,17 +159,19 @@ def test_inv3_concurrent_workers_on_duplicate_rows_and_on_one_row_apply_the_effe
         t.start()
     for t in threads:
         t.join(30)
-    assert sorted(outcomes) == sorted([Outcome.APPLIED] + [Outcome.DUPLICATE] * 7 + [Outcome.SKIPPED] * 4)
+    assert sorted(outcomes) == sorted(
+        [CallbackResult.APPLIED] + [CallbackResult.DUPLICATE] * 7 + [CallbackResult.SKIPPED] * 4
+    )
     assert effect_counts(mariadb, payment_id) == {"ledger_events": 1, "processed_events": 1}
-    assert {r.status for r in callback_rows(mariadb)} == {CB_PROCESSED}
+    assert {r.status for r in callback_rows(mariadb)} == {CallbackStatus.PROCESSED}
 
 
 def test_inv3_a_replay_under_a_new_event_id_does_not_apply_twice(engine):
     payment_id = create_payment(engine)
     first = _store(engine, sandbox_event(payment_id, provider_transaction_id="ch_same"))
     replay = _store(engine, sandbox_event(payment_id, provider_transaction_id="ch_same"))
-    assert process_callback(engine, PROVIDERS, first, RetryPolicy()) == Outcome.APPLIED
-    assert process_callback(engine, PROVIDERS, replay, RetryPolicy()) == Outcome.NOOP
+    assert process_callback(engine, PROVIDERS, first, RetryPolicy()) == CallbackResult.APPLIED
+    assert process_callback(engine, PROVIDERS, replay, RetryPolicy()) == CallbackResult.NOOP
     assert effect_counts(engine, payment_id)["ledger_events"] == 1
 
 
@@ -187,7 +187,7 @@ def test_inv4_no_report_overwrites_a_terminal_payment(engine, terminal, event_ty
     outcome = process_callback(engine, PROVIDERS, log_id, RetryPolicy())
     assert _payment_row(engine, payment_id) == before
     contradicts = (terminal == "Succeeded") != (event_type == "charge.succeeded")
-    assert outcome == (Outcome.CONFLICT if contradicts else Outcome.NOOP)
+    assert outcome == (CallbackResult.CONFLICT if contradicts else CallbackResult.NOOP)
     with engine.connect() as conn:
         reviews = conn.execute(select(func.count()).select_from(manual_review)).scalar()
         alerts_open = conn.execute(select(func.count()).where(alert.c.rule == "conflicting_report")).scalar()
@@ -198,7 +198,7 @@ def test_inv4_no_report_overwrites_a_terminal_payment(engine, terminal, event_ty
 def test_inv4_a_status_committed_while_processing_waits_is_seen_and_not_overwritten(mariadb):
     payment_id = create_payment(mariadb)
     log_id = _store(mariadb, sandbox_event(payment_id))
-    outcome: list[Outcome] = []
+    outcome: list[CallbackResult] = []
     with mariadb.connect() as other:
         other.execute(select(payment.c.id).where(payment.c.payment_id == payment_id).with_for_update())
         worker = threading.Thread(
@@ -222,7 +222,7 @@ def test_inv4_a_status_committed_while_processing_waits_is_seen_and_not_overwrit
         )
         other.commit()
         worker.join(30)
-    assert outcome == [Outcome.CONFLICT]
+    assert outcome == [CallbackResult.CONFLICT]
     assert _payment_row(mariadb, payment_id).status == "Failed"
     assert effect_counts(mariadb, payment_id)["ledger_events"] == 0
 
@@ -241,7 +241,7 @@ def test_inv7_an_amount_that_is_not_a_positive_integer_is_rejected_as_malformed(
     assert answer.status_code == 400
     assert answer.get_json()["error"]["code"] == "malformed_callback"
     (row,) = callback_rows(engine)
-    assert row.status == CB_REJECTED
+    assert row.status == CallbackStatus.REJECTED
     assert _payment_row(engine, payment_id).status == "Pending"
 
 
@@ -314,7 +314,7 @@ def test_inv8_every_ledger_event_balances_to_zero(engine):
         event_type = "charge.failed" if i == 2 else "charge.succeeded"
         payment_id = create_payment(engine, amount=100 * (i + 1))
         log_id = _store(engine, sandbox_event(payment_id, amount=100 * (i + 1), event_type=event_type))
-        assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.APPLIED
+        assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.APPLIED
     with engine.connect() as conn:
         sums = conn.execute(
             select(ledger_entry.c.ledger_event_id, func.sum(ledger_entry.c.amount_minor)).group_by(
@@ -377,7 +377,11 @@ def test_inv9_process_logs_never_contain_the_secret_a_signature_or_a_card_number
         signatures = [headers["Sandbox-Signature"] for _, headers in bodies]
         for body, headers in bodies:
             post(port, body, headers)
-        wait_until(lambda: CB_GAVE_UP in {r.status for r in callback_rows(mariadb)}, timeout=30, message="the give-up")
+        wait_until(
+            lambda: CallbackStatus.GAVE_UP in {r.status for r in callback_rows(mariadb)},
+            timeout=30,
+            message="the give-up",
+        )
         wait_until(lambda: "gave up after" in stack.output(), timeout=30, message="the give-up line")
         output = stack.output()
 
@@ -402,15 +406,15 @@ def test_inv10_failed_callbacks_back_off_exponentially_with_jitter_then_give_up_
     crowd = [_store(engine, sandbox_event(f"pay_{uuid.uuid4().hex[:20]}")) for _ in range(10)]
     for attempt in range(1, policy.max_retries):
         for log_id in crowd:
-            assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == Outcome.RETRY
+            assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == CallbackResult.RETRY
         delays = [(r.next_retry_at - now).total_seconds() for r in callback_rows(engine)]
         ceiling = policy.base_seconds * 2 ** (attempt - 1)
         assert all(ceiling / 2 <= d <= ceiling for d in delays), (attempt, delays)
         assert len(set(delays)) > 1, "jitter: a crowd must not retry in lockstep"
         now += timedelta(seconds=ceiling)
     for log_id in crowd:
-        assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == Outcome.GAVE_UP
-    assert {r.status for r in callback_rows(engine)} == {CB_GAVE_UP}
+        assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == CallbackResult.GAVE_UP
+    assert {r.status for r in callback_rows(engine)} == {CallbackStatus.GAVE_UP}
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).where(manual_review.c.kind == "callback_gave_up")).scalar() == 10
         assert conn.execute(select(func.count()).where(alert.c.rule == "callback_gave_up")).scalar() == 10

@@ -31,6 +31,7 @@ from payments.providers import build_providers
 from payments.runtime import build_runtime
 from payments.schema import alert, event_delivery, manual_review
 from payments.schema import outbox as outbox_table
+from payments.states import DeliveryStatus, OutboxStatus
 from tests.support import ROOT, TcpProxy, create_payment, env_for, free_port, make_settings, sandbox_event, signed
 
 WEBHOOK_SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
@@ -157,7 +158,7 @@ def webhook_settings(receiver: Receiver, **more) -> dict:
 
 
 def add_event(engine, event_type: str = "PaymentSucceeded", payment_id: str | None = None, now=None) -> str:
-    """An outbox row exactly as payments/callbacks.py writes one."""
+    """An outbox row exactly as events.enqueue_status_change writes one."""
     payment_id = payment_id or f"pay_{uuid.uuid4().hex[:20]}"
     now = now or utcnow()
     with engine.begin() as conn:
@@ -206,7 +207,7 @@ def all_finished(engine) -> bool:
     with engine.connect() as conn:
         return not conn.execute(
             select(func.count()).where(
-                outbox_table.c.status == outbox.PENDING,
+                outbox_table.c.status == OutboxStatus.PENDING,
                 outbox_table.c.event_type.in_(sorted(events.DOMAIN_EVENT_TYPES)),
             )
         ).scalar()
@@ -220,10 +221,33 @@ def test_it_no_ops_on_an_empty_database(engine, receiver):
     assert receiver.count() == 0
 
 
-def test_every_domain_event_type_written_by_status_changes_is_relayed_and_no_command_is():
-    from payments.transitions import DOMAIN_EVENTS
+def test_every_status_change_but_pending_announces_a_relayed_domain_event_and_no_command_is_one():
+    from payments.states import PaymentStatus, StatusChange
 
-    assert set(DOMAIN_EVENTS.values()) == events.DOMAIN_EVENT_TYPES
+    announced = set()
+    for kind in ("payment", "refund"):
+        for target in PaymentStatus:
+            change = StatusChange(
+                kind=kind,
+                reference="ref_1",
+                payment_id="pay_1",
+                provider="sandbox",
+                amount_minor=100,
+                currency="CNY",
+                previous=PaymentStatus.PENDING,
+                target=target,
+                path=(target,),
+                source="call:1",
+            )
+            event = events.status_change_event(
+                change, utcnow(), order_no=None, provider_reference=None, failure_code=None
+            )
+            if target in (PaymentStatus.CREATED, PaymentStatus.PENDING):
+                assert event is None
+            else:
+                announced.add(event[0])
+                assert event[1]["status"] == target.value and event[1]["type"] == event[0]
+    assert announced == events.DOMAIN_EVENT_TYPES and len(announced) == 6
     assert not {"ChargeRequested", "RefundRequested"} & events.DOMAIN_EVENT_TYPES
 
 
@@ -246,9 +270,9 @@ def test_an_event_is_posted_signed_in_the_standard_webhooks_format_and_marked_do
     assert body["id"] == event_id and body["type"] == "PaymentSucceeded"
     assert body["data"]["payment_id"] == "pay_01TESTWEBHOOK"
     assert body["data"]["amount"] == 1000 and body["data"]["currency"] == "CNY"
-    assert outbox_rows(engine)[event_id]["status"] == outbox.DONE
+    assert outbox_rows(engine)[event_id]["status"] == OutboxStatus.DONE
     d = deliveries(engine)[(event_id, "webhook")]
-    assert d["status"] == events.DELIVERED and d["attempts"] == 0 and d["last_http_status"] == 200
+    assert d["status"] == DeliveryStatus.DELIVERED and d["attempts"] == 0 and d["last_http_status"] == 200
 
     assert publish_events.run_once(runtime_for(engine, **webhook_settings(receiver))) == 0
     assert receiver.count() == 1
@@ -269,8 +293,8 @@ def test_a_failing_endpoint_is_retried_with_growing_backoff_until_it_answers_2xx
     for gap, floor in zip(gaps, (0.1, 0.2, 0.4), strict=True):
         assert gap >= floor - 0.02, gaps
     d = deliveries(engine)[(event_id, "webhook")]
-    assert d["status"] == events.DELIVERED and d["attempts"] == 3
-    assert outbox_rows(engine)[event_id]["status"] == outbox.DONE
+    assert d["status"] == DeliveryStatus.DELIVERED and d["attempts"] == 3
+    assert outbox_rows(engine)[event_id]["status"] == OutboxStatus.DONE
 
 
 def test_an_endpoint_that_never_succeeds_gives_up_into_manual_review_with_an_alert(engine):
@@ -278,15 +302,15 @@ def test_an_endpoint_that_never_succeeds_gives_up_into_manual_review_with_an_ale
     try:
         runtime = runtime_for(engine, event_delivery_max_attempts=3, **webhook_settings(receiver))
         event_id = add_event(engine, payment_id="pay_01GIVEUP")
-        run_until(runtime, lambda: outbox_rows(engine)[event_id]["status"] != outbox.PENDING)
+        run_until(runtime, lambda: outbox_rows(engine)[event_id]["status"] != OutboxStatus.PENDING)
         assert receiver.count() == 3
         publish_events.run_once(runtime)
         assert receiver.count() == 3  # nothing more once given up
     finally:
         receiver.close()
-    assert outbox_rows(engine)[event_id]["status"] == outbox.DEAD
+    assert outbox_rows(engine)[event_id]["status"] == OutboxStatus.DEAD
     d = deliveries(engine)[(event_id, "webhook")]
-    assert d["status"] == events.GAVE_UP and d["attempts"] == 3 and "retries exhausted" in d["last_error"]
+    assert d["status"] == DeliveryStatus.GAVE_UP and d["attempts"] == 3 and "retries exhausted" in d["last_error"]
     with engine.connect() as conn:
         [review] = conn.execute(select(manual_review)).mappings().all()
         alerts = conn.execute(select(alert).where(alert.c.open_key.is_not(None))).mappings().all()
@@ -306,7 +330,7 @@ def test_410_gone_gives_up_at_once(engine):
         assert receiver.count() == 1
     finally:
         receiver.close()
-    assert outbox_rows(engine)[event_id]["status"] == outbox.DEAD
+    assert outbox_rows(engine)[event_id]["status"] == OutboxStatus.DEAD
     assert "refused for good" in deliveries(engine)[(event_id, "webhook")]["last_error"]
 
 
@@ -320,7 +344,7 @@ def test_an_event_past_its_deadline_gives_up_on_its_next_failure(engine):
     finally:
         receiver.close()
     d = deliveries(engine)[(event_id, "webhook")]
-    assert d["status"] == events.GAVE_UP and "deadline passed" in d["last_error"]
+    assert d["status"] == DeliveryStatus.GAVE_UP and "deadline passed" in d["last_error"]
 
 
 def test_a_timeout_and_a_retry_after_count_as_a_failed_attempt_that_waits(engine):
@@ -332,7 +356,7 @@ def test_a_timeout_and_a_retry_after_count_as_a_failed_attempt_that_waits(engine
     finally:
         slow.close()
     d = deliveries(engine)[(event_id, "webhook")]
-    assert d["status"] == events.PENDING and d["attempts"] == 1 and d["last_error"] == "webhook ReadTimeout"
+    assert d["status"] == DeliveryStatus.PENDING and d["attempts"] == 1 and d["last_error"] == "webhook ReadTimeout"
 
     busy = Receiver(answer=lambda event_id, nth: 429, retry_after="30")
     try:
@@ -370,7 +394,7 @@ def test_with_no_destination_configured_events_are_marked_done_not_left_to_pile_
     ids = [add_event(engine) for _ in range(3)]
     assert publish_events.run_once(runtime_for(engine)) == 3
     rows = outbox_rows(engine)
-    assert {rows[i]["status"] for i in ids} == {outbox.DONE}
+    assert {rows[i]["status"] for i in ids} == {OutboxStatus.DONE}
     assert deliveries(engine) == {}
 
 
@@ -405,7 +429,7 @@ def test_a_relay_killed_after_delivering_delivers_again_with_the_same_event_id(m
     killed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=60)
     assert killed.returncode == -9
     assert receiver.delivered()[event_id] == 1
-    assert outbox_rows(mariadb)[event_id]["status"] == outbox.PENDING  # delivered, not recorded
+    assert outbox_rows(mariadb)[event_id]["status"] == OutboxStatus.PENDING  # delivered, not recorded
 
     with mariadb.begin() as conn:  # the lease runs out
         conn.execute(update(outbox_table).values(next_attempt_at=utcnow()))
@@ -413,7 +437,7 @@ def test_a_relay_killed_after_delivering_delivers_again_with_the_same_event_id(m
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert receiver.delivered()[event_id] == 2  # at least once: the receiver dedupes on webhook-id
-    assert outbox_rows(mariadb)[event_id]["status"] == outbox.DONE
+    assert outbox_rows(mariadb)[event_id]["status"] == OutboxStatus.DONE
 
 
 # --- RabbitMQ ------------------------------------------------------------------------------------
@@ -445,8 +469,8 @@ def test_events_are_published_to_the_topic_exchange_routed_by_type_persistent_wi
         assert props.delivery_mode == 2
         assert props.content_type == "application/json"
     assert [json.loads(b)["type"] for _, _, b in refunds] == ["RefundSucceeded"]
-    assert {r["status"] for r in outbox_rows(mariadb).values()} == {outbox.DONE}
-    assert {d["status"] for d in deliveries(mariadb).values()} == {events.DELIVERED}
+    assert {r["status"] for r in outbox_rows(mariadb).values()} == {OutboxStatus.DONE}
+    assert {d["status"] for d in deliveries(mariadb).values()} == {DeliveryStatus.DELIVERED}
 
 
 def test_a_broker_outage_loses_no_event_and_resends_no_webhook(mariadb, amqp_url, amqp_queue, exchange, receiver):
@@ -462,8 +486,8 @@ def test_a_broker_outage_loses_no_event_and_resends_no_webhook(mariadb, amqp_url
         publish_events.run_once(runtime)
         assert receiver.delivered() == Counter(dict.fromkeys(ids, 1))
         pending = deliveries(mariadb)
-        assert {pending[(i, "amqp")]["status"] for i in ids} == {events.PENDING}
-        assert {pending[(i, "webhook")]["status"] for i in ids} == {events.DELIVERED}
+        assert {pending[(i, "amqp")]["status"] for i in ids} == {DeliveryStatus.PENDING}
+        assert {pending[(i, "webhook")]["status"] for i in ids} == {DeliveryStatus.DELIVERED}
 
         time.sleep(0.1)  # past the backoff: the broker is tried again, still down
         publish_events.run_once(runtime)
@@ -476,7 +500,7 @@ def test_a_broker_outage_loses_no_event_and_resends_no_webhook(mariadb, amqp_url
         proxy.close()
     assert receiver.count() == 5
     assert sorted(p.message_id for _, p, _ in drain(amqp_url, amqp_queue)) == sorted(ids)
-    assert {r["status"] for r in outbox_rows(mariadb).values()} == {outbox.DONE}
+    assert {r["status"] for r in outbox_rows(mariadb).values()} == {OutboxStatus.DONE}
 
 
 def test_a_failing_webhook_does_not_republish_to_the_broker(mariadb, amqp_url, amqp_queue, exchange):
@@ -538,6 +562,61 @@ def test_a_pass_out_of_time_gives_its_undelivered_rows_back_at_once(engine):
     now = utcnow()
     for event_id in ids:
         if event_id in delivered:
-            assert rows[event_id]["status"] == outbox.DONE
-        else:  # not leased for LEASE_SECONDS any more: another relay may take it now
-            assert rows[event_id]["status"] == outbox.PENDING and rows[event_id]["next_attempt_at"] <= now
+            assert rows[event_id]["status"] == OutboxStatus.DONE
+        else:  # not leased for EVENTS_LEASE_SECONDS any more: another relay may take it now
+            assert rows[event_id]["status"] == OutboxStatus.PENDING and rows[event_id]["next_attempt_at"] <= now
+
+
+def give_up_at_once(engine, event_ids: list[str]) -> None:
+    """Claim these events and record a permanent refusal (410) for each: every one gives up."""
+    claimed, _ = events.claim(engine, utcnow(), len(event_ids), [events.WEBHOOK], 120)
+    assert sorted(ev.event_id for ev in claimed) == sorted(event_ids)
+    passes = [
+        (ev, [events.Attempt(events.WEBHOOK, ok=False, error="gone", http_status=410, permanent=True)])
+        for ev in claimed
+    ]
+    events.record(engine, passes, utcnow(), RetryPolicy(), 86400, [events.WEBHOOK])
+
+
+def test_every_event_delivery_give_up_notifies_not_only_the_first_per_destination(engine):
+    from payments import alerts as alert_rows
+
+    told: list[dict] = []
+    for _ in range(3):
+        give_up_at_once(engine, [add_event(engine)])
+        with engine.begin() as conn:
+            alert_rows.deliver(conn, utcnow(), [told.append])
+    assert [a["rule"] for a in told] == ["event_delivery_gave_up"] * 3
+    assert len({a["details"]["event_id"] for a in told}) == 3
+    with engine.connect() as conn:
+        assert conn.execute(select(manual_review.c.kind)).scalars().all() == ["event_delivery_gave_up"] * 3
+
+
+def test_compensators_recording_give_ups_at_once_do_not_deadlock_on_the_alert_row(mariadb):
+    give_up_at_once(mariadb, [add_event(mariadb)])  # the first give-up's alert row exists from here on
+    errors: list[BaseException] = []
+    gone = events.Attempt(events.WEBHOOK, ok=False, error="gone", http_status=410, permanent=True)
+    for _ in range(5):
+        for _ in range(6):
+            add_event(mariadb)
+        # One event each, claimed one after the other (concurrent claims may skip each other's rows).
+        claims = [events.claim(mariadb, utcnow(), 1, [events.WEBHOOK], 120)[0] for _ in range(6)]
+        assert [len(c) for c in claims] == [1] * 6
+        start = threading.Barrier(len(claims))
+
+        def record(claimed, start=start):
+            try:
+                start.wait(10)
+                events.record(mariadb, [(claimed[0], [gone])], utcnow(), RetryPolicy(), 86400, [events.WEBHOOK])
+            except BaseException as exc:  # noqa: BLE001 - collected and asserted on below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=record, args=(c,)) for c in claims]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert errors == []
+    assert {r["status"] for r in outbox_rows(mariadb).values()} == {OutboxStatus.DEAD}
+    with mariadb.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(manual_review)).scalar() == 31

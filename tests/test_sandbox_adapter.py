@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from payments.providers.base import ChargeRequest, Failed, NotFound, Pending, Succeeded, Unknown
+from payments.providers.base import ChargeRequest, Failed, Mismatch, NotFound, Pending, Succeeded, Unknown
 from payments.providers.sandbox import LegacySandboxProvider, SandboxProvider, read_answer, read_charge
 from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.support import SECRET, free_port
@@ -72,8 +72,6 @@ def test_server_errors_rate_limits_and_surprises_are_unknown(status):
         b'{"status": "succeeded"}',
         charge_body(status="weird"),
         charge_body(merchant_transaction_id="pay_other"),
-        charge_body(amount=1),
-        charge_body(currency="USD"),
         charge_body(id=""),
     ],
 )
@@ -81,9 +79,17 @@ def test_a_200_we_cannot_read_is_unknown_never_failed(body):
     assert isinstance(read_answer(200, body, charge_reader), Unknown)
 
 
+@pytest.mark.parametrize("body", [charge_body(amount=1), charge_body(currency="USD"), charge_body("failed", amount=1)])
+def test_a_charge_for_another_amount_or_currency_is_a_mismatch_never_applied(body):
+    outcome = read_answer(200, body, charge_reader)
+    assert isinstance(outcome, Mismatch) and outcome.provider_transaction_id == "ch_1"
+
+
 def test_a_refused_request_is_failed_but_bad_credentials_are_not_definitive():
     refused = read_answer(400, b'{"error": {"code": "invalid_currency"}}', charge_reader)
     assert isinstance(refused, Failed) and refused.definitive and refused.code == "invalid_currency"
+    assert refused.refusal, "a 4xx refuses the request: on a re-send it is no decline"
+    assert not read_answer(200, charge_body("failed"), charge_reader).refusal, "a declined charge is no refusal"
     auth = read_answer(401, b'{"error": {"code": "unauthorized"}}', charge_reader)
     assert isinstance(auth, Failed) and not auth.definitive
 
@@ -197,17 +203,17 @@ def test_the_real_sandbox_5xx_and_timeout_after_commit_are_unknown(sandbox):
 
 def test_the_legacy_variant_sends_a_new_key_each_time_and_cannot_query(sandbox):
     adapter = LegacySandboxProvider(SECRET, api_url=sandbox.url)
-    assert not adapter.capabilities.safe_to_resend
+    assert not adapter.capabilities.may_resend and not adapter.capabilities.query_by_merchant_id
     adapter.charge(REQ, "ignored", timeout=5)
     adapter.charge(REQ, "ignored", timeout=5)
     assert sandbox.charge_count("pay_1") == 2, "without keys a re-send is a second charge"
     assert isinstance(adapter.query("pay_1", timeout=5), Unknown)
 
 
-def test_a_query_for_another_amount_than_expected_is_unknown(sandbox):
+def test_a_query_for_another_amount_than_expected_is_a_mismatch(sandbox):
     adapter = SandboxProvider(SECRET, api_url=sandbox.url)
     assert isinstance(adapter.charge(REQ, "key-amount", timeout=5), Succeeded)
     other = ChargeRequest(REQ.payment_id, REQ.amount_minor + 1, REQ.currency)
     outcome = adapter.query(REQ.payment_id, timeout=5, expected=other)
-    assert isinstance(outcome, Unknown) and outcome.reason == "answer_for_another_amount"
+    assert isinstance(outcome, Mismatch) and outcome.reason == "answer_for_another_amount"
     assert isinstance(adapter.query(REQ.payment_id, timeout=5, expected=REQ), Succeeded)

@@ -3,9 +3,20 @@
 Inbound: ``parse_callback`` verifies and reads a notification (pure), and
 ``ack`` / ``reject`` answer in the provider's own dialect.
 Outbound: ``charge``, ``query``, ``refund`` and ``settlement`` return one of
-Succeeded | Failed | Pending | Unknown. Only an explicit decline is Failed;
-a timeout, a reset connection, a 5xx, a 429 or an unreadable body is Unknown
-(DESIGN.md invariant 5).
+Succeeded | Failed | Pending | Unknown | Mismatch (``query`` also NotFound).
+Only an explicit decline is Failed; a timeout, a reset connection, a 5xx, a
+429 or an unreadable body is Unknown (DESIGN.md invariant 5). A clear answer
+about a charge under our number for another amount or currency is Mismatch:
+never applied, escalated to a person, and healthy for the circuit breaker.
+``reported_status`` is the one mapping from an outcome to the status it
+reports.
+
+Each adapter declares its ``Capabilities``: how its provider dedupes a charge
+sent twice (``Dedupe.KEY``, ``Dedupe.MERCHANT_ID`` or ``Dedupe.NONE``) and
+whether a charge can be looked up by our number. paysync re-sends a charge
+whose outcome it lost only where the provider dedupes it; a provider that can
+be queried but does not dedupe is queried until the payment's deadline, and
+one that can do neither goes to the manual queue.
 """
 
 from __future__ import annotations
@@ -13,25 +24,37 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import StrEnum
 from typing import Any, Literal
 
 from payments.errors import CallbackRejected, PaysyncError
 from payments.states import PaymentStatus
 
 
+class Dedupe(StrEnum):
+    """How a provider recognises a charge sent to it twice (``Capabilities.dedupe``)."""
+
+    KEY = "key"
+    """The same idempotency key gets the first charge's answer, never a second charge (Stripe, the sandbox)."""
+    MERCHANT_ID = "merchant_id"
+    """A second charge under our payment_id is refused (e.g. out_trade_no at Alipay and WeChat Pay)."""
+    NONE = "none"
+    """Every send may be a new charge."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What an adapter's provider can do; decides what may be retried automatically."""
 
-    idempotency_keys: bool = False
-    """Re-sending a charge with the same key cannot charge twice."""
+    dedupe: Dedupe = Dedupe.NONE
+    """How the provider dedupes a charge sent twice; NONE means a charge is never sent twice."""
     query_by_merchant_id: bool = False
     """A charge can be looked up by our payment_id."""
 
     @property
-    def safe_to_resend(self) -> bool:
-        """An ambiguous charge may be sent again only if the provider dedupes it or we can look first."""
-        return self.idempotency_keys or self.query_by_merchant_id
+    def may_resend(self) -> bool:
+        """An ambiguous charge may be sent again: the provider dedupes it (by key or by our number)."""
+        return self.dedupe != Dedupe.NONE
 
 
 @dataclass(frozen=True)
@@ -39,6 +62,7 @@ class CallbackEvent:
     """A verified notification, reduced to what processing needs."""
 
     provider: str
+    """The platform that sent it (``Provider.platform``)."""
     event_id: str
     event_type: str
     target: Literal["payment", "refund"]
@@ -85,6 +109,10 @@ class Failed:
     evidence: Evidence | None = None
     provider_transaction_id: str | None = None
     """The provider's id for the declined charge, when it made one."""
+    refusal: bool = False
+    """The provider refused this request (an HTTP 4xx, or its dialect's equivalent) instead of reporting a
+    declined charge. On a first attempt that is a decline; on a re-send it says nothing about the earlier
+    attempt, so it reports Unknown (see ``reported_status``)."""
 
 
 @dataclass(frozen=True)
@@ -99,10 +127,25 @@ class Pending:
 
 
 AMOUNT_MISMATCH = "answer_for_another_amount"
-"""Unknown reason every adapter uses when the provider's charge for our number has another amount or currency."""
+"""Mismatch reason every adapter uses when the provider's charge for our number has another amount or currency."""
 REVIEW_PREFIX = "review:"
 """An Unknown whose reason starts with this is also a bug or a race a person should look at (e.g. Stripe's
-idempotency_error): it is resolved by query like any Unknown, and the relay opens a manual review once."""
+idempotency_error): it is resolved by query like any Unknown, and the relay escalates it for review once."""
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The provider answered clearly, about a charge under our number that is not the one we hold.
+
+    Another amount or currency (``AMOUNT_MISMATCH``): nothing is applied, a
+    person must look. It is a well-formed answer, so the circuit breaker
+    counts it as healthy.
+    """
+
+    reason: str = AMOUNT_MISMATCH
+    provider_transaction_id: str | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict)
+    evidence: Evidence | None = None
 
 
 @dataclass(frozen=True)
@@ -122,8 +165,33 @@ class NotFound:
     evidence: Evidence | None = None
 
 
-Outcome = Succeeded | Failed | Pending | Unknown
-QueryOutcome = Succeeded | Failed | Pending | Unknown | NotFound
+Outcome = Succeeded | Failed | Pending | Unknown | Mismatch
+QueryOutcome = Succeeded | Failed | Pending | Unknown | Mismatch | NotFound
+
+
+def reported_status(outcome: QueryOutcome, *, resend: bool = False) -> PaymentStatus | None:
+    """What an outcome says about the charge, as a status for the state machine (pure; invariant 5).
+
+    Succeeded is Succeeded, only a definitive Failed is Failed, Pending is
+    Pending; Unknown and a not-definitive Failed are Unknown. On a re-send
+    (``resend``: an earlier send's outcome was lost) a refusal is Unknown: it
+    refuses this request and says nothing definitive about the earlier one.
+    NotFound and Mismatch say nothing about our charge's status: None.
+    """
+    if isinstance(outcome, Succeeded):
+        return PaymentStatus.SUCCEEDED
+    if isinstance(outcome, Failed) and outcome.definitive and not (resend and outcome.refusal):
+        return PaymentStatus.FAILED
+    if isinstance(outcome, Pending):
+        return PaymentStatus.PENDING
+    if isinstance(outcome, NotFound | Mismatch):
+        return None
+    return PaymentStatus.UNKNOWN
+
+
+def is_answer(outcome: QueryOutcome) -> bool:
+    """True when the provider gave a real answer (anything but Unknown): the breaker counts it as healthy."""
+    return not isinstance(outcome, Unknown)
 
 
 @dataclass(frozen=True)
@@ -170,7 +238,16 @@ class HttpAnswer:
 
 
 class Provider:
-    """Base class for adapters. Subclasses set ``name``, ``capabilities`` and ``callback_headers``."""
+    """Base class for adapters. Subclasses set ``name``, ``capabilities`` and ``callback_headers``.
+
+    ``name`` is the adapter's: it is what ``payment.provider`` holds. The
+    ``platform`` is the party behind it that sends (and signs) callbacks:
+    usually the same name, but several adapters may share one platform (the
+    sandbox driven as ``sandbox`` and as ``sandbox_legacy``, or two merchant
+    accounts at one provider). A callback names its platform (its route, and
+    ``CallbackEvent.provider``), and it may concern any payment made through
+    an adapter of that platform.
+    """
 
     name: str = ""
     capabilities: Capabilities = Capabilities()
@@ -179,6 +256,11 @@ class Provider:
     callback_content_types: tuple[str, ...] = ()
     """Media types its notifications come as (Content-Type without parameters); empty: any. A delivery naming
     another is rejected (415); Content-Type must then be one of ``callback_headers``, to re-verify it later."""
+
+    @property
+    def platform(self) -> str:
+        """The platform this adapter talks to (see the class docstring); an adapter sharing one overrides it."""
+        return self.name
 
     def parse_callback(self, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
         """Verify and read one notification; raise CallbackRejected (status 3) if it is not genuine or not readable."""
@@ -192,7 +274,7 @@ class Provider:
         """Look a charge up by our business number; NotFound if the provider never saw it.
 
         With ``expected``, a charge for another amount or currency is
-        Unknown("answer_for_another_amount"), never applied as ours.
+        Mismatch(AMOUNT_MISMATCH), never applied as ours.
         """
         raise NotImplementedError
 

@@ -7,7 +7,7 @@ Notification format: ``{"id": "evt_…", "type": "charge.succeeded" | "charge.fa
 and name the charge's merchant_transaction_id.
 
 Outbound (``charge``, ``query``, ``refund``, ``settlement``) is plain HTTP with
-``requests`` against SANDBOX_API_URL. ``read_charge_answer`` is the one pure
+``requests`` against SANDBOX_API_URL. ``read_answer`` is the one pure
 function that turns an HTTP answer into an outcome: only a 200 whose body says
 "failed" (or a 4xx that refuses the request outright) is Failed; a timeout, a
 reset, a 5xx, a 429 or a body we cannot read is Unknown (invariant 5).
@@ -34,8 +34,10 @@ from payments.providers.base import (
     CallbackEvent,
     Capabilities,
     ChargeRequest,
+    Dedupe,
     Evidence,
     Failed,
+    Mismatch,
     NotFound,
     Outcome,
     Pending,
@@ -116,7 +118,7 @@ class SandboxProvider(Provider):
     """The sandbox platform: idempotency keys and query by merchant number, like Stripe."""
 
     name = "sandbox"
-    capabilities = Capabilities(idempotency_keys=True, query_by_merchant_id=True)
+    capabilities = Capabilities(dedupe=Dedupe.KEY, query_by_merchant_id=True)
     callback_headers = (signing.HEADER, "Content-Type", "User-Agent")
     callback_content_types = ("application/json",)
 
@@ -221,7 +223,7 @@ class SandboxProvider(Provider):
             payload = json.loads(body)
         except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly deep nesting
             raise MalformedCallback("body is not valid JSON") from None
-        return parse_event(self.name, payload)
+        return parse_event(self.platform, payload)
 
     def peek_callback(self, body: bytes) -> dict[str, str | None]:
         """Event id, type and references read without verification, for indexing the raw row."""
@@ -259,7 +261,8 @@ class LegacySandboxProvider(SandboxProvider):
     """
 
     name = "sandbox_legacy"
-    capabilities = Capabilities(idempotency_keys=False, query_by_merchant_id=False)
+    platform = "sandbox"  # one platform: its callbacks come to /callbacks/sandbox for payments of either adapter
+    capabilities = Capabilities(dedupe=Dedupe.NONE, query_by_merchant_id=False)
 
     def _charge_headers(self, idempotency_key: str | None) -> dict[str, str]:
         return {"Idempotency-Key": f"legacy-{uuid.uuid4().hex}"}
@@ -325,7 +328,7 @@ def read_answer(status: int, body: bytes, reader: Callable[[Any], Outcome]) -> O
         return reader(data)
     code = _error_code(data)
     if status in _FINAL_4XX:
-        return Failed(code or f"http_{status}", definitive=True, raw=_raw(data))
+        return Failed(code or f"http_{status}", definitive=True, raw=_raw(data), refusal=True)
     if status in (401, 403):
         return Failed(code or f"http_{status}", definitive=False, raw=_raw(data))
     return Unknown(f"http_{status}" + (f":{code}" if code else ""), raw=_raw(data))
@@ -352,7 +355,7 @@ def read_charge(data: Mapping[str, Any], payment_id: str, request: ChargeRequest
     if data.get("merchant_transaction_id") != payment_id:
         return Unknown("answer_for_another_payment", raw=dict(data))
     if request is not None and (data.get("amount") != request.amount_minor or data.get("currency") != request.currency):
-        return Unknown(AMOUNT_MISMATCH, raw=dict(data))
+        return Mismatch(AMOUNT_MISMATCH, provider_transaction_id=charge_id, raw=dict(data))
     return _by_status(status, charge_id, data)
 
 

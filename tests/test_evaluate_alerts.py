@@ -10,9 +10,10 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from compensator import evaluate_alerts
-from payments.db import utcnow
+from payments.db import make_engine, utcnow
 from payments.runtime import build_runtime
-from payments.schema import CB_FAILED, CB_GAVE_UP, CB_PENDING, CB_PROCESSED, CB_REJECTED, alert, payment_callback_log
+from payments.schema import alert, payment_callback_log
+from payments.states import CallbackStatus
 from tests.stack import db_url
 from tests.support import make_settings
 
@@ -61,7 +62,9 @@ def test_a_backlog_over_100_fires_after_5_minutes_once_dedupes_and_resolves(engi
     caplog.set_level(logging.INFO)
     runtime = _runtime(engine)
     t0 = utcnow()
-    ids = _rows(engine, [CB_PENDING] * 100 + [CB_FAILED], t0)  # 101 waiting (1 % failed: no failure-rate alert)
+    ids = _rows(
+        engine, [CallbackStatus.PENDING] * 100 + [CallbackStatus.FAILED], t0
+    )  # 101 waiting (1 % failed: no failure-rate alert)
 
     assert evaluate_alerts.run_once(runtime, now=t0) == 0
     (pending,) = _alerts(engine, "callback_backlog")
@@ -83,7 +86,11 @@ def test_a_backlog_over_100_fires_after_5_minutes_once_dedupes_and_resolves(engi
 
     # Cleared: resolved, kept as history; a later backlog opens a fresh alert with a fresh clock.
     with engine.begin() as conn:
-        conn.execute(update(payment_callback_log).where(payment_callback_log.c.id.in_(ids[:2])).values(status=1))
+        conn.execute(
+            update(payment_callback_log)
+            .where(payment_callback_log.c.id.in_(ids[:2]))
+            .values(status=CallbackStatus.PROCESSED)
+        )
     assert evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=500)) == 0
     (resolved,) = _alerts(engine, "callback_backlog")
     assert (resolved.status, resolved.open_key, resolved.resolved_at) == (
@@ -91,7 +98,7 @@ def test_a_backlog_over_100_fires_after_5_minutes_once_dedupes_and_resolves(engi
         None,
         t0 + timedelta(seconds=500),
     )
-    _rows(engine, [CB_PENDING] * 5, t0 + timedelta(seconds=550))
+    _rows(engine, [CallbackStatus.PENDING] * 5, t0 + timedelta(seconds=550))
     assert evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=600)) == 0
     history = _alerts(engine, "callback_backlog")
     assert [a.status for a in history] == ["resolved", "pending"]
@@ -101,12 +108,16 @@ def test_a_backlog_over_100_fires_after_5_minutes_once_dedupes_and_resolves(engi
 def test_a_backlog_that_dips_below_the_threshold_restarts_the_5_minute_clock(engine):
     runtime = _runtime(engine)
     t0 = utcnow()
-    ids = _rows(engine, [CB_PENDING] * 101, t0)
+    ids = _rows(engine, [CallbackStatus.PENDING] * 101, t0)
     evaluate_alerts.run_once(runtime, now=t0)
     with engine.begin() as conn:
-        conn.execute(update(payment_callback_log).where(payment_callback_log.c.id == ids[0]).values(status=1))
+        conn.execute(
+            update(payment_callback_log)
+            .where(payment_callback_log.c.id == ids[0])
+            .values(status=CallbackStatus.PROCESSED)
+        )
     evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=200))
-    _rows(engine, [CB_PENDING], t0)
+    _rows(engine, [CallbackStatus.PENDING], t0)
     evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=250))
     assert evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=400)) == 0, "not 5 minutes continuously"
     assert evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=550)) == 1
@@ -115,9 +126,15 @@ def test_a_backlog_that_dips_below_the_threshold_restarts_the_5_minute_clock(eng
 @pytest.mark.parametrize(
     ("statuses", "fires"),
     [
-        ([CB_PROCESSED] * 37 + [CB_REJECTED, CB_FAILED, CB_GAVE_UP], True),  # 7.5 %
-        ([CB_PROCESSED] * 38 + [CB_REJECTED, CB_FAILED], False),  # exactly 5 %: not above
-        ([CB_PROCESSED] * 10 + [CB_REJECTED] * 9, False),  # 47 % but fewer than 20 callbacks
+        (
+            [CallbackStatus.PROCESSED] * 37 + [CallbackStatus.REJECTED, CallbackStatus.FAILED, CallbackStatus.GAVE_UP],
+            True,
+        ),  # 7.5 %
+        (
+            [CallbackStatus.PROCESSED] * 38 + [CallbackStatus.REJECTED, CallbackStatus.FAILED],
+            False,
+        ),  # exactly 5 %: not above
+        ([CallbackStatus.PROCESSED] * 10 + [CallbackStatus.REJECTED] * 9, False),  # 47 % but fewer than 20 callbacks
     ],
 )
 def test_the_failure_rate_rule_fires_above_5_percent_of_at_least_20_callbacks(engine, statuses, fires):
@@ -131,15 +148,15 @@ def test_the_failure_rate_rule_fires_above_5_percent_of_at_least_20_callbacks(en
 def test_a_row_that_needed_retries_counts_as_a_failure_even_once_processed(engine):
     runtime = _runtime(engine)
     t0 = utcnow()
-    _rows(engine, [CB_PROCESSED] * 37, t0)
-    _rows(engine, [CB_PROCESSED] * 3, t0, retry_count=2)
+    _rows(engine, [CallbackStatus.PROCESSED] * 37, t0)
+    _rows(engine, [CallbackStatus.PROCESSED] * 3, t0, retry_count=2)
     assert evaluate_alerts.run_once(runtime, now=t0) == 1
 
 
 def test_the_failure_rate_looks_at_the_last_10_minutes_only_and_resolves(engine):
     runtime = _runtime(engine)
     t0 = utcnow()
-    _rows(engine, [CB_PROCESSED] * 30 + [CB_REJECTED] * 10, t0)
+    _rows(engine, [CallbackStatus.PROCESSED] * 30 + [CallbackStatus.REJECTED] * 10, t0)
     assert evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=590)) == 1
     assert evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=601)) == 0
     assert [a.status for a in _alerts(engine, "callback_failure_rate")] == ["resolved"]
@@ -149,7 +166,7 @@ def test_the_failure_rate_looks_at_the_last_10_minutes_only_and_resolves(engine)
 def test_evaluators_running_at_once_neither_deadlock_nor_open_two_alerts(mariadb):
     runtime = _runtime(mariadb)
     t0 = utcnow()
-    _rows(mariadb, [CB_REJECTED] * 40 + [CB_PENDING] * 101, t0)
+    _rows(mariadb, [CallbackStatus.REJECTED] * 40 + [CallbackStatus.PENDING] * 101, t0)
     errors: list[BaseException] = []
 
     def evaluate(now: datetime, barrier: threading.Barrier) -> None:
@@ -171,3 +188,23 @@ def test_evaluators_running_at_once_neither_deadlock_nor_open_two_alerts(mariadb
     assert errors == []
     assert [a.status for a in _alerts(mariadb, "callback_failure_rate")] == ["firing"]
     assert [a.status for a in _alerts(mariadb, "callback_backlog")] == ["firing"]
+
+
+@pytest.mark.mariadb
+def test_an_evaluator_of_another_database_on_the_same_server_does_not_stop_ours(mariadb):
+    from tests.conftest import _create_database
+
+    other = make_engine(mariadb.url.set(database=f"{mariadb.url.database}_other").render_as_string(hide_password=False))
+    try:
+        _create_database(other)
+        t0 = utcnow()
+        _rows(mariadb, [CallbackStatus.PENDING] * 101, t0)
+        with other.connect() as held:
+            assert evaluate_alerts._try_lock(held), "the other database's evaluator is running"
+            try:
+                evaluate_alerts.run_once(_runtime(mariadb, alert_backlog_seconds=0), now=t0)
+            finally:
+                evaluate_alerts._unlock(held)
+        assert [a.status for a in _alerts(mariadb, "callback_backlog")] == ["firing"]
+    finally:
+        other.dispose()

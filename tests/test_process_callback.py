@@ -1,4 +1,4 @@
-"""process_callback on both databases: the happy path and the ledger it leaves."""
+"""process_callback on both databases: state changes, the ledger they leave, conflicts, retries and give-ups."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import pytest
 from sqlalchemy import func, select
 
 from payments.backoff import RetryPolicy
-from payments.callbacks import Outcome, process_callback, store_callback
+from payments.callbacks import CallbackResult, process_callback, store_callback
 from payments.providers import build_providers
 from payments.schema import alert, ledger_entry, ledger_event, manual_review, outbox, payment, payment_callback_log
+from payments.states import CallbackStatus
 from tests.support import create_payment, make_settings, sandbox_event, signed
 
 
@@ -24,14 +25,14 @@ def test_a_verified_success_callback_confirms_the_payment_once(engine):
     first = store_callback(engine, provider="sandbox", body=body, headers=headers, remote_addr="127.0.0.1")
     second = store_callback(engine, provider="sandbox", body=body, headers=headers, remote_addr="127.0.0.1")
 
-    assert process_callback(engine, providers, first, RetryPolicy()) == Outcome.APPLIED
-    assert process_callback(engine, providers, second, RetryPolicy()) == Outcome.DUPLICATE
-    assert process_callback(engine, providers, first, RetryPolicy()) == Outcome.SKIPPED
+    assert process_callback(engine, providers, first, RetryPolicy()) == CallbackResult.APPLIED
+    assert process_callback(engine, providers, second, RetryPolicy()) == CallbackResult.DUPLICATE
+    assert process_callback(engine, providers, first, RetryPolicy()) == CallbackResult.SKIPPED
 
     with engine.connect() as conn:
         assert conn.execute(select(payment.c.status).where(payment.c.payment_id == payment_id)).scalar() == "Succeeded"
         statuses = conn.execute(select(payment_callback_log.c.status).order_by(payment_callback_log.c.id)).scalars()
-        assert list(statuses) == [1, 1]
+        assert list(statuses) == [CallbackStatus.PROCESSED] * 2
         lines = conn.execute(select(func.count(), func.sum(ledger_entry.c.amount_minor))).one()
         assert tuple(lines) == (2, 0)
 
@@ -68,7 +69,7 @@ PROVIDERS = build_providers(make_settings())
 def test_a_failure_callback_fails_the_payment_with_its_code_and_no_ledger_lines(engine):
     payment_id = create_payment(engine)
     log_id = _stored(engine, sandbox_event(payment_id, event_type="charge.failed", failure_code="card_declined"))
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.APPLIED
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.APPLIED
     row = _payment_row(engine, payment_id)
     assert (row.status, row.error_code, row.status_source) == ("Failed", "card_declined", f"callback:{log_id}")
     events = _all(engine, ledger_event)
@@ -80,13 +81,17 @@ def test_a_failure_callback_fails_the_payment_with_its_code_and_no_ledger_lines(
 def test_a_success_for_a_created_payment_walks_through_pending_and_records_the_path(engine):
     payment_id = create_payment(engine, status="Created")
     log_id = _stored(engine, sandbox_event(payment_id, provider_transaction_id="ch_walk"))
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.APPLIED
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.APPLIED
     row = _payment_row(engine, payment_id)
     assert (row.status, row.provider_transaction_id) == ("Succeeded", "ch_walk")
     (event,) = _all(engine, ledger_event)
     assert json.loads(event.details)["path"] == ["Pending", "Succeeded"]
     log_row = _row(engine, log_id)
-    assert (log_row.status, log_row.provider_event_id, log_row.order_no) == (1, log_row.provider_event_id, payment_id)
+    assert (log_row.status, log_row.provider_event_id, log_row.order_no) == (
+        CallbackStatus.PROCESSED,
+        log_row.provider_event_id,
+        payment_id,
+    )
 
 
 def test_a_late_success_for_a_succeeded_payment_is_a_noop(engine):
@@ -94,7 +99,7 @@ def test_a_late_success_for_a_succeeded_payment_is_a_noop(engine):
     before = _payment_row(engine, payment_id)
     # The same news again (e.g. a second event id for the same charge) is not a conflict.
     log_id = _stored(engine, sandbox_event(payment_id))
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.NOOP
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.NOOP
     assert _payment_row(engine, payment_id) == before
     assert _row(engine, log_id).result.startswith("noop: already Succeeded")
     assert _all(engine, ledger_event) == []
@@ -118,11 +123,11 @@ def test_a_conflicting_report_changes_nothing_and_opens_a_review_and_an_alert(en
     before = _payment_row(engine, payment_id)
     log_id = _stored(engine, sandbox_event(payment_id, **event_kwargs))
 
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.CONFLICT
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.CONFLICT
 
     assert _payment_row(engine, payment_id) == before, "a conflicting report must not touch the payment"
     log_row = _row(engine, log_id)
-    assert log_row.status == 1 and log_row.result.startswith("conflict: ")
+    assert log_row.status == CallbackStatus.PROCESSED and log_row.result.startswith("conflict: ")
     (review,) = _all(engine, manual_review)
     assert (review.kind, review.payment_id, review.callback_log_id, review.status) == (
         "conflicting_report",
@@ -134,7 +139,7 @@ def test_a_conflicting_report_changes_nothing_and_opens_a_review_and_an_alert(en
     assert (fired.rule, fired.status, fired.severity) == ("conflicting_report", "firing", "critical")
     assert _all(engine, ledger_event) == [] and _all(engine, outbox) == []
     # The conflict is final for this delivery: processing it again does nothing more.
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.SKIPPED
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.SKIPPED
     assert len(_all(engine, manual_review)) == 1
 
 
@@ -144,12 +149,12 @@ def test_a_conflicting_report_changes_nothing_and_opens_a_review_and_an_alert(en
 def test_a_callback_for_an_unknown_payment_is_retried_then_applied_once_the_order_commits(engine):
     payment_id = f"pay_{uuid.uuid4().hex[:20]}"
     log_id = _stored(engine, sandbox_event(payment_id))
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.RETRY
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.RETRY
     row = _row(engine, log_id)
     assert (row.status, row.retry_count) == (2, 1)
     assert row.result.startswith("target_not_found: ")
     create_payment(engine, payment_id=payment_id)
-    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == Outcome.APPLIED
+    assert process_callback(engine, PROVIDERS, log_id, RetryPolicy()) == CallbackResult.APPLIED
     assert _payment_row(engine, payment_id).status == "Succeeded"
     assert _row(engine, log_id).retry_count == 1
 
@@ -160,9 +165,9 @@ def test_retries_count_back_off_with_growing_jittered_delays_and_give_up_into_th
     now = datetime(2030, 1, 1, 12, 0, 0)
     delays = []
     for attempt in range(1, policy.max_retries):
-        assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == Outcome.RETRY
+        assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == CallbackResult.RETRY
         row = _row(engine, log_id)
-        assert (row.status, row.retry_count, row.last_retry_time) == (2, attempt, now)
+        assert (row.status, row.retry_count, row.last_retry_time) == (CallbackStatus.FAILED, attempt, now)
         delay = (row.next_retry_at - row.last_retry_time).total_seconds()
         ceiling = min(policy.max_seconds, policy.base_seconds * 2 ** (attempt - 1))
         assert ceiling / 2 <= delay <= ceiling, (attempt, delay)  # compute_backoff's "equal jitter" bounds
@@ -173,16 +178,16 @@ def test_retries_count_back_off_with_growing_jittered_delays_and_give_up_into_th
     assert uncapped == sorted(uncapped) and uncapped[-1] > uncapped[0] * 8, delays
     assert len(uncapped) < len(delays) and max(delays) <= policy.max_seconds  # the cap was reached and held
 
-    assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == Outcome.GAVE_UP
+    assert process_callback(engine, PROVIDERS, log_id, policy, now=now) == CallbackResult.GAVE_UP
     row = _row(engine, log_id)
-    assert (row.status, row.retry_count) == (4, policy.max_retries)
+    assert (row.status, row.retry_count) == (CallbackStatus.GAVE_UP, policy.max_retries)
     assert row.result.startswith(f"gave up after {policy.max_retries} attempts: target_not_found")
     (review,) = _all(engine, manual_review)
     assert (review.kind, review.callback_log_id) == ("callback_gave_up", log_id)
     (fired,) = _all(engine, alert)
     assert (fired.rule, fired.status, fired.dedupe_key) == ("callback_gave_up", "firing", f"callback_gave_up:{log_id}")
     # Given up means left alone: neither the consumer nor the sweep touches it again.
-    assert process_callback(engine, PROVIDERS, log_id, policy, now=now + timedelta(days=1)) == Outcome.SKIPPED
+    assert process_callback(engine, PROVIDERS, log_id, policy, now=now + timedelta(days=1)) == CallbackResult.SKIPPED
     assert _row(engine, log_id).retry_count == policy.max_retries
 
 
@@ -195,3 +200,24 @@ def test_jitter_spreads_a_crowd_of_failed_rows(engine):
     due = {_row(engine, i).next_retry_at for i in ids}
     assert len(due) > 6, "rows that failed together must not all come back together"
     assert all(now + timedelta(seconds=5) <= d <= now + timedelta(seconds=10) for d in due)
+
+
+# --- one platform, several adapters ---------------------------------------------------------------------------
+
+
+def test_a_sandbox_platform_callback_reaches_a_sandbox_legacy_payment(engine):
+    # The platform has one callback route and signs every event the same way, whichever adapter made the charge.
+    providers = build_providers(make_settings(sandbox_legacy_enabled=True))
+    payment_id = create_payment(engine, provider="sandbox_legacy", amount=1000)
+    log_id = _stored(engine, sandbox_event(payment_id, amount=1000))
+    assert process_callback(engine, providers, log_id, RetryPolicy()) == CallbackResult.APPLIED
+    assert _payment_row(engine, payment_id).status == "Succeeded"
+    assert _all(engine, manual_review) == []
+
+
+def test_a_callback_from_another_platform_than_the_payments_is_a_conflict(engine):
+    providers = build_providers(make_settings(sandbox_legacy_enabled=True))
+    payment_id = create_payment(engine, provider="alipay", amount=1000)
+    log_id = _stored(engine, sandbox_event(payment_id, amount=1000))
+    assert process_callback(engine, providers, log_id, RetryPolicy()) == CallbackResult.CONFLICT
+    assert "callback from sandbox for a alipay payment" in _row(engine, log_id).result

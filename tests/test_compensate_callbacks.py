@@ -17,9 +17,6 @@ from payments.callbacks import store_callback
 from payments.db import utcnow
 from payments.runtime import build_runtime
 from payments.schema import (
-    CB_GAVE_UP,
-    CB_PENDING,
-    CB_PROCESSED,
     alert,
     ledger_entry,
     ledger_event,
@@ -28,6 +25,7 @@ from payments.schema import (
     payment_callback_log,
     processed_event,
 )
+from payments.states import CallbackStatus
 from tests.stack import callback_rows, db_url, status_counts
 from tests.support import ROOT, create_payment, env_for, make_settings, sandbox_event, signed, wait_until
 
@@ -49,7 +47,7 @@ def test_without_a_broker_the_sweep_takes_fresh_rows_at_once(engine):
     payment_id = create_payment(engine)
     _store(engine, payment_id)
     assert compensate_callbacks.run_once(_runtime(engine, compensator_grace_seconds=60)) == 1
-    assert status_counts(engine) == {CB_PROCESSED: 1}
+    assert status_counts(engine) == {CallbackStatus.PROCESSED: 1}
 
 
 def test_with_a_broker_the_sweep_leaves_rows_younger_than_the_grace_period_to_the_consumer(engine):
@@ -62,7 +60,10 @@ def test_with_a_broker_the_sweep_leaves_rows_younger_than_the_grace_period_to_th
     # The broker URL is never dialled by the sweep; it only tells it that a consumer exists.
     runtime = _runtime(engine, amqp_url="amqp://guest:guest@127.0.0.1:1/%2F", compensator_grace_seconds=60)
     assert compensate_callbacks.run_once(runtime) == 1, "only the row the consumer left alone for an hour"
-    assert {r.id: r.status for r in callback_rows(engine)} == {fresh_id - 1: CB_PROCESSED, fresh_id: CB_PENDING}
+    assert {r.id: r.status for r in callback_rows(engine)} == {
+        fresh_id - 1: CallbackStatus.PROCESSED,
+        fresh_id: CallbackStatus.PENDING,
+    }
 
 
 def test_the_sweep_waits_for_next_retry_at_and_gives_up_after_max_retries(engine):
@@ -70,15 +71,15 @@ def test_the_sweep_waits_for_next_retry_at_and_gives_up_after_max_retries(engine
     log_id = _store(engine, f"pay_{uuid.uuid4().hex[:20]}")  # an order that never commits
     assert compensate_callbacks.run_once(runtime) == 1
     (row,) = callback_rows(engine)
-    assert (row.status, row.retry_count) == (2, 1)
+    assert (row.status, row.retry_count) == (CallbackStatus.FAILED, 1)
     assert compensate_callbacks.run_once(runtime) == 0, "not due yet: next_retry_at is in the future"
     sweeps = 1
-    while callback_rows(engine)[0].status != CB_GAVE_UP:
+    while callback_rows(engine)[0].status != CallbackStatus.GAVE_UP:
         wait_until(lambda: callback_rows(engine)[0].next_retry_at <= utcnow(), timeout=5, message="due")
         sweeps += compensate_callbacks.run_once(runtime)
         assert sweeps <= 4
     (row,) = callback_rows(engine)
-    assert (sweeps, row.retry_count, row.status) == (4, 4, CB_GAVE_UP)
+    assert (sweeps, row.retry_count, row.status) == (4, 4, CallbackStatus.GAVE_UP)
     with engine.connect() as conn:
         assert conn.execute(select(manual_review.c.kind, manual_review.c.callback_log_id)).all() == [
             ("callback_gave_up", log_id)
@@ -116,7 +117,7 @@ def _backlog(engine, n: int) -> None:  # noqa: ANN001
                 "headers": json.dumps(headers),
                 "remote_addr": "127.0.0.1",
                 "order_no": payment_id,
-                "status": CB_PENDING,
+                "status": CallbackStatus.PENDING,
                 "retry_count": 0,
                 "next_retry_at": past,
                 "create_time": past,
@@ -161,7 +162,7 @@ def test_two_compensators_over_a_2000_row_backlog_process_every_row_exactly_once
         assert set(swept[0]["outcomes"]) == {"applied"}, swept[0]["outcomes"]
 
     with mariadb.connect() as conn:
-        assert status_counts(mariadb) == {CB_PROCESSED: 2000}
+        assert status_counts(mariadb) == {CallbackStatus.PROCESSED: 2000}
         t = payment_callback_log
         assert conn.execute(select(func.count()).where(t.c.retry_count > 0)).scalar() == 0
         assert conn.execute(select(func.count()).where(t.c.result.not_like("applied:%"))).scalar() == 0
@@ -189,7 +190,8 @@ def test_a_rate_limited_sweep_stays_under_its_rate(engine):
 
 
 def test_a_batch_lease_outlasts_working_through_the_batch_at_the_rate_limit():
-    from compensator.compensate_callbacks import LEASE_SECONDS, lease_seconds
+    from compensator.compensate_callbacks import lease_seconds
 
-    assert lease_seconds(100, 1000) == LEASE_SECONDS
-    assert lease_seconds(100, 0.5) >= 100 / 0.5  # 200 s of work must not outlive a 120 s lease
+    settings = make_settings(compensator_batch_size=100)
+    assert lease_seconds(replace(settings, compensator_rate_limit=1000)) == settings.compensator_lease_seconds == 120
+    assert lease_seconds(replace(settings, compensator_rate_limit=0.5)) >= 100 / 0.5  # 200 s must not outlive 120 s

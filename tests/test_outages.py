@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from payments.schema import CB_PENDING, CB_PROCESSED
+from payments.states import CallbackStatus
 from tests.stack import (
     Stack,
     callback_rows,
@@ -55,7 +55,7 @@ def test_database_unreachable_answers_503_stores_nothing_and_the_same_delivery_i
         assert answer.status_code == 200, answer.text
         rows = callback_rows(mariadb)
         assert len(rows) == 2
-        assert bytes(rows[-1].callback_data) == body and rows[-1].status == CB_PENDING
+        assert bytes(rows[-1].callback_data) == body and rows[-1].status == CallbackStatus.PENDING
 
         # Pool pre-ping: kill the worker's idle pooled connection behind its back; the next request must
         # still succeed on the first try (without pre-ping it would fail on the dead connection).
@@ -100,7 +100,7 @@ def test_broker_down_callbacks_are_acknowledged_and_swept_and_the_consumer_resum
             latencies.append(time.perf_counter() - started)
         assert max(latencies) < 1.0, f"ack latency must stay bounded with the broker cut: {latencies}"
         assert all(payment_status(mariadb, p) == "Pending" for p in during)
-        assert sum(r.status == CB_PENDING for r in callback_rows(mariadb)) == len(during)
+        assert sum(r.status == CallbackStatus.PENDING for r in callback_rows(mariadb)) == len(during)
 
         # The compensator alone converges them (the broker is still cut for it too).
         sweep = stack.run("-m", "compensator", "compensate", "--once", AMQP_URL=via, COMPENSATOR_GRACE_SECONDS="0")
@@ -132,7 +132,7 @@ def test_broker_down_callbacks_are_acknowledged_and_swept_and_the_consumer_resum
 
         # Whatever the publisher dropped while backing off is the sweep's, and nothing is applied twice.
         stack.run("-m", "compensator", "compensate", "--once", COMPENSATOR_GRACE_SECONDS="0")
-        assert {r.status for r in callback_rows(mariadb)} == {CB_PROCESSED}
+        assert {r.status for r in callback_rows(mariadb)} == {CallbackStatus.PROCESSED}
         rows = len(callback_rows(mariadb))
         assert effect_counts(mariadb) == {"ledger_events": rows, "processed_events": rows}
         print(

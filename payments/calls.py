@@ -1,0 +1,304 @@
+"""What the relay (``payments/relay.py``) and the query job (``payments/query.py``) share.
+
+Both call a provider about one payment in three steps, and a crash between
+any two is harmless:
+
+1. **Prepare** (one short transaction): lock the payment, decide whether a
+   call may go out at all (deadline, capabilities, circuit breaker) and
+   record the ``provider_call`` row, committed before the request leaves, so
+   the call is on file even if we die.
+2. **Call** the adapter outside any transaction: a slow provider never holds
+   a database lock.
+3. **Apply** (one transaction): ``apply_outcome`` below, with the
+   provider_call row completed in the same transaction.
+
+This module holds the step's context and result, the breaker's admission and
+count, and ``apply_outcome``: the outcome through ``states.decide`` and
+``transitions.apply_decision``. Unknown never becomes Failed (invariant 5):
+it moves the payment to Unknown and schedules a query.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Row, select, update
+
+from payments import breaker
+from payments.backoff import compute_backoff
+from payments.db import utcnow
+from payments.providers.base import (
+    REVIEW_PREFIX,
+    Failed,
+    Mismatch,
+    Pending,
+    Provider,
+    QueryOutcome,
+    Unknown,
+    is_answer,
+    reported_status,
+)
+from payments.review import Escalation, escalate
+from payments.schema import payment, provider_call
+from payments.settings import Settings
+from payments.states import TERMINAL, PaymentStatus, Verdict, decide
+from payments.transitions import apply_decision
+
+log = logging.getLogger("paysync.calls")
+
+
+class Result(StrEnum):
+    """What one relay or query step did (for logs and tests)."""
+
+    APPLIED = "applied"
+    """The outcome moved the payment."""
+    UNCHANGED = "unchanged"
+    """Called; the outcome did not move the payment (Pending, stale, already applied)."""
+    RETRY = "retry"
+    """Not final; the outbox row comes back after a backoff."""
+    DEFERRED = "deferred"
+    """Not called: the provider's circuit breaker is open."""
+    SKIPPED = "skipped"
+    """Nothing to do (row done, payment final, another worker has it)."""
+    REVIEW = "review"
+    """Handed to the manual queue (deadline passed, or a re-send would be unsafe)."""
+    RESEND = "resend"
+    """Query found nothing: the charge was queued to be sent again with the same key."""
+    NOT_RESENT = "not_resent"
+    """An earlier send's outcome is lost and the provider does not dedupe: left Unknown for the query job."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a relay or query step needs: the engine, the adapters and the settings."""
+
+    engine: Engine
+    providers: Mapping[str, Provider]
+    settings: Settings
+
+    @property
+    def probe_seconds(self) -> float:
+        """How long one probe holds the breaker's probe slot."""
+        return self.settings.provider_timeout_seconds + 5.0
+
+
+def query_delay(settings: Settings, attempt: int) -> float:
+    """Seconds before query number ``attempt`` (1-based): exponential with jitter."""
+    return compute_backoff(max(1, attempt), settings.query_base_seconds, settings.query_max_seconds)
+
+
+def admission(ctx: Context, provider: Provider | None) -> breaker.Gate:
+    """The breaker's say on calling ``provider`` now (ALLOW when there is no provider to call).
+
+    A PROBE gate holds the breaker's one probe slot: the caller either makes
+    the call and ``count``s it, or ``release``s the slot.
+    """
+    if provider is None:
+        return breaker.Gate()
+    return breaker.admit(ctx.engine, provider.name, utcnow(), ctx.probe_seconds)
+
+
+def release(ctx: Context, provider: Provider | None, gate: breaker.Gate) -> None:
+    """No call was made after all (skipped, reviewed, deferred, failed): give a probe slot back at once."""
+    if provider is None or not gate.probe:
+        return
+    try:
+        breaker.release(ctx.engine, provider.name, gate, utcnow())
+    except Exception:  # noqa: BLE001 - the slot expires on its own; the breaker is advisory
+        log.warning("could not release the probe slot of %s", provider.name, exc_info=True)
+
+
+def count(ctx: Context, provider: Provider, outcome: QueryOutcome, gate: breaker.Gate) -> None:
+    """Tell the breaker how the call went (its own transaction, after the outcome is safely applied).
+
+    Only the call that held the probe slot counts as a probe: a failed probe
+    reopens the breaker for longer. Other calls while open (the query
+    budget's) count as failures or as healthy answers, never as probes.
+    """
+    try:
+        breaker.record(
+            ctx.engine,
+            provider.name,
+            healthy=is_answer(outcome),
+            probe=gate.probe,
+            snapshot=gate.snapshot,
+            settings=ctx.settings,
+            now=utcnow(),
+        )
+    except Exception:  # noqa: BLE001 - the breaker is advisory; the payment's state is already safe
+        log.warning("could not update the circuit breaker for %s", provider.name, exc_info=True)
+
+
+def lock_payment(conn: Connection, payment_id: str) -> dict[str, Any] | None:
+    """The payment row, locked FOR UPDATE until the caller's transaction ends; None if there is none."""
+    row = conn.execute(select(payment).where(payment.c.payment_id == payment_id).with_for_update()).mappings().first()
+    return dict(row) if row is not None else None
+
+
+def last_charge_call(conn: Connection, payment_id: str) -> Row | None:
+    """The latest charge call recorded for a payment (id, started_at, outcome), or None if it was never sent."""
+    return conn.execute(
+        select(provider_call.c.id, provider_call.c.started_at, provider_call.c.outcome)
+        .where(provider_call.c.payment_id == payment_id, provider_call.c.operation == "charge")
+        .order_by(provider_call.c.id.desc())
+        .limit(1)
+    ).first()
+
+
+def apply_outcome(
+    ctx: Context,
+    conn: Connection,
+    current: Mapping[str, Any],
+    provider: Provider,
+    outcome: QueryOutcome,
+    source: str,
+    now: datetime,
+    *,
+    query: bool = False,
+    resend: bool = False,
+) -> Result:
+    """Apply one call's or query's outcome to the locked payment ``current``, in ``conn``.
+
+    ``query``: the outcome is a query's answer; ``resend``: a charge's answer
+    on a re-send (see ``reported_status``).
+
+    An answer that contradicts what we hold (a Mismatch, another transaction
+    id, a report against a terminal state) is escalated, once per payment,
+    and an unresolved payment is then looked at again only after a query
+    backoff: a conflicting answer never loops (invariant 13).
+    """
+    status = PaymentStatus(current["status"])
+    reference = getattr(outcome, "provider_transaction_id", None)
+    known = current["provider_transaction_id"]
+    if isinstance(outcome, Unknown) and outcome.reason.startswith(REVIEW_PREFIX):
+        # Still resolved by query like any Unknown; a person is told once per payment.
+        review(conn, current, "provider_answer_needs_review", f"{source}: {outcome.reason}", now)
+    report = reported_status(outcome, resend=resend) or PaymentStatus.UNKNOWN
+    decision = decide(status, report)
+    if isinstance(outcome, Mismatch):
+        contradiction = f"provider's charge is for another amount or currency than ours ({outcome.reason})"
+    elif reference and known and reference != known:
+        contradiction = f"provider reports transaction {reference}, we have {known}"
+    elif decision.verdict == Verdict.CONFLICT:
+        contradiction = decision.reason
+    else:
+        contradiction = None
+    if contradiction is not None:
+        conflict(conn, current, contradiction, source, now)
+        if status not in TERMINAL:
+            # Looked at again after a backoff, like any unresolved payment; never as soon as the lease ends.
+            attempts = current["query_attempts"] + (1 if query else 0)
+            conn.execute(
+                update(payment)
+                .where(payment.c.id == current["id"])
+                .values(
+                    next_query_at=now + timedelta(seconds=query_delay(ctx.settings, attempts + 1)),
+                    query_attempts=attempts,
+                    updated_at=now,
+                )
+            )
+        return Result.REVIEW
+
+    unresolved_values: dict[str, Any] = {}
+    if report in (PaymentStatus.PENDING, PaymentStatus.UNKNOWN):
+        attempts = current["query_attempts"] + (1 if query else 0)
+        if report == PaymentStatus.PENDING and not query:
+            delay = ctx.settings.query_pending_after_seconds
+        else:
+            delay = query_delay(ctx.settings, attempts + 1)
+        unresolved_values = {"next_query_at": now + timedelta(seconds=delay), "query_attempts": attempts}
+        if report == PaymentStatus.UNKNOWN and not provider.capabilities.query_by_merchant_id:
+            unresolved_values["next_query_at"] = None
+    if isinstance(outcome, Pending) and outcome.qr_code:
+        unresolved_values["qr_code"] = outcome.qr_code  # shown by GET /payments/<id> until the payer scans it
+
+    if decision.verdict == Verdict.NOOP:
+        if status in TERMINAL:
+            return Result.UNCHANGED
+        values = dict(unresolved_values)
+        if reference and not known:
+            values["provider_transaction_id"] = reference
+        if values:
+            values["updated_at"] = now
+            conn.execute(update(payment).where(payment.c.id == current["id"]).values(**values))
+        return Result.UNCHANGED
+
+    failure_code = outcome.code if isinstance(outcome, Failed) and report == PaymentStatus.FAILED else None
+    target = apply_decision(
+        conn,
+        "payment",
+        current,
+        decision,
+        source=source,
+        now=now,
+        provider_reference=reference,
+        failure_code=failure_code,
+        values=unresolved_values,
+        details={"outcome": type(outcome).__name__},
+    )
+    if target == PaymentStatus.UNKNOWN and not provider.capabilities.query_by_merchant_id:
+        # Already Unknown with no query scheduled (unresolved_values): a person and reconciliation decide.
+        reason = f"outcome unknown ({getattr(outcome, 'reason', '')}); cannot be queried, reconcile by hand"
+        review(conn, current, "unresolved_not_resendable", reason, now)
+        return Result.REVIEW
+    return Result.APPLIED
+
+
+def hold_for_query(ctx: Context, conn: Connection, current: Mapping[str, Any], call_id: int, now: datetime) -> None:
+    """Mark a payment whose charge outcome was lost Unknown (if it is not already) and schedule its query."""
+    delay = query_delay(ctx.settings, current["query_attempts"] + 1)
+    values = {"next_query_at": now + timedelta(seconds=delay)}
+    decision = decide(PaymentStatus(current["status"]), PaymentStatus.UNKNOWN)
+    if decision.verdict == Verdict.APPLY:
+        apply_decision(conn, "payment", current, decision, source=f"call:{call_id}", now=now, values=values)
+    else:
+        conn.execute(update(payment).where(payment.c.id == current["id"]).values(updated_at=now, **values))
+
+
+def give_up_ambiguous(
+    conn: Connection, current: Mapping[str, Any], call_id: int | None, now: datetime, reason: str
+) -> None:
+    """Mark an ambiguous payment Unknown (if it is not already) and hand it to the manual queue, once."""
+    status = PaymentStatus(current["status"])
+    decision = decide(status, PaymentStatus.UNKNOWN)
+    if decision.verdict == Verdict.APPLY:
+        source = f"call:{call_id}" if call_id else (current["status_source"] or "relay")
+        apply_decision(conn, "payment", current, decision, source=source, now=now, values={"next_query_at": None})
+    else:
+        conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=None))
+    review(conn, current, "unresolved_not_resendable", f"{reason}; not re-sent automatically, reconcile by hand", now)
+
+
+def review(conn: Connection, current: Mapping[str, Any], kind: str, reason: str, now: datetime) -> Escalation:
+    """Hand the payment to a person (once per payment and kind, with one alert; ``review.escalate``)."""
+    payment_id = current["payment_id"]
+    return escalate(
+        conn,
+        kind=kind,
+        subject=f"payment:{payment_id}",
+        alert_key=f"{kind}:{payment_id}",
+        reason=f"payment {payment_id} needs a person: {reason}",
+        now=now,
+        payment_id=payment_id,
+        details={"status": current["status"], "provider": current["provider"]},
+    )
+
+
+def conflict(conn: Connection, current: Mapping[str, Any], reason: str, source: str, now: datetime) -> Escalation:
+    """A provider's answer contradicts what we hold: one manual review and one critical alert per payment."""
+    payment_id = current["payment_id"]
+    return escalate(
+        conn,
+        kind="conflicting_report",
+        subject=f"payment:{payment_id}",
+        reason=f"conflicting report for payment {payment_id} ({source}): {reason}",
+        now=now,
+        severity="critical",
+        payment_id=payment_id,
+        details={"source": source, "our_status": current["status"]},
+    )

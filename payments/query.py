@@ -1,0 +1,176 @@
+"""Querying an unresolved payment by our business number, and acting on the answer.
+
+Unknown payments (and Pending ones past QUERY_PENDING_AFTER_SECONDS) are
+looked up at their provider with backoff (``query_delay``). Found → applied
+through the state machine like a call's answer (``payments.calls.apply_outcome``).
+Not found → sent again with the same idempotency key, if the provider
+dedupes a re-send and the last send is more than QUERY_NOT_FOUND_GRACE_SECONDS
+old; otherwise queried again. Still unresolved at the payment's deadline →
+manual review and an alert.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, and_, exists, or_, select, update
+
+from payments import breaker, outbox, provider_calls
+from payments.calls import (
+    Context,
+    Result,
+    admission,
+    apply_outcome,
+    count,
+    give_up_ambiguous,
+    last_charge_call,
+    lock_payment,
+    query_delay,
+    release,
+    review,
+)
+from payments.charges import CHARGE_REQUESTED
+from payments.db import utcnow
+from payments.providers.base import ChargeRequest, NotFound, Provider
+from payments.schema import outbox as outbox_table
+from payments.schema import payment
+from payments.states import TERMINAL, OutboxStatus, PaymentStatus
+
+
+def due_for_query(now: datetime, pending_after_seconds: float) -> Any:
+    """The WHERE clause of payments query_unresolved should look at now."""
+    return or_(
+        and_(
+            payment.c.status.in_((PaymentStatus.UNKNOWN.value, PaymentStatus.PENDING.value)),
+            payment.c.next_query_at <= now,
+        ),
+        and_(
+            payment.c.status == PaymentStatus.PENDING.value,
+            payment.c.next_query_at.is_(None),
+            payment.c.updated_at <= now - timedelta(seconds=pending_after_seconds),
+        ),
+    )
+
+
+def query_payment(
+    ctx: Context, payment_id: str, provider_name: str, lease_until: datetime, *, budget_ok: bool = False
+) -> Result:
+    """Query one claimed Unknown (or long-Pending) payment by our number and act on the answer.
+
+    ``lease_until`` is the claim's token (the ``next_query_at`` it wrote): if
+    the payment no longer carries it, another worker holds it now, and nothing
+    is sent. ``budget_ok``: the caller's query budget allows a query even
+    while the provider's breaker is open.
+    """
+    provider = ctx.providers.get(provider_name)
+    if provider is not None and not provider.capabilities.query_by_merchant_id:
+        provider = None  # an adapter that cannot look a charge up by our number is as good as none here
+    gate = admission(ctx, provider)
+    prepared: Result | tuple[int, dict[str, Any]] = Result.SKIPPED
+    try:
+        prepared = _prepare(ctx, payment_id, lease_until, provider, gate, budget_ok)
+    finally:
+        if isinstance(prepared, Result):
+            release(ctx, provider, gate)  # no query goes out: a probe slot we took is free again
+    if isinstance(prepared, Result):
+        return prepared
+    call_id, current = prepared
+    expected = ChargeRequest(
+        current["payment_id"], int(current["amount_minor"]), current["currency"], created_at=current["created_at"]
+    )
+    outcome = provider.query(payment_id, ctx.settings.provider_timeout_seconds, expected)
+    now = utcnow()
+    with ctx.engine.begin() as conn:
+        provider_calls.finish(conn, call_id, outcome, now)
+        current = lock_payment(conn, payment_id)
+        if isinstance(outcome, NotFound):
+            result = _not_found(ctx, conn, current, provider, now)
+        else:
+            result = apply_outcome(ctx, conn, current, provider, outcome, f"query:{call_id}", now, query=True)
+    count(ctx, provider, outcome, gate)
+    return result
+
+
+def _prepare(
+    ctx: Context,
+    payment_id: str,
+    lease_until: datetime,
+    provider: Provider | None,
+    gate: breaker.Gate,
+    budget_ok: bool,
+) -> Result | tuple[int, dict[str, Any]]:
+    """Lock the payment, decide whether the query may go out, and record it; return (call id, payment)."""
+    now = utcnow()
+    with ctx.engine.begin() as conn:
+        current = lock_payment(conn, payment_id)
+        if current is None or PaymentStatus(current["status"]) not in (PaymentStatus.UNKNOWN, PaymentStatus.PENDING):
+            return Result.SKIPPED
+        if current["next_query_at"] != lease_until:
+            return Result.SKIPPED  # our lease ran out and another worker holds it, or an answer came meanwhile
+        if current["deadline_at"] is not None and now >= current["deadline_at"]:
+            review(conn, current, "unresolved_payment", f"still {current['status']} at its deadline", now)
+            conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=None))
+            return Result.REVIEW
+        if provider is None:  # no adapter, or one that cannot look a charge up by our number
+            previous = last_charge_call(conn, payment_id)
+            call_id = previous.id if previous else None
+            give_up_ambiguous(conn, current, call_id, now, "provider cannot be queried by our number")
+            return Result.REVIEW
+        if gate.admission == breaker.Admission.DENY and not budget_ok:
+            retry_at = max(gate.snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
+            conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=retry_at))
+            return Result.DEFERRED
+        call_id = provider_calls.start(
+            conn,
+            provider=provider.name,
+            operation="query",
+            params={"merchant_transaction_id": payment_id},
+            now=now,
+            payment_id=payment_id,
+        )
+        # The lease now covers the call itself, however long the wait for the rate limiter was.
+        call_lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
+        conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=call_lease))
+    return call_id, current
+
+
+def _not_found(ctx: Context, conn: Connection, current: Mapping[str, Any], provider: Provider, now: datetime) -> Result:
+    """The provider says it never saw the charge: send it again with the same key, if it dedupes and we believe it.
+
+    A provider that does not dedupe is only queried again (until the
+    deadline): its NotFound may be a charge not visible yet. Where a re-send
+    is allowed, a NotFound within QUERY_NOT_FOUND_GRACE_SECONDS of the last
+    send is not believed yet either: the next query comes after the grace.
+    """
+    attempts = current["query_attempts"] + 1
+    next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts))
+    last = last_charge_call(conn, current["payment_id"])
+    grace_ends = last.started_at + timedelta(seconds=ctx.settings.query_not_found_grace_seconds) if last else now
+    believed = provider.capabilities.may_resend and now >= grace_ends
+    if provider.capabilities.may_resend and not believed:
+        next_query_at = max(next_query_at, grace_ends)
+    values = {"query_attempts": attempts, "next_query_at": next_query_at, "updated_at": now}
+    conn.execute(update(payment).where(payment.c.id == current["id"]).values(**values))
+    if PaymentStatus(current["status"]) in TERMINAL or not believed:
+        return Result.UNCHANGED
+    queued = conn.execute(
+        select(
+            exists().where(
+                outbox_table.c.aggregate_id == current["payment_id"],
+                outbox_table.c.event_type == CHARGE_REQUESTED,
+                outbox_table.c.status == OutboxStatus.PENDING,
+            )
+        )
+    ).scalar()
+    if not queued:
+        outbox.enqueue(
+            conn,
+            event_type=CHARGE_REQUESTED,
+            aggregate_id=current["payment_id"],
+            now=now,
+            payload={"payment_id": current["payment_id"], "provider": current["provider"], "resend": True},
+        )
+    return Result.RESEND

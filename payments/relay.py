@@ -1,0 +1,213 @@
+"""Sending a ChargeRequested to its provider: prepare, call, apply (see ``payments/calls.py``).
+
+1. **Prepare** locks the outbox row and the payment, checks the deadline, the
+   adapter's capabilities and the circuit breaker, records the
+   ``provider_call`` row and moves Created → Pending, and commits.
+2. **Call** the adapter with the payment's fixed idempotency key (invariant 6).
+   A call after an earlier one whose outcome was lost is a re-send: its
+   refusal (a 4xx) is Unknown, not a decline (``reported_status``).
+3. **Apply** the outcome, complete the provider_call row and mark the outbox
+   row done, together. If we die before this commits, the outbox row's lease
+   runs out and the relay sends the same key again; the provider replays its
+   first answer.
+
+A charge whose outcome was lost (a previous call on file) is sent again only
+to a provider that dedupes it (``Capabilities.may_resend``). Any other
+provider never gets the same payment twice: the payment is left Unknown for
+the query job, or, if the provider cannot be queried either, goes to the
+manual queue.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, select, update
+
+from payments import breaker, failpoints, provider_calls
+from payments.backoff import compute_backoff
+from payments.calls import (
+    Context,
+    Result,
+    admission,
+    apply_outcome,
+    count,
+    give_up_ambiguous,
+    hold_for_query,
+    last_charge_call,
+    lock_payment,
+    release,
+    review,
+)
+from payments.db import utcnow
+from payments.providers.base import ChargeRequest, Failed, Provider, QueryOutcome
+from payments.schema import outbox as outbox_table
+from payments.states import TERMINAL, OutboxStatus, PaymentStatus, Verdict, decide
+from payments.transitions import apply_decision
+
+
+def relay_charge(ctx: Context, outbox_id: int, provider_name: str, lease_until: datetime) -> Result:
+    """Send one claimed ChargeRequested row to its provider and apply the answer (module docstring).
+
+    ``provider_name`` comes from the row's payload (read by the claim), so the
+    breaker is consulted before any row lock is taken. ``lease_until`` is the
+    claim's token: if the row no longer carries it, the lease ran out and
+    another worker holds the row now, and nothing is sent.
+    """
+    provider = ctx.providers.get(provider_name)
+    gate = admission(ctx, provider)
+    prepared: Result | tuple[int, dict[str, Any], bool] = Result.SKIPPED
+    try:
+        prepared = _prepare(ctx, outbox_id, lease_until, provider, gate)
+    finally:
+        if isinstance(prepared, Result):
+            release(ctx, provider, gate)  # no call goes out: a probe slot we took is free again
+    if isinstance(prepared, Result):
+        return prepared
+    call_id, current, resend = prepared
+    outcome = provider.charge(
+        ChargeRequest(
+            current["payment_id"],
+            int(current["amount_minor"]),
+            current["currency"],
+            description=current["description"],
+            created_at=current["created_at"],
+            payment_method=current["payment_method"],
+        ),
+        current["idempotency_key"],
+        ctx.settings.provider_timeout_seconds,
+    )
+    failpoints.hit("relay.after_provider_call")
+    result = _apply(ctx, outbox_id, call_id, current["payment_id"], provider, outcome, resend)
+    count(ctx, provider, outcome, gate)
+    return result
+
+
+def _prepare(
+    ctx: Context,
+    outbox_id: int,
+    lease_until: datetime,
+    provider: Provider | None,
+    gate: breaker.Gate,
+) -> Result | tuple[int, dict[str, Any], bool]:
+    now = utcnow()
+    with ctx.engine.begin() as conn:
+        row = conn.execute(select(outbox_table).where(outbox_table.c.id == outbox_id).with_for_update()).first()
+        if row is None or row.status != OutboxStatus.PENDING or row.next_attempt_at != lease_until:
+            return Result.SKIPPED  # done, or our lease ran out and another worker holds the row now
+        payment_id = json.loads(row.payload)["payment_id"]
+        current = lock_payment(conn, payment_id)
+        if current is None:
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DEAD, f"no payment {payment_id}")
+            return Result.SKIPPED
+        if PaymentStatus(current["status"]) in TERMINAL:
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, f"payment already {current['status']}")
+            return Result.SKIPPED
+        if provider is None or provider.name != current["provider"]:
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DEAD, f"no adapter for {current['provider']}")
+            review(conn, current, "unknown_provider", f"no adapter registered for {current['provider']}", now)
+            return Result.REVIEW
+        if current["deadline_at"] is not None and now >= current["deadline_at"]:
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DEAD, "deadline passed before the charge was confirmed")
+            review(conn, current, "unresolved_payment", "deadline passed before the charge was sent or confirmed", now)
+            return Result.REVIEW
+        previous = last_charge_call(conn, payment_id)
+        # A re-send: an earlier send may have charged (its answer lost or unclear). One the provider refused
+        # (Failed, e.g. our credentials) charged nothing, and the next send is as good as a first one.
+        resend = previous is not None and previous.outcome != "Failed"
+        if resend and not provider.capabilities.may_resend:
+            # A charge may already be on its way or done, and this provider would take a re-send as a second one.
+            if provider.capabilities.query_by_merchant_id:
+                hold_for_query(ctx, conn, current, previous.id, now)
+                _finish_outbox(
+                    conn, outbox_id, now, OutboxStatus.DONE, "not re-sent: provider does not dedupe; queried"
+                )
+                return Result.NOT_RESENT
+            give_up_ambiguous(conn, current, previous.id, now, "earlier charge call has no recorded outcome")
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, "not re-sent: provider cannot dedupe or be queried")
+            return Result.REVIEW
+        if gate.admission == breaker.Admission.DENY:
+            retry_at = max(gate.snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
+            conn.execute(
+                update(outbox_table)
+                .where(outbox_table.c.id == outbox_id)
+                .values(next_attempt_at=retry_at, updated_at=now)
+            )
+            return Result.DEFERRED
+        call_id = provider_calls.start(
+            conn,
+            provider=provider.name,
+            operation="charge",
+            params=_charge_params(current),
+            now=now,
+            payment_id=payment_id,
+            idempotency_key=current["idempotency_key"],
+        )
+        decision = decide(PaymentStatus(current["status"]), PaymentStatus.PENDING)
+        if decision.verdict == Verdict.APPLY:
+            apply_decision(conn, "payment", current, decision, source=f"call:{call_id}", now=now)
+        # The lease now covers the call itself, however long the wait for the rate limiter was.
+        conn.execute(
+            update(outbox_table)
+            .where(outbox_table.c.id == outbox_id)
+            .values(
+                attempts=outbox_table.c.attempts + 1,
+                next_attempt_at=now + timedelta(seconds=ctx.settings.call_lease_seconds),
+                updated_at=now,
+            )
+        )
+    return call_id, current, resend
+
+
+def _apply(
+    ctx: Context,
+    outbox_id: int,
+    call_id: int,
+    payment_id: str,
+    provider: Provider,
+    outcome: QueryOutcome,
+    resend: bool,
+) -> Result:
+    now = utcnow()
+    with ctx.engine.begin() as conn:
+        provider_calls.finish(conn, call_id, outcome, now)
+        current = lock_payment(conn, payment_id)
+        row = conn.execute(
+            select(outbox_table.c.status, outbox_table.c.attempts).where(outbox_table.c.id == outbox_id)
+        ).first()
+        if isinstance(outcome, Failed) and not outcome.definitive:
+            s = ctx.settings
+            delay = compute_backoff(max(1, row.attempts), s.retry_base_seconds, s.retry_max_seconds)
+            conn.execute(
+                update(outbox_table)
+                .where(outbox_table.c.id == outbox_id, outbox_table.c.status == OutboxStatus.PENDING)
+                .values(
+                    next_attempt_at=now + timedelta(seconds=delay),
+                    last_error=f"{outcome.code} (not definitive)"[:500],
+                    updated_at=now,
+                )
+            )
+            return Result.RETRY
+        result = apply_outcome(ctx, conn, current, provider, outcome, f"call:{call_id}", now, resend=resend)
+        _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, None)
+    return result
+
+
+def _charge_params(current: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "merchant_transaction_id": current["payment_id"],
+        "amount": int(current["amount_minor"]),
+        "currency": current["currency"],
+    }
+
+
+def _finish_outbox(conn: Connection, outbox_id: int, now: datetime, status: OutboxStatus, error: str | None) -> None:
+    conn.execute(
+        update(outbox_table)
+        .where(outbox_table.c.id == outbox_id)
+        .values(status=status, last_error=error[:500] if error else None, updated_at=now)
+    )

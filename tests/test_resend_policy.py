@@ -1,0 +1,200 @@
+"""Who may be sent a charge twice: only a provider that dedupes a re-send (by key or by our number).
+
+A provider that can be queried but does not dedupe is queried until the
+payment's deadline and never sent the same charge again; where re-sending is
+allowed, a NotFound right after the last send is not believed yet; and on a
+re-send, a refusal of the request says nothing definitive about the first one.
+"""
+
+# ruff: noqa: F811 - pytest fixtures imported from tests.sandbox_process
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select, update
+
+from compensator import query_unresolved, relay_outbox
+from payments.db import utcnow
+from payments.providers.base import Capabilities, Dedupe, Failed, NotFound, Succeeded, Unknown
+from payments.runtime import build_runtime
+from payments.schema import outbox, payment, provider_call
+from payments.states import OutboxStatus
+from tests.fake_provider import FakeProvider
+from tests.outbound_support import calls, domain_events, expire_leases, make_due, new_payment, reviews, row
+from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
+from tests.support import make_settings
+
+
+def runtime_for(engine, **overrides):
+    settings = make_settings(
+        database_url=engine.url.render_as_string(hide_password=False),
+        provider_timeout_seconds=0.3,
+        query_base_seconds=30,  # tests make a payment due themselves (make_due): one query per run_once
+        query_max_seconds=60,
+        query_pending_after_seconds=0.2,
+        relay_max_seconds=10,
+        **overrides,
+    )
+    return build_runtime(settings, engine)
+
+
+def with_provider(rt, provider):
+    return replace(rt, providers={**rt.providers, provider.name: provider})
+
+
+def queried_not_deduped(**scripts) -> FakeProvider:
+    """Can be looked up by our number; a second send is a second charge."""
+    return FakeProvider(Capabilities(query_by_merchant_id=True), **scripts)
+
+
+def pending_charge_requests(rt, payment_id) -> int:
+    with rt.engine.connect() as conn:
+        return len(
+            conn.execute(
+                select(outbox.c.id).where(
+                    outbox.c.aggregate_id == payment_id,
+                    outbox.c.event_type == "ChargeRequested",
+                    outbox.c.status == OutboxStatus.PENDING,
+                )
+            ).all()
+        )
+
+
+def test_a_provider_that_can_be_queried_but_does_not_dedupe_is_queried_until_its_deadline_never_resent(mariadb):
+    fake = queried_not_deduped(charges=[Unknown("timeout")])
+    rt = with_provider(runtime_for(mariadb), fake)
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)
+    p = row(rt, payment_id)
+    assert p["status"] == "Unknown" and p["next_query_at"] is not None, "an Unknown is queried"
+
+    for n in range(1, 5):  # the provider keeps saying it never saw the charge
+        make_due(rt, payment_id)
+        assert query_unresolved.run_once(rt) == 1
+        expire_leases(rt)
+        relay_outbox.run_once(rt)
+        p = row(rt, payment_id)
+        assert (p["status"], p["query_attempts"]) == ("Unknown", n)
+        assert p["next_query_at"] is not None, "queried again after a backoff"
+        assert pending_charge_requests(rt, payment_id) == 0, "no re-send queued"
+    assert len(fake.charges) == 1, "never sent twice: a second send could be a second charge"
+    assert len(fake.queries) == 4
+    assert reviews(rt, payment_id) == []
+
+    with rt.engine.begin() as conn:  # the deadline comes: a person decides
+        conn.execute(update(payment).where(payment.c.payment_id == payment_id).values(deadline_at=utcnow()))
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    assert reviews(rt, payment_id) == ["unresolved_payment"]
+    assert len(fake.charges) == 1 and row(rt, payment_id)["next_query_at"] is None
+
+
+def test_a_lost_outcome_at_a_provider_that_does_not_dedupe_is_queried_not_sent_again(mariadb):
+    # The relay dies after the request left (the exception stands for the process dying there).
+    fake = queried_not_deduped(charges=[RuntimeError("killed after the request left")], queries=[Succeeded("ch_1")])
+    rt = with_provider(runtime_for(mariadb), fake)
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Pending"
+    (first,) = calls(rt, payment_id)
+    assert first["outcome"] is None, "the call is on file, its answer lost"
+
+    expire_leases(rt)  # the row comes back to a relay
+    relay_outbox.run_once(rt)
+    assert len(fake.charges) == 1, "not sent again"
+    p = row(rt, payment_id)
+    assert p["status"] == "Unknown" and p["next_query_at"] is not None, "it is queried instead"
+    assert reviews(rt, payment_id) == []
+    assert pending_charge_requests(rt, payment_id) == 0
+
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Succeeded"
+    assert len(fake.charges) == 1
+
+
+@pytest.fixture
+def sandbox_runtime(mariadb, sandbox):
+    return runtime_for(mariadb, sandbox_api_url=sandbox.url)
+
+
+def test_a_not_found_right_after_the_last_send_is_not_believed_until_the_grace_has_passed(sandbox_runtime, sandbox):
+    rt = sandbox_runtime
+    sandbox.faults(error_5xx_rate=1.0)  # 503 before processing: Unknown, nothing charged
+    payment_id = new_payment(rt)
+    relay_outbox.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Unknown"
+    sandbox.faults()
+
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    (charge,) = calls(rt, payment_id, "charge")
+    p = row(rt, payment_id)
+    assert pending_charge_requests(rt, payment_id) == 0, "within the grace a NotFound may be a charge not visible yet"
+    grace = timedelta(seconds=rt.settings.query_not_found_grace_seconds)
+    assert rt.settings.query_not_found_grace_seconds == 60
+    assert p["status"] == "Unknown" and p["next_query_at"] >= charge["started_at"] + grace
+
+    with rt.engine.begin() as conn:  # the grace has passed since the last send
+        conn.execute(
+            update(provider_call).where(provider_call.c.id == charge["id"]).values(started_at=utcnow() - grace * 2)
+        )
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    assert pending_charge_requests(rt, payment_id) == 1, "now it is believed: sent again with the same key"
+    relay_outbox.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Succeeded"
+    assert sandbox.charge_count(payment_id) == 1
+
+
+def test_on_a_resend_a_refusal_is_unknown_and_only_the_first_attempts_decline_is_failed(mariadb):
+    # Dedupes by our number: the re-send of a charge it did make is refused as a duplicate (a 4xx).
+    refused = Failed("duplicate_merchant_transaction_id", definitive=True, refusal=True)
+    fake = FakeProvider(
+        Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True),
+        charges=[Unknown("timeout"), refused],
+        queries=[NotFound(), Succeeded("ch_1")],
+    )
+    rt = with_provider(runtime_for(mariadb, query_not_found_grace_seconds=0), fake)
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)  # timed out, but the provider charged
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)  # not visible yet: NotFound, re-sent
+    relay_outbox.run_once(rt)
+    assert len(fake.charges) == 2
+    p = row(rt, payment_id)
+    assert p["status"] == "Unknown", "the refusal of a re-send says nothing definitive about the first send"
+    assert p["next_query_at"] is not None and reviews(rt, payment_id) == []
+    assert "PaymentFailed" not in domain_events(rt, payment_id)
+
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Succeeded"
+    assert domain_events(rt, payment_id) == ["PaymentUnknown", "PaymentSucceeded"]
+
+
+def test_a_refusal_of_the_first_attempt_is_a_decline(mariadb):
+    fake = FakeProvider(
+        Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True),
+        charges=[Failed("invalid_currency", definitive=True, refusal=True)],
+    )
+    rt = with_provider(runtime_for(mariadb), fake)
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)
+    p = row(rt, payment_id)
+    assert (p["status"], p["error_code"]) == ("Failed", "invalid_currency")
+
+
+def test_a_charge_refused_for_our_credentials_is_sent_again_even_where_the_provider_does_not_dedupe(mariadb):
+    # 401: the provider refused the request itself; nothing was charged, so the retry is as good as a first send.
+    fake = queried_not_deduped(charges=[Failed("unauthorized", definitive=False), Succeeded("ch_1")])
+    rt = with_provider(runtime_for(mariadb), fake)
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Pending"
+    expire_leases(rt)  # past the retry backoff
+    relay_outbox.run_once(rt)
+    assert len(fake.charges) == 2
+    assert row(rt, payment_id)["status"] == "Succeeded"
