@@ -29,7 +29,8 @@ from payments.cursors import advance_cursor, read_cursor
 from payments.errors import EventIgnored, MalformedCallback
 from payments.providers.base import ProviderUnavailable
 from payments.runtime import Runtime
-from payments.schema import CB_REJECTED, SOURCE_API, payment_callback_log, processed_event
+from payments.schema import SOURCE_API, payment_callback_log, processed_event
+from payments.states import CallbackStatus
 
 log = logging.getLogger("paysync.compensator.catch_up")
 
@@ -109,7 +110,9 @@ def _received(engine: Engine, event_id: str) -> bool:
                             processed_event.c.provider == PROVIDER, processed_event.c.provider_event_id == event_id
                         ),
                         exists().where(
-                            t.c.provider == PROVIDER, t.c.provider_event_id == event_id, t.c.status != CB_REJECTED
+                            t.c.provider == PROVIDER,
+                            t.c.provider_event_id == event_id,
+                            t.c.status != CallbackStatus.REJECTED,
                         ),
                     )
                 )

@@ -24,7 +24,8 @@ from payments.callbacks import verify_callback
 from payments.db import utcnow
 from payments.errors import CallbackRejected, ConfigError
 from payments.runtime import Runtime
-from payments.schema import CB_PENDING, CB_REJECTED, payment_callback_log
+from payments.schema import payment_callback_log
+from payments.states import CallbackStatus
 
 log = logging.getLogger("paysync.compensator.reverify")
 
@@ -51,7 +52,7 @@ def run(runtime: Runtime, provider: str, since: datetime | None = None, now: dat
     while True:
         query = (
             select(t.c.id, t.c.callback_data, t.c.headers, t.c.create_time, t.c.result)
-            .where(t.c.provider == provider, t.c.status == CB_REJECTED, t.c.id > last_id)
+            .where(t.c.provider == provider, t.c.status == CallbackStatus.REJECTED, t.c.id > last_id)
             .order_by(t.c.id)
             .limit(BATCH)
         )
@@ -79,9 +80,9 @@ def _reverify(runtime: Runtime, adapter, row, now: datetime) -> bool:  # noqa: A
     with runtime.engine.begin() as conn:
         moved = conn.execute(
             update(t)
-            .where(t.c.id == row.id, t.c.status == CB_REJECTED)
+            .where(t.c.id == row.id, t.c.status == CallbackStatus.REJECTED)
             .values(
-                status=CB_PENDING,
+                status=CallbackStatus.PENDING,
                 result=f"reverified at {now.isoformat()}Z against today's keys; was rejected: {was}"[:500],
                 retry_count=0,
                 next_retry_at=now,

@@ -31,8 +31,8 @@ from payments.db import insert_ignore, utcnow
 from payments.errors import CallbackRejected, PaysyncError
 from payments.ids import new_id
 from payments.providers.base import Provider
-from payments.schema import CB_PROCESSED, CB_REJECTED, idempotency_request, payment, payment_callback_log
-from payments.states import PaymentStatus
+from payments.schema import idempotency_request, payment, payment_callback_log
+from payments.states import CallbackStatus, PaymentStatus
 
 log = logging.getLogger("paysync.charges")
 
@@ -428,9 +428,9 @@ def get_payment(
 
 def _unverified_reason(delivery: Any, payment_id: str, providers: Mapping[str, Provider]) -> str | None:
     """None when the stored delivery verified as a callback of ``payment_id``; else why not."""
-    if delivery.status == CB_PROCESSED:
+    if delivery.status == CallbackStatus.PROCESSED:
         return None  # processing verified it, and indexed it under the payment it names
-    if delivery.status == CB_REJECTED:
+    if delivery.status == CallbackStatus.REJECTED:
         return (delivery.result or "rejected").removeprefix("rejected: ")
     provider = providers.get(delivery.provider)
     if provider is None:

@@ -61,6 +61,7 @@ def _in(column: str, values: type[IntEnum] | type[StrEnum]) -> str:
     items = ", ".join(str(int(v)) if isinstance(v, int) else f"'{v.value}'" for v in values)
     return f"{column} IN ({items})"
 
+
 # Where a stored delivery came from (payment_callback_log.source).
 SOURCE_WEBHOOK = "webhook"
 """The provider POSTed it to the gateway; it is verified by its signature."""

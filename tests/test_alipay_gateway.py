@@ -21,13 +21,15 @@ from werkzeug.serving import make_server
 from compensator import query_unresolved, relay_outbox
 from gateway import create_app
 from payments.backoff import RetryPolicy
-from payments.callbacks import Outcome, process_callback
+from payments.callbacks import CallbackResult, process_callback
+from payments.calls import Context, Result
 from payments.db import utcnow
-from payments.outbound import Context, Result, query_payment
 from payments.providers import alipay_sign as sig
 from payments.providers.base import ChargeRequest
+from payments.query import query_payment
 from payments.runtime import build_runtime
-from payments.schema import CB_PENDING, CB_PROCESSED, CB_REJECTED, ledger_event, payment, provider_call
+from payments.schema import ledger_event, payment, provider_call
+from payments.states import CallbackStatus
 from tests.alipay_support import (  # noqa: F401
     APP_ID,
     fake_alipay,
@@ -35,6 +37,7 @@ from tests.alipay_support import (  # noqa: F401
     notify_fields,
     signed_notify,
 )
+from tests.outbound_support import claim_for_query
 from tests.stack import callback_rows, db_url, payment_status
 from tests.support import create_payment, make_settings
 
@@ -52,6 +55,8 @@ def alipay_settings(engine, keys, fake=None, **overrides):
         query_base_seconds=0.05,
         query_max_seconds=0.2,
         query_pending_after_seconds=0.2,
+        # The tests make a payment due themselves: a NotFound right after a send is believed (re-sent) at once.
+        query_not_found_grace_seconds=0,
         **overrides,
     )
 
@@ -78,13 +83,13 @@ def test_a_valid_notify_is_answered_success_and_applied_once_however_often_it_co
         answer = post(client, body)
         assert answer.status_code == 200 and answer.get_data() == b"success"
     rows = callback_rows(engine)
-    assert [r.status for r in rows] == [CB_PENDING] * 3 and rows[0].order_no == payment_id
+    assert [r.status for r in rows] == [CallbackStatus.PENDING] * 3 and rows[0].order_no == payment_id
     providers = app.extensions["paysync"]["providers"]
     outcomes = [process_callback(engine, providers, r.id, POLICY) for r in rows]
-    assert outcomes == [Outcome.APPLIED, Outcome.DUPLICATE, Outcome.DUPLICATE]
+    assert outcomes == [CallbackResult.APPLIED, CallbackResult.DUPLICATE, CallbackResult.DUPLICATE]
     assert payment_status(engine, payment_id) == "Succeeded"
     assert confirmed_count(engine, payment_id) == 1
-    assert [r.status for r in callback_rows(engine)] == [CB_PROCESSED] * 3
+    assert [r.status for r in callback_rows(engine)] == [CallbackStatus.PROCESSED] * 3
 
 
 def test_each_bad_notify_is_stored_refused_with_fail_and_changes_nothing(engine, keys):
@@ -109,7 +114,7 @@ def test_each_bad_notify_is_stored_refused_with_fail_and_changes_nothing(engine,
         answer = post(client, body)
         assert answer.get_data() == b"fail" and answer.status_code in (400, 401), name
         row = callback_rows(engine)[-1]
-        assert bytes(row.callback_data) == body and row.status == CB_REJECTED, name
+        assert bytes(row.callback_data) == body and row.status == CallbackStatus.REJECTED, name
         assert row.result.startswith(f"rejected: {code}"), (name, row.result)
     assert payment_status(engine, payment_id) == "Pending"
     assert confirmed_count(engine, payment_id) == 0
@@ -142,12 +147,13 @@ def test_an_unverified_notify_changes_nothing_and_the_query_it_triggers_finds_th
     forged = signed_notify(notify_fields(payment_id), keys.stranger)
     assert post(app.test_client(), forged).get_data() == b"fail"
     row = callback_rows(mariadb)[-1]
-    assert row.status == CB_REJECTED and payment_status(mariadb, payment_id) == "Pending"
+    assert row.status == CallbackStatus.REJECTED and payment_status(mariadb, payment_id) == "Pending"
 
     # The adapter's side of the hint: the unverified row still names the payment (peek_callback → order_no),
     # and the query by that number is what may change the state (the lead's query job rate-limits it).
     assert row.order_no == payment_id
-    assert query_payment(Context(mariadb, runtime.providers, settings), row.order_no, "alipay") == Result.APPLIED
+    lease = claim_for_query(mariadb, row.order_no)
+    assert query_payment(Context(mariadb, runtime.providers, settings), row.order_no, "alipay", lease) == Result.APPLIED
     with mariadb.connect() as conn:
         source = conn.execute(select(payment.c.status_source).where(payment.c.payment_id == payment_id)).scalar()
     assert payment_status(mariadb, payment_id) == "Succeeded" and source.startswith("query:")
@@ -222,7 +228,7 @@ def test_a_payment_goes_out_as_a_precreate_shows_its_qr_code_and_the_fakes_notif
     assert wait_for(lambda: fake_alipay.control("notifications")[-1]["attempts"]), "the fake delivered its notify"
     assert fake_alipay.control("notifications")[-1]["attempts"][0]["answer"] == "success"
     (row,) = callback_rows(runtime.engine)
-    assert process_callback(runtime.engine, runtime.providers, row.id, POLICY) == Outcome.APPLIED
+    assert process_callback(runtime.engine, runtime.providers, row.id, POLICY) == CallbackResult.APPLIED
     assert show(app, payment_id)["status"] == "Succeeded"
     assert show(app, payment_id)["provider_transaction_id"] == fake_alipay.fake.trades[payment_id].trade_no
 

@@ -87,9 +87,13 @@ def cases(payment_id: str) -> list[Case]:
             CallbackStatus.REJECTED,
         ),
         # Refused, and still on record: its first CALLBACK_MAX_BODY_BYTES, rejected (invariant 2).
-        Case("oversized body", *signed(oversized), 413, "body_too_large", CB_REJECTED),
+        Case("oversized body", *signed(oversized), 413, "body_too_large", CallbackStatus.REJECTED),
         Case(
-            "wrong content type", *_content_type(payment_id, "text/plain"), 415, "unsupported_content_type", CB_REJECTED
+            "wrong content type",
+            *_content_type(payment_id, "text/plain"),
+            415,
+            "unsupported_content_type",
+            CallbackStatus.REJECTED,
         ),
         # Header bytes past ASCII arrive as latin-1 text: a bad signature (401), not a 500 retried into status 4.
         Case(
@@ -144,8 +148,8 @@ def test_a_body_of_exactly_256_kib_is_accepted_and_one_byte_more_is_413(engine):
     assert client.post("/callbacks/sandbox", data=over, headers=signed(over)[1]).status_code == 413
     rows = callback_rows(engine)
     assert [(bytes(r.callback_data), r.status) for r in rows] == [
-        (at_limit, CB_PENDING),
-        (over[:MAX_BODY], CB_REJECTED),
+        (at_limit, CallbackStatus.PENDING),
+        (over[:MAX_BODY], CallbackStatus.REJECTED),
     ]
     assert rows[1].result.startswith("rejected: body_too_large")
 
@@ -239,7 +243,7 @@ def test_the_real_gunicorn_gateway_answers_every_case_and_loses_no_row(mariadb, 
         except OSError:
             status = 413
         assert status == 413
-        expected.append((over[:MAX_BODY], CB_REJECTED))
+        expected.append((over[:MAX_BODY], CallbackStatus.REJECTED))
         at_limit = exactly(MAX_BODY, payment_id)
         assert post(port, _chunked(at_limit), signed(at_limit)[1]).status_code == 200
         expected.append((at_limit, CallbackStatus.PENDING))

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import requests
 
-from payments.schema import CB_REJECTED
+from payments.states import CallbackStatus
 from tests.stack import Stack, callback_rows, db_url, post
 from tests.support import DEV_DEFAULTS, create_payment, sandbox_event, signed
 
@@ -60,7 +60,7 @@ def test_every_route_answers_a_hostile_body_with_a_4xx_and_callbacks_keep_the_de
             assert 400 <= status < 500, (name, status, stack.output()[-2000:])
             rows = callback_rows(mariadb)
             assert len(rows) == before + 1, f"{name}: the delivery must be stored"
-            assert rows[-1].status == CB_REJECTED, (name, rows[-1].result)
+            assert rows[-1].status == CallbackStatus.REJECTED, (name, rows[-1].result)
             assert bytes(rows[-1].callback_data) == body[:MAX_BODY], name
 
             # The merchant API: authorized, with a key, so the body is what gets judged; nothing is written.

@@ -10,13 +10,14 @@ from sqlalchemy import select
 from compensator import reverify
 from gateway import create_app
 from payments.backoff import RetryPolicy
-from payments.callbacks import Outcome, process_callback, reject_callback, store_callback
+from payments.callbacks import CallbackResult, process_callback, reject_callback, store_callback
 from payments.db import utcnow
 from payments.errors import ConfigError
 from payments.providers import build_providers
 from payments.runtime import build_runtime
-from payments.schema import CB_PENDING, CB_PROCESSED, CB_REJECTED, payment_callback_log
+from payments.schema import payment_callback_log
 from payments.settings import load_settings
+from payments.states import CallbackStatus
 from tests.stack import Stack, db_url, payment_status
 from tests.support import create_payment, make_settings, sandbox_event, signed
 
@@ -65,8 +66,8 @@ def test_a_backlog_stored_under_the_old_key_is_processed_after_the_new_key_comes
     log_id = store_callback(engine, provider="sandbox", body=body, headers=headers, remote_addr="127.0.0.1")
     # The rotation: the new key first, the old one still listed. Processing re-verifies the stored row.
     rotated = build_providers(_settings(engine, NEW, OLD))
-    assert process_callback(engine, rotated, log_id, RetryPolicy()) == Outcome.APPLIED
-    assert _row(engine, log_id).status == CB_PROCESSED
+    assert process_callback(engine, rotated, log_id, RetryPolicy()) == CallbackResult.APPLIED
+    assert _row(engine, log_id).status == CallbackStatus.PROCESSED
     assert payment_status(engine, payment_id) == "Succeeded"
 
 
@@ -74,7 +75,10 @@ def test_a_backlog_row_is_rejected_once_its_key_is_no_longer_listed(engine):
     payment_id = create_payment(engine)
     body, headers = signed(sandbox_event(payment_id), secret=OLD)
     log_id = store_callback(engine, provider="sandbox", body=body, headers=headers, remote_addr="127.0.0.1")
-    assert process_callback(engine, build_providers(_settings(engine, NEW)), log_id, RetryPolicy()) == Outcome.REJECTED
+    assert (
+        process_callback(engine, build_providers(_settings(engine, NEW)), log_id, RetryPolicy())
+        == CallbackResult.REJECTED
+    )
 
 
 def test_reverify_takes_a_rejected_row_back_after_the_key_is_fixed(engine):
@@ -86,7 +90,7 @@ def test_reverify_takes_a_rejected_row_back_after_the_key_is_fixed(engine):
     forged_body, forged_headers = signed(sandbox_event(payment_id), secret="whsec_someone_else_" + "f" * 16)
     assert client.post("/callbacks/sandbox", data=forged_body, headers=forged_headers).status_code == 401
     genuine, forged = (r.id for r in _rows(engine))
-    assert _row(engine, genuine).status == CB_REJECTED
+    assert _row(engine, genuine).status == CallbackStatus.REJECTED
 
     # Reverifying against the wrong key again moves nothing.
     assert reverify.run(build_runtime(_settings(engine, WRONG), engine=engine), "sandbox").accepted == 0
@@ -95,11 +99,11 @@ def test_reverify_takes_a_rejected_row_back_after_the_key_is_fixed(engine):
     result = reverify.run(fixed, "sandbox")
     assert (result.checked, result.accepted) == (2, 1)
     row = _row(engine, genuine)
-    assert row.status == CB_PENDING
+    assert row.status == CallbackStatus.PENDING
     assert row.result.startswith("reverified at ") and "was rejected: invalid_signature" in row.result
-    assert _row(engine, forged).status == CB_REJECTED  # still not genuine
+    assert _row(engine, forged).status == CallbackStatus.REJECTED  # still not genuine
     # Sent on: processed like any new delivery.
-    assert process_callback(engine, fixed.providers, genuine, RetryPolicy()) == Outcome.APPLIED
+    assert process_callback(engine, fixed.providers, genuine, RetryPolicy()) == CallbackResult.APPLIED
     assert payment_status(engine, payment_id) == "Succeeded"
     assert reverify.run(fixed, "sandbox").accepted == 0  # safe to run again
 
@@ -137,4 +141,4 @@ def test_the_reverify_command(mariadb, tmp_path):
         done = stack.run("-m", "compensator", "reverify", "--provider", "sandbox", "--since", "2020-01-01T00:00:00Z")
         assert done.returncode == 0, done.stderr[-2000:]
         assert "1 of 1 rejected callbacks now verify" in done.stdout
-    assert _row(mariadb, log_id).status == CB_PENDING
+    assert _row(mariadb, log_id).status == CallbackStatus.PENDING

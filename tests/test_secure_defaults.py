@@ -11,8 +11,8 @@ import pytest
 from gateway import create_app
 from payments.errors import ConfigError
 from payments.providers import build_providers
-from payments.schema import CB_PENDING
 from payments.settings import check_deployment, enabled_providers, load_settings
+from payments.states import CallbackStatus
 from tests.stack import callback_rows, db_url
 from tests.support import ROOT, env_for, free_port, procfile_command, sandbox_event, signed
 
@@ -130,7 +130,7 @@ def test_an_enabled_provider_in_production_takes_callbacks_signed_with_its_secre
     client = create_app(settings, engine=engine).test_client()
     body, headers = signed(sandbox_event("pay_x"), secret=STRONG["SANDBOX_WEBHOOK_SECRET"])
     assert client.post("/callbacks/sandbox", data=body, headers=headers).status_code == 200
-    assert [r.status for r in callback_rows(engine)] == [CB_PENDING]
+    assert [r.status for r in callback_rows(engine)] == [CallbackStatus.PENDING]
 
 
 # --- every process, really started ----------------------------------------------------------------------

@@ -16,13 +16,12 @@ from sqlalchemy import func, insert, select, update
 
 from compensator import catch_up, compensate_callbacks, query_unresolved, relay_outbox
 from gateway import create_app
+from payments.calls import Context, Result
 from payments.charges import CreatePayment, create_payment
 from payments.db import utcnow
-from payments.outbound import Context, Result, query_payment
+from payments.query import query_payment
 from payments.runtime import build_runtime
 from payments.schema import (
-    CB_PROCESSED,
-    CB_REJECTED,
     ledger_event,
     manual_review,
     payment,
@@ -31,7 +30,9 @@ from payments.schema import (
     provider_cursor,
     refund,
 )
+from payments.states import CallbackStatus
 from sandbox.fakes.stripe import IdempotencyRecord
+from tests.outbound_support import claim_for_query
 from tests.stripe_support import (
     NEW_SECRET,
     OLD_SECRET,
@@ -117,7 +118,7 @@ def test_a_valid_notification_is_acknowledged_and_applied_once_and_its_redeliver
     p = payment_row(engine, payment_id)
     assert (p["status"], p["provider_transaction_id"]) == ("Succeeded", pi["id"])
     stored = rows(engine)
-    assert [r["status"] for r in stored] == [CB_PROCESSED, CB_PROCESSED]
+    assert [r["status"] for r in stored] == [CallbackStatus.PROCESSED, CallbackStatus.PROCESSED]
     assert all(r["provider_event_id"] == evt["id"] and r["source"] == "webhook" for r in stored)
     # The sweep works rows side by side, so either delivery may be the one applied: one is, the other a duplicate.
     assert sorted(r["result"].split(":")[0] for r in stored) == ["applied", "duplicate"]
@@ -152,7 +153,7 @@ def test_refused_notifications_get_a_4xx_are_kept_with_status_3_and_change_nothi
     answer = post(client, body, headers)
     assert answer.status_code == status and answer.get_json()["error"]["code"] == code
     (row,) = rows(engine)
-    assert row["status"] == CB_REJECTED and row["result"].startswith(f"rejected: {code}")
+    assert row["status"] == CallbackStatus.REJECTED and row["result"].startswith(f"rejected: {code}")
     assert bytes(row["callback_data"]) == body, "stored byte for byte"
     compensate_callbacks.run_once(runtime_for(engine))
     assert payment_row(engine, payment_id)["status"] == "Pending"
@@ -184,7 +185,7 @@ def test_a_genuine_event_that_is_not_ours_is_acknowledged_and_recorded_as_ignore
     ):
         assert post(client, *signed(evt)).status_code == 200
     compensate_callbacks.run_once(runtime_for(engine))
-    assert [(r["status"], r["result"][:8]) for r in rows(engine)] == [(CB_PROCESSED, "ignored:")] * 2
+    assert [(r["status"], r["result"][:8]) for r in rows(engine)] == [(CallbackStatus.PROCESSED, "ignored:")] * 2
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(processed_event)).scalar() == 0
 
@@ -236,7 +237,7 @@ def test_an_unverified_notification_is_a_hint_that_leads_to_a_query_never_a_stat
 
     The rejected row keeps the payment it names (``order_no``, read unverified
     by ``peek_callback``); the query job's wiring (the lead's) turns that into
-    a query of the payment, done here with ``outbound.query_payment``. The
+    a query of the payment, done here with ``payments.query.query_payment``. The
     forged body says Succeeded; Stripe says the charge was declined: the query's
     answer is what is applied.
     """
@@ -250,11 +251,13 @@ def test_an_unverified_notification_is_a_hint_that_leads_to_a_query_never_a_stat
         assert post(client, *signed(forged, (STRANGER_SECRET,))).status_code == 401
 
         (row,) = rows(engine)
-        assert (row["status"], row["order_no"]) == (CB_REJECTED, payment_id)
+        assert (row["status"], row["order_no"]) == (CallbackStatus.REJECTED, payment_id)
         compensate_callbacks.run_once(rt)
         assert payment_row(engine, payment_id)["status"] == "Pending", "the forged success changed nothing"
 
-        assert query_payment(Context(engine, rt.providers, rt.settings), row["order_no"], "stripe") == Result.APPLIED
+        lease = claim_for_query(engine, row["order_no"])
+        ctx = Context(engine, rt.providers, rt.settings)
+        assert query_payment(ctx, row["order_no"], "stripe", lease) == Result.APPLIED
         p = payment_row(engine, payment_id)
         assert (p["status"], p["error_code"]) == ("Failed", "generic_decline")
     finally:
@@ -303,7 +306,7 @@ def test_a_payment_is_charged_by_the_relay_and_its_webhook_is_applied_once(platf
     compensate_callbacks.run_once(rt)
     assert any(d["type"] == "payment_intent.succeeded" and d["status"] == 200 for d in fake.deliveries)
     assert confirmations(rt.engine, payment_id) == 1
-    assert all(r["status"] == CB_PROCESSED for r in rows(rt.engine))
+    assert all(r["status"] == CallbackStatus.PROCESSED for r in rows(rt.engine))
 
 
 def test_an_ambiguous_charge_becomes_unknown_and_the_query_job_resolves_it(platform):
@@ -347,7 +350,7 @@ def test_a_declined_charge_fails_the_payment_and_cancels_its_payment_intent(plat
     assert fake.wait_idle(30)
     compensate_callbacks.run_once(rt)
     assert payment_row(rt.engine, payment_id)["status"] == "Failed"
-    assert {r["status"] for r in rows(rt.engine)} == {CB_PROCESSED}
+    assert {r["status"] for r in rows(rt.engine)} == {CallbackStatus.PROCESSED}
 
 
 def test_catch_up_fetches_a_missed_event_through_store_then_process(platform):
@@ -364,7 +367,12 @@ def test_catch_up_fetches_a_missed_event_through_store_then_process(platform):
     p = payment_row(rt.engine, payment_id)
     assert p["status"] == "Succeeded" and p["status_source"].startswith("callback:")
     (row,) = rows(rt.engine)
-    assert (row["source"], row["status"], row["headers"], row["remote_addr"]) == ("api", CB_PROCESSED, "{}", None)
+    assert (row["source"], row["status"], row["headers"], row["remote_addr"]) == (
+        "api",
+        CallbackStatus.PROCESSED,
+        "{}",
+        None,
+    )
     assert json.loads(bytes(row["callback_data"]))["type"] == "payment_intent.succeeded"
     assert catch_up.run_once(rt, now=later + 5) == 0, "nothing new: the event is applied"
     with rt.engine.connect() as conn:
@@ -379,7 +387,7 @@ def test_catch_up_repairs_webhooks_that_were_refused(platform, engine):
     fake.fail_next("timeout_after_commit", count=2, path="POST /v1/payment_intents")
     relay_outbox.run_once(short(rt))
     assert fake.wait_idle(30)
-    assert {r["status"] for r in rows(engine)} == {CB_REJECTED}
+    assert {r["status"] for r in rows(engine)} == {CallbackStatus.REJECTED}
     assert {payment_row(engine, p)["status"] for p in (first, second)} == {"Unknown"}
 
     assert catch_up.run_once(rt, now=fake.clock.now() + 120) == 2

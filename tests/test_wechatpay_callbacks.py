@@ -23,12 +23,13 @@ from sqlalchemy import insert, select
 from compensator import compensate_callbacks, relay_outbox
 from gateway import create_app
 from payments.backoff import RetryPolicy
-from payments.callbacks import Outcome, process_callback
+from payments.callbacks import CallbackResult, process_callback
 from payments.db import utcnow
 from payments.providers import build_providers
 from payments.providers.base import ChargeRequest, Succeeded
 from payments.runtime import build_runtime
-from payments.schema import CB_PENDING, CB_PROCESSED, CB_REJECTED, ledger_event, payment, refund
+from payments.schema import ledger_event, payment, refund
+from payments.states import CallbackStatus
 from sandbox.fakes import wechatpay as fake
 from tests.stack import callback_rows, db_url
 from tests.support import create_payment, wait_until
@@ -67,11 +68,11 @@ def test_a_valid_notification_is_answered_204_and_applied_once(engine, wx_keys):
     answer = client.post("/callbacks/wechatpay", data=body, headers=headers)
     assert answer.status_code == 204 and answer.get_data() == b""
     (row,) = callback_rows(engine)
-    assert row.status == CB_PENDING and row.order_no == payment_id  # indexed from the decrypted resource
+    assert row.status == CallbackStatus.PENDING and row.order_no == payment_id  # indexed from the decrypted resource
     stored = json.loads(row.headers)
     assert {"Wechatpay-Signature", "Wechatpay-Serial", "Wechatpay-Timestamp", "Wechatpay-Nonce"} <= set(stored)
-    assert process_callback(engine, providers, row.id, POLICY) == Outcome.APPLIED
-    assert process_callback(engine, providers, row.id, POLICY) == Outcome.SKIPPED
+    assert process_callback(engine, providers, row.id, POLICY) == CallbackResult.APPLIED
+    assert process_callback(engine, providers, row.id, POLICY) == CallbackResult.SKIPPED
     with engine.connect() as conn:
         found = conn.execute(select(payment).where(payment.c.payment_id == payment_id)).mappings().one()
         confirmed = conn.execute(
@@ -93,7 +94,7 @@ def test_a_redelivered_notification_is_stored_acknowledged_and_deduplicated(engi
         assert client.post("/callbacks/wechatpay", data=body, headers=headers).status_code == 204
     rows = callback_rows(engine)
     outcomes = [process_callback(engine, providers, row.id, POLICY) for row in rows]
-    assert outcomes == [Outcome.APPLIED, Outcome.DUPLICATE, Outcome.DUPLICATE]
+    assert outcomes == [CallbackResult.APPLIED, CallbackResult.DUPLICATE, CallbackResult.DUPLICATE]
     assert status_of(engine, payment_id) == "Succeeded"
     with engine.connect() as conn:
         events = conn.execute(select(ledger_event.c.event_type).where(ledger_event.c.payment_id == payment_id)).all()
@@ -168,10 +169,10 @@ def test_each_refused_notification_is_kept_with_status_3_and_answered_fail(engin
         reply = answer.get_json()
         assert reply["code"] == "FAIL" and reply["message"].startswith(case.code), (case.name, reply)
         row = callback_rows(engine)[-1]
-        assert bytes(row.callback_data) == case.body and row.status == CB_REJECTED, case.name
+        assert bytes(row.callback_data) == case.body and row.status == CallbackStatus.REJECTED, case.name
         assert row.result.startswith(f"rejected: {case.code}"), (case.name, row.result)
         # Kept, never retried: processing the row again changes nothing.
-        assert process_callback(engine, providers, row.id, POLICY) == Outcome.SKIPPED
+        assert process_callback(engine, providers, row.id, POLICY) == CallbackResult.SKIPPED
     assert len(callback_rows(engine)) == len(cases)
     assert status_of(engine, payment_id) == "Pending"
 
@@ -193,7 +194,7 @@ def test_both_platform_keys_are_accepted_during_the_overlap_and_the_old_one_is_r
         )
         assert client.post("/callbacks/wechatpay", data=body, headers=headers).status_code == 204
     for row in callback_rows(engine):
-        assert process_callback(engine, providers, row.id, POLICY) == Outcome.APPLIED
+        assert process_callback(engine, providers, row.id, POLICY) == CallbackResult.APPLIED
     after, _ = gateway(engine, wx_keys, platform=(wx_keys.pub_key,))  # the certificate is retired
     late = pending_wechat_payment(engine)
     body, headers = notification(wx_keys, transaction(late), signer=wx_keys.cert_key)
@@ -226,7 +227,7 @@ def test_a_refund_notification_settles_the_refund(engine, wx_keys):
     assert client.post("/callbacks/wechatpay", data=body, headers=headers).status_code == 204
     (row,) = callback_rows(engine)
     assert row.order_no == refund_id
-    assert process_callback(engine, providers, row.id, POLICY) == Outcome.APPLIED
+    assert process_callback(engine, providers, row.id, POLICY) == CallbackResult.APPLIED
     with engine.connect() as conn:
         found = conn.execute(select(refund).where(refund.c.refund_id == refund_id)).mappings().one()
     assert found["status"] == "Succeeded" and found["provider_refund_id"] == "50000000382019052709732678859"
@@ -248,7 +249,7 @@ def test_an_unverified_notification_changes_nothing_but_names_the_payment_a_quer
         )
         assert client.post("/callbacks/wechatpay", data=body, headers=headers).status_code == 401
         (row,) = callback_rows(mariadb)
-        assert row.status == CB_REJECTED and status_of(mariadb, payment_id) == "Pending"
+        assert row.status == CallbackStatus.REJECTED and status_of(mariadb, payment_id) == "Pending"
         assert row.order_no == payment_id and row.provider_event_id  # the hint the query job acts on
         found = adapter.query(row.order_no, 5, ChargeRequest(payment_id, 1000, "CNY"))
         assert isinstance(found, Succeeded) and found.provider_transaction_id == paid.transaction_id
@@ -298,7 +299,11 @@ def test_the_fake_platform_orders_pays_and_notifies_through_a_served_gateway(mar
             web.server_close()
     rows = callback_rows(mariadb)
     # The SIGNTEST probe refused, the notification and its duplicate stored; applied once.
-    assert sorted(r.status for r in rows) == [CB_PROCESSED, CB_PROCESSED, CB_REJECTED]
+    assert sorted(r.status for r in rows) == [
+        CallbackStatus.PROCESSED,
+        CallbackStatus.PROCESSED,
+        CallbackStatus.REJECTED,
+    ]
     assert platform.deliveries[0].answers == [204, 204]
     assert status_of(mariadb, payment_id) == "Succeeded"
     assert all(entry["ok"] for entry in platform.auth_log)
