@@ -23,8 +23,11 @@ from payments.providers import build_providers
 from payments.providers.alipay import NOTIFY_RETRY_WINDOW_SECONDS, parse_form, read_notify
 from payments.providers.base import (
     AMOUNT_MISMATCH,
+    Capabilities,
     ChargeRequest,
+    Dedupe,
     Failed,
+    Mismatch,
     NotFound,
     Pending,
     RefundRequest,
@@ -265,6 +268,10 @@ def test_settings_name_the_missing_variable_and_the_unreadable_file(keys, tmp_pa
     )
     check_alipay_settings(good)
     assert "alipay" in build_providers(good) and "alipay" not in build_providers(make_settings())
+    adapter = build_providers(good)["alipay"]
+    # out_trade_no dedupes a re-sent precreate and finds the trade; callbacks come from the alipay platform.
+    assert adapter.capabilities == Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True)
+    assert adapter.platform == "alipay"
     assert load_settings({}).alipay_gateway_url == "https://openapi.alipay.com/gateway.do"
 
 
@@ -311,7 +318,8 @@ def test_query_is_not_found_until_the_buyer_scans_then_pending_then_succeeded(ke
     paid = provider.query("pay_fake_1", 5, charge())
     assert isinstance(paid, Succeeded) and paid.provider_transaction_id == waiting.provider_transaction_id
     other_amount = provider.query("pay_fake_1", 5, charge(amount=999))
-    assert isinstance(other_amount, Unknown) and other_amount.reason == AMOUNT_MISMATCH
+    assert isinstance(other_amount, Mismatch) and other_amount.reason == AMOUNT_MISMATCH
+    assert other_amount.provider_transaction_id == paid.provider_transaction_id
     assert all(r["verified"] for r in fake_alipay.fake.requests)
 
 
@@ -360,10 +368,11 @@ def test_business_refusals_are_definitive_failures(keys, fake_alipay):
     assert isinstance(changed, Unknown)  # ACQ.TRADE_HAS_SUCCESS comes first for a paid trade
     provider.charge(charge("pay_fake_2"), None, 5)
     other = provider.charge(charge("pay_fake_2", amount=1), None, 5)
-    assert isinstance(other, Unknown) and other.reason == AMOUNT_MISMATCH  # ACQ.CONTEXT_INCONSISTENT
+    assert isinstance(other, Mismatch) and other.reason == AMOUNT_MISMATCH  # ACQ.CONTEXT_INCONSISTENT
     assert isinstance(provider.close("pay_fake_2", 5), NotFound)  # never scanned
     closed = provider.charge(charge("pay_fake_2"), None, 5)
     assert isinstance(closed, Failed) and closed.definitive and closed.code == "ACQ.TRADE_HAS_CLOSE"
+    assert closed.refusal, "Alipay refuses the request: on a re-send that says nothing about the first order"
     assert isinstance(provider.charge(ChargeRequest("pay_usd", 100, "USD"), None, 5), Failed)
 
 
@@ -387,9 +396,9 @@ def test_refund_succeeds_once_per_out_request_no_and_the_refund_query_confirms(k
     assert fake_alipay.control("trades/pay_fake_1")["refunds"] == {"re_fake_1": "5.00"}
     confirmed = provider.query_refund(refund(), 5)
     assert isinstance(confirmed, Succeeded) and confirmed.provider_transaction_id == first.provider_transaction_id
-    assert isinstance(provider.query_refund(refund(amount=400), 5), Unknown)
+    assert isinstance(provider.query_refund(refund(amount=400), 5), Mismatch)
     too_much = provider.refund(refund(amount=600, refund_id="re_fake_2"), None, 5)
-    assert isinstance(too_much, Failed) and too_much.definitive
+    assert isinstance(too_much, Failed) and too_much.definitive and too_much.refusal
     assert len(verified_calls(fake_alipay, "alipay.trade.refund")) == 3
 
 

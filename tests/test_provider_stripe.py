@@ -18,6 +18,7 @@ import requests
 from payments.providers.base import (
     AMOUNT_MISMATCH,
     Failed,
+    Mismatch,
     NotFound,
     Pending,
     ProviderUnavailable,
@@ -124,6 +125,7 @@ def test_a_key_still_in_flight_is_a_409_kept_unknown_for_review(stripe, fake):
 def test_a_decline_is_failed_and_the_payment_intent_is_cancelled_so_nothing_can_succeed_on_it_later(stripe, fake):
     outcome = stripe.charge(charge_request(pm="pm_card_chargeDeclinedInsufficientFunds"), "k-decline", TIMEOUT)
     assert isinstance(outcome, Failed) and outcome.definitive and outcome.code == "insufficient_funds"
+    assert not outcome.refusal, "a card decline is the attempt's answer, replayed as such to a re-send"
     pi = fake.payment_intents[outcome.provider_transaction_id]
     assert (pi["status"], pi["cancellation_reason"]) == ("canceled", "abandoned")
     again = stripe.charge(charge_request(pm="pm_card_chargeDeclinedInsufficientFunds"), "k-decline", TIMEOUT)
@@ -145,6 +147,7 @@ def test_a_charge_without_a_payment_method_or_with_an_amount_stripe_cannot_take_
 def test_an_unknown_payment_method_is_refused_outright(stripe, fake):
     outcome = stripe.charge(charge_request(pm="pm_nobody"), "k-nobody", TIMEOUT)
     assert isinstance(outcome, Failed) and outcome.definitive and outcome.code == "resource_missing"
+    assert outcome.refusal, "Stripe refused the request: on a re-send it says nothing about the first one"
     assert "k-nobody" not in fake.idempotency, "a validation error saves nothing under the key"
 
 
@@ -261,7 +264,8 @@ def test_a_query_finds_nothing_for_a_payment_stripe_never_saw(stripe, fake):
 
 def test_a_query_for_another_amount_is_never_taken_as_ours(stripe, fake):
     stripe.charge(charge_request(amount=1000), "k", TIMEOUT)
-    assert stripe.query("pay_1", TIMEOUT, charge_request(amount=999)).reason == AMOUNT_MISMATCH
+    other = stripe.query("pay_1", TIMEOUT, charge_request(amount=999))
+    assert isinstance(other, Mismatch) and other.reason == AMOUNT_MISMATCH and other.provider_transaction_id
 
 
 def test_two_payment_intents_for_one_payment_are_unknown_for_review(stripe, fake):

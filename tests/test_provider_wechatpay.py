@@ -22,9 +22,12 @@ import pytest
 from payments.providers import wechatpay_sign as sign
 from payments.providers.base import (
     AMOUNT_MISMATCH,
+    Capabilities,
     ChargeRequest,
+    Dedupe,
     Evidence,
     Failed,
+    Mismatch,
     NotFound,
     Pending,
     ProviderUnavailable,
@@ -75,6 +78,7 @@ def test_a_native_order_is_pending_with_its_code_url_and_our_signature_was_check
 
 def test_a_resent_order_gets_the_same_code_url_and_the_platform_holds_one_order(wx):
     platform, adapter = wx
+    assert adapter.capabilities == Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True)
     first, second = adapter.charge(order(), None, 5), adapter.charge(order(), None, 5)
     assert first.qr_code == second.qr_code
     assert len(platform.orders) == 1 and platform.order_requests[PAYMENT] == 2
@@ -97,7 +101,7 @@ def test_out_trade_no_used_is_answered_by_a_query(wx):
     assert isinstance(changed, Pending) and changed.qr_code is None
     assert "OUT_TRADE_NO_USED" in changed.evidence.response
     other_amount = adapter.charge(order(amount=999), None, 5)
-    assert isinstance(other_amount, Unknown) and other_amount.reason == AMOUNT_MISMATCH
+    assert isinstance(other_amount, Mismatch) and other_amount.reason == AMOUNT_MISMATCH
     assert len(platform.orders) == 1 and platform.orders[PAYMENT].total == 1000
 
 
@@ -369,7 +373,8 @@ def test_error_answers_are_classified_by_status_and_code(status, code, kind, def
     outcome = error_outcome(reply(status, code))
     assert isinstance(outcome, kind), outcome
     if definitive is not None:
-        assert outcome.definitive is definitive
+        # WeChat refusing the request itself: on a re-send that says nothing about the first one.
+        assert outcome.definitive is definitive and outcome.refusal
 
 
 def test_a_refusal_with_a_broken_signature_is_unknown():

@@ -13,6 +13,7 @@ from gateway import create_app
 from payments.charges import CreatePayment
 from payments.errors import ConfigError
 from payments.providers import build_providers
+from payments.providers.base import Dedupe
 from payments.providers.stripe import StripeProvider
 from payments.schema import payment
 from payments.settings import load_settings, validate_stripe
@@ -59,7 +60,8 @@ def test_the_provider_is_registered_only_when_configured():
     assert "stripe" not in build_providers(make_settings())
     provider = build_providers(stripe_settings())["stripe"]
     assert isinstance(provider, StripeProvider)
-    assert (provider.dedupe_by, provider.key_lifetime_seconds) == ("key", 86400)
+    assert (provider.capabilities.dedupe, provider.key_lifetime_seconds) == (Dedupe.KEY, 86400)
+    assert provider.capabilities.may_resend and provider.capabilities.query_by_merchant_id
 
 
 def test_production_refuses_a_test_mode_key_and_a_plain_http_api_base():

@@ -15,9 +15,11 @@ Outbound: ``alipay.trade.precreate`` is the charge (the answer carries the
 download (``alipay.data.dataservice.bill.downloadurl.query``). Every request is
 RSA2-signed; every answer's ``sign`` must verify against one of
 ALIPAY_PUBLIC_KEY_FILES before we act on it. Code 10000 is success; 40004 with
-a business ``sub_code`` is definitive; 20000, 10003, ``ACQ.SYSTEM_ERROR``, an
-unsigned or badly signed answer, a timeout or a reset are never Failed
-(invariant 5): Unknown or Pending, resolved by a query.
+a business ``sub_code`` is Alipay refusing the request (``Failed(refusal=True)``:
+definitive on a first send, Unknown on a re-send); 20000, 10003,
+``ACQ.SYSTEM_ERROR``, an unsigned or badly signed answer, a timeout or a reset
+are never Failed (invariant 5): Unknown or Pending, resolved by a query. Our
+number on file with another amount is ``Mismatch``.
 
 Our ``payment_id`` is ``out_trade_no`` and dedupes: a second precreate with the
 same number returns the same order, never a second one; our ``refund_id`` is
@@ -47,9 +49,11 @@ from payments.providers.base import (
     CallbackEvent,
     Capabilities,
     ChargeRequest,
+    Dedupe,
     Evidence,
     Failed,
     HttpAnswer,
+    Mismatch,
     NotFound,
     Outcome,
     Pending,
@@ -88,11 +92,9 @@ class AlipayProvider(Provider):
     """Alipay's openapi gateway; the merchant number (out_trade_no / out_request_no) is the dedupe key."""
 
     name = "alipay"
-    capabilities = Capabilities(idempotency_keys=True, query_by_merchant_id=True)
-    dedupe = "merchant_number"
-    """Alipay dedupes charges by out_trade_no and refunds by out_request_no; no idempotency-key header exists."""
-    dedupe_key_lifetime_seconds: int | None = None
-    """The merchant number dedupes for the life of the trade: it never expires as a key does."""
+    capabilities = Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True)
+    """Alipay dedupes charges by out_trade_no and refunds by out_request_no, for the life of the trade (no key
+    to expire, no idempotency-key header); a trade is looked up by out_trade_no."""
     callback_headers = ("Content-Type", "User-Agent")
     """The notify is verified from the body alone; these are kept for the record."""
 
@@ -131,7 +133,7 @@ class AlipayProvider(Provider):
             app_id=self._app_id,
             now=now,
             tolerance_seconds=self._tolerance,
-            provider=self.name,
+            provider=self.platform,
         )
 
     def peek_callback(self, body: bytes) -> dict[str, str | None]:
@@ -484,7 +486,7 @@ def _common(node: Mapping[str, Any], *, call: bool) -> Outcome | None:
     """The outcome of an answer whose code is not 10000/40004, or None to let the caller read it.
 
     ``call``: a charge or refund (a configuration refusal is a not-definitive
-    Failed, retried once fixed); otherwise a query (Unknown).
+    Failed refusal, retried once fixed); otherwise a query (Unknown).
     """
     code = node.get("code")
     sub_code = node.get("sub_code") if isinstance(node.get("sub_code"), str) else ""
@@ -494,7 +496,7 @@ def _common(node: Mapping[str, Any], *, call: bool) -> Outcome | None:
         return Pending(raw=node) if call else Unknown("10003_processing", raw=node)
     if code in _CONFIG_CODES:
         reason = f"{code}:{sub_code}"[:64]
-        return Failed(reason, definitive=False, raw=node) if call else Unknown(reason, raw=node)
+        return Failed(reason, definitive=False, raw=node, refusal=True) if call else Unknown(reason, raw=node)
     return Unknown(f"{code}:{sub_code}"[:64] if isinstance(code, str) else "no_code", raw=node)
 
 
@@ -508,7 +510,14 @@ def _ours(node: Mapping[str, Any], key: str, expected: str) -> bool:
 
 
 def read_precreate(node: Mapping[str, Any], payment: ChargeRequest) -> Outcome:
-    """Read a verified alipay.trade.precreate answer."""
+    """Read a verified alipay.trade.precreate answer.
+
+    A precreate only opens an order, so a 40004 is Alipay refusing the
+    request (``refusal``), never a declined payment: final on a first send,
+    but on a re-send (e.g. ACQ.TRADE_HAS_CLOSE for the order the lost first
+    send opened, which may have been paid and refunded since) it says nothing
+    about that order, and a query decides.
+    """
     early = _common(node, call=True)
     if early is not None:
         return early
@@ -517,8 +526,10 @@ def read_precreate(node: Mapping[str, Any], payment: ChargeRequest) -> Outcome:
         if sub == "ACQ.TRADE_HAS_SUCCESS":
             return Unknown("trade_has_success", raw=node)  # paid already: the query says by whom and how much
         if sub == "ACQ.CONTEXT_INCONSISTENT":
-            return Unknown(AMOUNT_MISMATCH, raw=node)  # our number is on file with other details
-        return Failed(sub, definitive=sub not in _CONFIG_SUB_CODES, raw=node)
+            # Our number is on file with other details (amount, subject): not our charge to apply.
+            trade_no = node.get("trade_no") if isinstance(node.get("trade_no"), str) else None
+            return Mismatch(AMOUNT_MISMATCH, provider_transaction_id=trade_no or None, raw=node)
+        return Failed(sub, definitive=sub not in _CONFIG_SUB_CODES, raw=node, refusal=True)
     qr_code = node.get("qr_code")
     if node.get("out_trade_no") != payment.payment_id:
         return Unknown("answer_for_another_payment", raw=node)
@@ -563,8 +574,8 @@ def read_trade_query(node: Mapping[str, Any], payment_id: str, expected: ChargeR
         amount = sig.yuan_to_minor(node.get("total_amount"))
     except ValueError:
         return Unknown("unreadable_total_amount", raw=node)
-    if expected is not None and amount != expected.amount_minor:
-        return Unknown(AMOUNT_MISMATCH, raw=node)
+    if expected is not None and (amount != expected.amount_minor or expected.currency != CURRENCY):
+        return Mismatch(AMOUNT_MISMATCH, provider_transaction_id=trade_no, raw=node)
     if status == "TRADE_CLOSED" and not _paid(node):
         return Failed("TRADE_CLOSED", definitive=True, raw=node, provider_transaction_id=trade_no)
     return Succeeded(trade_no, raw=node)
@@ -581,10 +592,12 @@ def read_refund(node: Mapping[str, Any], request: RefundRequest) -> Outcome:
     if early is not None:
         return early
     if node.get("code") == "40004":
+        # Alipay refuses the refund request; on a re-send that says nothing about the lost first one.
         sub = _sub(node)
         if sub == "ACQ.SELLER_BALANCE_NOT_ENOUGH":
-            return Failed(sub, definitive=False, raw=node)  # top the account up and send the same number again
-        return Failed(sub, definitive=sub not in _CONFIG_SUB_CODES, raw=node)
+            # Top the account up and send the same number again.
+            return Failed(sub, definitive=False, raw=node, refusal=True)
+        return Failed(sub, definitive=sub not in _CONFIG_SUB_CODES, raw=node, refusal=True)
     if not _ours(node, "out_trade_no", request.payment_id):
         return Unknown("answer_for_another_payment", raw=node)
     trade_no = node.get("trade_no")
@@ -613,10 +626,10 @@ def read_refund_query(node: Mapping[str, Any], request: RefundRequest) -> QueryO
         amount = sig.yuan_to_minor(node.get("refund_amount"))
     except ValueError:
         return Unknown("unreadable_refund_amount", raw=node)
-    if amount != request.amount_minor:
-        return Unknown(AMOUNT_MISMATCH, raw=node)
     trade_no = node.get("trade_no")
     reference = refund_reference(trade_no, request.refund_id) if isinstance(trade_no, str) and trade_no else None
+    if amount != request.amount_minor:
+        return Mismatch(AMOUNT_MISMATCH, provider_transaction_id=reference, raw=node)
     if node.get("refund_status") in (None, "", "REFUND_SUCCESS"):
         return Succeeded(reference or request.refund_id, raw=node)
     return Pending(reference, raw=node)

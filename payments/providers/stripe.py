@@ -58,7 +58,10 @@ found no PaymentIntent. ``idempotency_error`` (same key, other parameters) and
 409 (``idempotency_key_in_use``) are our bug or a race: Unknown with a
 ``review:`` reason (the relay opens a manual review) and resolved by query.
 401/403 are our configuration: Failed, not definitive. Other 400s refuse the
-request outright (nothing was charged): Failed.
+request outright (nothing was charged by it): Failed with ``refusal``, final
+on a first send, Unknown on a re-send (a refusal of the re-send says nothing
+about the lost first one). A PaymentIntent under our number for another
+amount or currency is ``Mismatch``.
 """
 
 from __future__ import annotations
@@ -84,8 +87,10 @@ from payments.providers.base import (
     CallbackEvent,
     Capabilities,
     ChargeRequest,
+    Dedupe,
     Evidence,
     Failed,
+    Mismatch,
     NotFound,
     Outcome,
     Pending,
@@ -191,17 +196,17 @@ def classify_error(reply: Reply) -> Outcome:
     if reply.status == 429:
         return Unknown("lock_timeout" if code == "lock_timeout" else "rate_limited", raw=_raw(reply.data))
     if reply.status in (401, 403):
-        return Failed(detail or f"http_{reply.status}", definitive=False, raw=_raw(reply.data))
+        return Failed(detail or f"http_{reply.status}", definitive=False, raw=_raw(reply.data), refusal=True)
     if reply.status == 400 and kind == "invalid_request_error":
-        return Failed(detail or "invalid_request", definitive=True, raw=_raw(reply.data))
+        return Failed(detail or "invalid_request", definitive=True, raw=_raw(reply.data), refusal=True)
     return Unknown(f"http_{reply.status}" + (f":{detail}" if detail else ""), raw=_raw(reply.data))
 
 
 def read_payment_intent(data: Any, payment_id: str, expected: ChargeRequest | None) -> Outcome:
     """A PaymentIntent as an outcome for ``payment_id`` (pure).
 
-    Unknown if it is not one, names another payment, or (with ``expected``)
-    is for another amount or currency (``AMOUNT_MISMATCH``).
+    Unknown if it is not one or names another payment; Mismatch if (with
+    ``expected``) it is for another amount or currency (``AMOUNT_MISMATCH``).
     """
     if not isinstance(data, dict):
         return Unknown("unparseable_response")
@@ -221,7 +226,7 @@ def read_payment_intent(data: Any, payment_id: str, expected: ChargeRequest | No
         except AmountError:
             return Unknown("unparseable_response", raw=data)
         if not same:
-            return Unknown(AMOUNT_MISMATCH, raw=data)
+            return Mismatch(AMOUNT_MISMATCH, provider_transaction_id=pi_id, raw=data)
     status = data.get("status")
     if status == "succeeded":
         return Succeeded(pi_id, raw=data)
@@ -257,7 +262,7 @@ def read_charge_answer(reply: Reply, payment_id: str, expected: ChargeRequest | 
         intent = error.get("payment_intent")
         if isinstance(intent, dict):
             outcome = read_payment_intent(intent, payment_id, expected)
-            if isinstance(outcome, Failed | Unknown):
+            if isinstance(outcome, Failed | Unknown | Mismatch):
                 return outcome
             return Unknown("decline_for_a_live_payment_intent", raw=_raw(reply.data))
         return Failed(_decline_code(error), definitive=True, raw=_raw(reply.data))
@@ -282,7 +287,7 @@ def read_refund(data: Any, request: RefundRequest) -> Outcome:
     except AmountError:
         return Unknown("unparseable_response", raw=data)
     if not same:
-        return Unknown(AMOUNT_MISMATCH, raw=data)
+        return Mismatch(AMOUNT_MISMATCH, provider_transaction_id=refund_id, raw=data)
     report = REFUND_STATUSES.get(data.get("status"))
     if report == PaymentStatus.SUCCEEDED:
         return Succeeded(refund_id, raw=data)
@@ -469,12 +474,12 @@ def _scalar(value: Any) -> str:
     return str(value)
 
 
-def key_surely_alive(created_at: datetime | None, now: float) -> bool:
+def key_surely_alive(created_at: datetime | None, now: float, lifetime: float = KEY_LIFETIME_SECONDS) -> bool:
     """True when a key first used no earlier than ``created_at`` (naive UTC) cannot have expired at Stripe yet."""
     if created_at is None:
         return False
     created = created_at.replace(tzinfo=UTC).timestamp()
-    return now < created + KEY_LIFETIME_SECONDS - KEY_MARGIN_SECONDS
+    return now < created + lifetime - KEY_MARGIN_SECONDS
 
 
 def day_bounds(day: str) -> tuple[int, int]:
@@ -487,11 +492,12 @@ class StripeProvider(Provider):
     """Stripe's API: idempotency keys (kept 24 hours) and a lookup by our number (search + list)."""
 
     name = "stripe"
-    capabilities = Capabilities(idempotency_keys=True, query_by_merchant_id=True)
-    dedupe_by = "key"
-    """Stripe dedupes on the Idempotency-Key header, not on our number (metadata is not unique at Stripe)."""
+    capabilities = Capabilities(dedupe=Dedupe.KEY, query_by_merchant_id=True)
+    """Stripe dedupes on the Idempotency-Key header, not on our number (metadata is not unique at Stripe); a
+    PaymentIntent is looked up by metadata.payment_id (search + list)."""
     key_lifetime_seconds = KEY_LIFETIME_SECONDS
-    """Past this a key may be forgotten; the adapter looks before it re-sends (module docstring)."""
+    """Past this a key may be forgotten (Capabilities has no lifetime: dedupe by KEY is taken as lasting); the
+    adapter itself looks before it sends under an older key (module docstring)."""
     callback_headers = (stripe_sign.HEADER, "Content-Type", "User-Agent")
 
     def __init__(
@@ -586,7 +592,7 @@ class StripeProvider(Provider):
             amount = to_stripe(payment.amount_minor, payment.currency)
         except AmountError:
             return Failed("amount_not_supported", definitive=True)
-        if not key_surely_alive(payment.created_at, self._clock()):
+        if not key_surely_alive(payment.created_at, self._clock(), self.key_lifetime_seconds):
             found = self._find(payment.payment_id, timeout, payment)
             if isinstance(found, Unknown):
                 return replace(found, reason=f"lookup_before_resend:{found.reason}")
@@ -756,7 +762,7 @@ class StripeProvider(Provider):
 
     def parse_fetched(self, body: bytes) -> CallbackEvent:
         """An event fetched by catch_up from GET /v1/events (authenticated by our own API call, not signed)."""
-        return parse_event(_json_object(body), self.name)
+        return parse_event(_json_object(body), self.platform)
 
     def parse_callback(self, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
         """Verify Stripe-Signature against every configured secret, then read the event."""
@@ -768,7 +774,7 @@ class StripeProvider(Provider):
             raise TimestampOutOfTolerance(str(exc)) from None
         except stripe_sign.SignatureError as exc:
             raise SignatureInvalid(str(exc)) from None
-        return parse_event(_json_object(body), self.name)
+        return parse_event(_json_object(body), self.platform)
 
     def peek_callback(self, body: bytes) -> dict[str, str | None]:
         """Event id, type and references read without verification, for indexing the raw row."""

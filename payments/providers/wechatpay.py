@@ -63,9 +63,11 @@ from payments.providers.base import (
     CallbackEvent,
     Capabilities,
     ChargeRequest,
+    Dedupe,
     Evidence,
     Failed,
     HttpAnswer,
+    Mismatch,
     NotFound,
     Outcome,
     Pending,
@@ -280,7 +282,12 @@ def read_reply(
 
 
 def error_outcome(reply: Reply, *, retry_codes: frozenset[str] = frozenset()) -> Outcome:
-    """What a non-success answer means for a charge or a refund (invariant 5: only a clear refusal is Failed)."""
+    """What a non-success answer means for a charge or a refund (invariant 5: only a clear refusal is Failed).
+
+    A 4xx with a code is WeChat refusing this request (``refusal``): placing
+    a Native order or a refund declines nothing of the payer's, so on a
+    re-send it says nothing about what the lost first request did.
+    """
     label = f"http_{reply.status}" + (f":{reply.code}" if reply.code else "")
     raw = reply.data or {}
     if reply.problem:
@@ -289,26 +296,29 @@ def error_outcome(reply: Reply, *, retry_codes: frozenset[str] = frozenset()) ->
     if status >= 500 or status in (202, 408, 429) or reply.code in UNKNOWN_CODES:
         return Unknown(label, raw=raw)
     if status == 401 or reply.code in CONFIG_CODES or reply.code in retry_codes:
-        return Failed(reply.code or label, definitive=False, raw=raw)
+        return Failed(reply.code or label, definitive=False, raw=raw, refusal=True)
     if 400 <= status < 500 and reply.code:
-        return Failed(reply.code, definitive=True, raw=raw)
+        return Failed(reply.code, definitive=True, raw=raw, refusal=True)
     return Unknown(label, raw=raw)
 
 
 def read_transaction(
     data: Mapping[str, Any], out_trade_no: str, mchid: str, expected: ChargeRequest | None = None
 ) -> Outcome:
-    """A transaction object (query answer) as an outcome; Unknown if it is not about our order and amount."""
+    """A transaction object (query answer) as an outcome.
+
+    Unknown if it is not about our order; Mismatch if it is our number with another amount or currency.
+    """
     raw = dict(data)
     if data.get("out_trade_no") != out_trade_no or data.get("mchid") not in (None, mchid):
         return Unknown("answer_for_another_payment", raw=raw)
+    reference = data.get("transaction_id")
+    reference = reference if isinstance(reference, str) and 0 < len(reference) <= 128 else None
     amount = data.get("amount")
     if expected is not None and isinstance(amount, dict):
         total, currency = amount.get("total"), amount.get("currency") or CURRENCY
         if total != expected.amount_minor or currency != expected.currency:
-            return Unknown(AMOUNT_MISMATCH, raw=raw)
-    reference = data.get("transaction_id")
-    reference = reference if isinstance(reference, str) and 0 < len(reference) <= 128 else None
+            return Mismatch(AMOUNT_MISMATCH, provider_transaction_id=reference, raw=raw)
     state = data.get("trade_state")
     report = TRADE_STATES.get(state) if isinstance(state, str) else None
     if report == PaymentStatus.SUCCEEDED:
@@ -323,7 +333,10 @@ def read_transaction(
 
 
 def read_refund(data: Mapping[str, Any], request: RefundRequest | None, out_refund_no: str) -> Outcome:
-    """A refund object (refund or refund-query answer) as an outcome; Unknown if it is not our refund."""
+    """A refund object (refund or refund-query answer) as an outcome; Unknown if it is not our refund.
+
+    Mismatch if it is our refund number for another amount or currency.
+    """
     raw = dict(data)
     if data.get("out_refund_no") != out_refund_no:
         return Unknown("answer_for_another_refund", raw=raw)
@@ -335,7 +348,7 @@ def read_refund(data: Mapping[str, Any], request: RefundRequest | None, out_refu
         refunded = amount.get("refund") if isinstance(amount, dict) else None
         currency = (amount.get("currency") if isinstance(amount, dict) else None) or CURRENCY
         if refunded != request.amount_minor or currency != request.currency:
-            return Unknown(AMOUNT_MISMATCH, raw=raw)
+            return Mismatch(AMOUNT_MISMATCH, provider_transaction_id=refund_id, raw=raw)
     status = data.get("status")
     report = REFUND_STATES.get(status) if isinstance(status, str) else None
     if report == PaymentStatus.SUCCEEDED:
@@ -373,11 +386,9 @@ class WechatPayProvider(Provider):
     """WeChat Pay API v3, Native (QR code) payments, for one direct merchant number."""
 
     name = "wechatpay"
-    capabilities = Capabilities(idempotency_keys=False, query_by_merchant_id=True)
-    dedupe_by = "merchant_number"
-    """WeChat dedupes on our number (out_trade_no, out_refund_no), not on an idempotency key."""
-    merchant_number_lifetime_seconds: int | None = None
-    """The number dedupes for the order's whole life: the same number never makes a second order."""
+    capabilities = Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True)
+    """WeChat dedupes on our number (out_trade_no, out_refund_no), not on an idempotency key, for the order's
+    whole life: the same number never makes a second order. An order is looked up by out_trade_no."""
     callback_headers = (*sign.SIGNED_HEADERS, "Content-Type", "User-Agent")
 
     def __init__(self, config: WechatPayConfig) -> None:
@@ -682,7 +693,7 @@ class WechatPayProvider(Provider):
         total, currency = _amount(data, "total")
         reference = _text(data, "out_trade_no", 40)
         return CallbackEvent(
-            provider=self.name,
+            provider=self.platform,
             event_id=event_id,
             event_type=event_type,
             target="payment",
@@ -705,7 +716,7 @@ class WechatPayProvider(Provider):
             raise MalformedCallback(f"event_type {event_type} does not match refund_status {status}")
         refunded, currency = _amount(data, "refund")
         return CallbackEvent(
-            provider=self.name,
+            provider=self.platform,
             event_id=event_id,
             event_type=event_type,
             target="refund",
