@@ -250,6 +250,31 @@ def test_init_db_upgrades_a_database_at_each_revision_and_keeps_its_rows(scratch
     assert kept(engine, before) == before
 
 
+def test_reviews_open_before_0004_count_as_seen_once_when_opened_and_hold_no_subject(scratch):
+    engine = scratch()
+    upgrade(engine, "0003")
+    opened = dt.datetime(2026, 1, 2, 3, 4, 5, 678901)
+    with engine.begin() as conn:
+        for status in ("open", "resolved"):
+            conn.execute(
+                text(
+                    "INSERT INTO manual_review (kind, payment_id, reason, status, created_at)"
+                    " VALUES ('conflicting_report', 'pay_1', 'r', :status, :at)"
+                ),
+                {"status": status, "at": opened},
+            )
+    upgrade(engine)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT status, subject, open_key, occurrences, last_seen_at = created_at"
+                " FROM manual_review ORDER BY id"
+            )
+        ).all()
+    assert [tuple(r) for r in rows] == [("open", None, None, 1, 1), ("resolved", None, None, 1, 1)]
+    assert schema_differences(engine) == []
+
+
 def test_a_database_made_before_migrations_is_recognised_as_0001_and_upgraded(scratch):
     engine = scratch()
     make_unversioned(engine)
