@@ -18,11 +18,12 @@ from typing import Any
 from flask import Blueprint, jsonify
 
 from gateway import ext
-from payments.charges import ISO_4217, MAX_DESCRIPTION_LENGTH, MAX_KEY_LENGTH, MAX_ORDER_NO_LENGTH
+from payments.charges import ISO_4217, MAX_DESCRIPTION_LENGTH, MAX_KEY_LENGTH, MAX_ORDER_NO_LENGTH, ORDER_NO_VISIBLE
+from payments.states import PaymentStatus
 
 bp = Blueprint("openapi", __name__)
 
-PAYMENT_STATUSES = ["Created", "Pending", "Succeeded", "Failed", "Unknown"]
+PAYMENT_STATUSES = [s.value for s in PaymentStatus]
 
 IDEMPOTENCY_KEY_PATTERN = r"^[ -~]*[!-~][ -~]*$"
 """Printable ASCII with at least one non-space character (what a merchant should send)."""
@@ -150,7 +151,7 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                             "type": "string",
                             "minLength": 1,
                             "maxLength": MAX_ORDER_NO_LENGTH,
-                            "pattern": r"\S",
+                            "pattern": ORDER_NO_VISIBLE,
                             "description": "the merchant's order number",
                         },
                         "amount": {
