@@ -40,6 +40,10 @@ SCOPE = "payments"
 """The idempotency_request scope of POST /payments."""
 MAX_KEY_LENGTH = 255
 MAX_ORDER_NO_LENGTH = 64
+ORDER_NO_VISIBLE = r"[^\s\x1c-\x1f\x85\ufeff]"
+"""An order_no must contain one character this matches: the same set in Python's ``re`` and in the OpenAPI
+document's ECMA-262 regex (whose whitespace class lacks U+001C-U+001F and U+0085 and has U+FEFF), so the
+schema and the server accept the same order numbers."""
 MAX_DESCRIPTION_LENGTH = 500
 MAX_PAYMENT_METHOD_LENGTH = 255
 CHARGE_REQUESTED = "ChargeRequested"
@@ -141,7 +145,11 @@ def parse_create(raw: bytes, providers: set[str] | frozenset[str], max_amount: i
     if extra:
         raise InvalidRequest(f"unknown field {extra[0][:40]!r}")
     order_no = data.get("order_no")
-    if not isinstance(order_no, str) or not order_no.strip() or len(order_no) > MAX_ORDER_NO_LENGTH:
+    if (
+        not isinstance(order_no, str)
+        or not re.search(ORDER_NO_VISIBLE, order_no)
+        or len(order_no) > MAX_ORDER_NO_LENGTH
+    ):
         raise InvalidRequest(f"order_no must be a non-empty string of at most {MAX_ORDER_NO_LENGTH} characters")
     amount = data.get("amount")
     # Money is integer minor units (invariant 7): bool is an int subclass, and 10.0 or 1e3 are floats.

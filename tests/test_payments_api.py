@@ -178,6 +178,9 @@ def test_twenty_concurrent_identical_requests_make_one_payment(app, mariadb):
         (body(provider="paypal"), "unknown_provider"),
         (body(order_no=""), "invalid_request"),
         (body(order_no="x" * 65), "invalid_request"),
+        # Blank in both regex dialects (the OpenAPI pattern's and Python's): U+001C and U+FEFF differ between them.
+        (body(order_no=" \t\x1c\u3000"), "invalid_request"),
+        (body(order_no="\ufeff"), "invalid_request"),
         (body(description=5), "invalid_request"),
         (body(extra="field"), "invalid_request"),
         (body(order_no=...), "invalid_request"),
