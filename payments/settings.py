@@ -9,6 +9,7 @@ names the variable.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from decimal import Decimal, InvalidOperation
@@ -187,6 +188,12 @@ class Settings:
     """Failed attempts at one destination before an event gives up into the manual queue."""
     event_delivery_deadline_seconds: int = 3 * 86400
     """An event not delivered this long after it was written gives up into the manual queue."""
+    seal_interval_seconds: float = 2.0
+    """How often seal_ledger chains newly committed ledger events."""
+    reconcile_time: str = "02:30"
+    """UTC time of day (HH:MM) the compensator reconciles the providers' settlement files."""
+    reconcile_days_back: int = 3
+    """The daily reconciliation fetches the last N days' files (yesterday included); unchanged ones are skipped."""
     log_level: str = "INFO"
     """Python logging level name."""
     failpoints: str = ""
@@ -271,6 +278,9 @@ _PARSERS = {
     "events_exchange": lambda n, v: v.strip() or "paysync.events",
     "event_delivery_max_attempts": lambda n, v: _int(n, v, 1, 1000),
     "event_delivery_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),
+    "seal_interval_seconds": lambda n, v: _float(n, v, 0.1, 3600),
+    "reconcile_time": lambda n, v: _time_of_day(n, v),
+    "reconcile_days_back": lambda n, v: _int(n, v, 1, 90),
     "log_level": lambda n, v: _log_level(n, v),
     "failpoints": lambda n, v: v.strip(),
 }
@@ -307,6 +317,14 @@ def _sandbox_faults(name: str, raw: str) -> str:
     except ValueError as exc:
         raise ConfigError(f"{name}: {exc}") from None
     return raw.strip()
+
+
+def _time_of_day(name: str, raw: str) -> str:
+    value = raw.strip()
+    match = re.fullmatch(r"(\d{2}):(\d{2})", value)
+    if not match or int(match[1]) > 23 or int(match[2]) > 59:
+        raise ConfigError(f"{name} must be a UTC time of day HH:MM such as 02:30, got {raw!r}")
+    return value
 
 
 def _log_level(name: str, raw: str) -> str:

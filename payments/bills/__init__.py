@@ -1,0 +1,1 @@
+"""Settlement (bill) file parsers, one module per provider format; the interface is ``payments.settlement``."""
