@@ -16,6 +16,7 @@ registers them (one line per provider).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import re
@@ -162,7 +163,9 @@ def csv_records(stream: BinaryIO, encoding: str = "utf-8") -> Iterator[tuple[int
     except csv.Error as exc:
         raise SettlementFormatError(f"line {start}: {exc}") from None
     finally:
-        text.detach()  # the caller owns the stream; closing the wrapper must not close it
+        # The caller owns the stream: the wrapper, collected, must not close it (if the caller has not already).
+        with contextlib.suppress(ValueError):
+            text.detach()
 
 
 def _strip_newline(raw: str) -> str:
