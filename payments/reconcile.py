@@ -51,7 +51,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from sqlalchemy import Connection, Engine, and_, func, insert, or_, select, update
+from sqlalchemy import Connection, Engine, and_, exists, func, insert, literal, null, or_, select, update
 
 from payments import alerts, ledger
 from payments.bills import sandbox as sandbox_bill
@@ -69,6 +69,7 @@ from payments.schema import (
     RECON_RESOLVED,
     RECON_STATUS_MISMATCH,
     RECON_UNREADABLE,
+    TS,
     ledger_entry,
     ledger_event,
     payment,
@@ -104,7 +105,7 @@ ACCOUNTS: dict[str, tuple[str, ...]] = {
 }
 """Provider -> the ``payment.provider`` values its file covers (default: itself). sandbox_legacy is the same account."""
 
-BATCH_LINES = 2000
+BATCH_LINES = 5000
 """Records read, stored and matched per transaction."""
 LOCK_NAME = "paysync.reconcile"
 """Named database lock: one reconciliation at a time across every compensator."""
@@ -308,6 +309,14 @@ class Tally:
         if local is not None:
             money = entry["amounts"].setdefault(local.row["currency"], {"provider": 0, "local": 0})
             money["local"] += int(local.row["amount_minor"])
+
+    def add_matched(self, line: SettlementLine) -> None:
+        """Count one matched line: the record holds the line's amount and currency."""
+        entry = self.categories.setdefault(RECON_MATCHED, {"count": 0, "amounts": {}})
+        entry["count"] += 1
+        money = entry["amounts"].setdefault(line.currency, {"provider": 0, "local": 0})
+        money["provider"] += line.amount_minor
+        money["local"] += line.amount_minor
 
     def count(self, category: str) -> int:
         """Items of ``category``."""
@@ -633,13 +642,14 @@ class _Run:
             ).rowcount
             report.new_lines += max(stored, 0)
             report.line_count += len(lines)
-            found = self._match(conn, lines)
-            items = []
             for line in lines:
-                if line.kind == INFO:
-                    continue
                 if line.kind in (CHARGE, REFUND, FEE) and line.fee_minor:
                     self.tally.fees[line.currency] = self.tally.fees.get(line.currency, 0) + line.fee_minor
+            agreeing = self._write_agreeing(conn, lines, now)
+            rest = [line for line in lines if line.kind != INFO and line.line_no not in agreeing]
+            found = self._match(conn, rest)
+            items = []
+            for line in rest:
                 local = found.get(line.line_no)
                 finding = classify(line, local, self.accounts)
                 if finding.resolve_to or finding.adjust or finding.escalate:
@@ -651,6 +661,69 @@ class _Run:
                 conn.execute(insert(reconciliation_item), items)
         for line, local, finding in acting:
             self._act(line, local, finding, report.new_lines > 0)
+
+    def _write_agreeing(self, conn: Connection, lines: Sequence[SettlementLine], now: datetime) -> set[int]:
+        """The common case in the database: lines whose record (by the provider's id) agrees in every field.
+
+        Exactly the lines ``classify`` finds ``matched`` when matched by the
+        provider's id (a test holds the two together); their items are copied
+        from the stored line and the record by INSERT … SELECT instead of
+        being read into Python and written back. Returns their line numbers.
+        """
+        if not lines:
+            return set()
+        low, high = lines[0].line_no, lines[-1].line_no
+        agreeing: set[int] = set()
+        for line_kind, (kind, table, _columns, ref_column, _key) in _KINDS.items():
+            line = settlement_line
+            source = line.join(table, ref_column == line.c.provider_reference)
+            where = and_(
+                line.c.settlement_file_id == self.report.file_id,
+                line.c.line_no >= low,
+                line.c.line_no <= high,
+                line.c.kind == line_kind,
+                table.c.provider.in_(self.accounts),
+                table.c.amount_minor == line.c.amount_minor,
+                table.c.currency == line.c.currency,
+                or_(
+                    and_(line.c.status == SUCCEEDED, table.c.status == PaymentStatus.SUCCEEDED.value),
+                    and_(line.c.status == "failed", table.c.status == PaymentStatus.FAILED.value),
+                ),
+            )
+            numbers = set(conn.execute(select(line.c.line_no).select_from(source).where(where)).scalars())
+            if not numbers:
+                continue
+            copied = {
+                "run_id": literal(self.report.run_id),
+                "category": literal(RECON_MATCHED),
+                "kind": line.c.kind,
+                "settlement_file_id": line.c.settlement_file_id,
+                "line_no": line.c.line_no,
+                "payment_id": table.c.payment_id,
+                "refund_id": table.c.refund_id if kind == "refund" else null(),
+                "provider_reference": line.c.provider_reference,
+                "merchant_reference": line.c.merchant_reference,
+                "currency": line.c.currency,
+                "provider_amount_minor": line.c.amount_minor,
+                "local_amount_minor": table.c.amount_minor,
+                "fee_minor": line.c.fee_minor,
+                "provider_status": line.c.status,
+                "local_status": table.c.status,
+                "action": literal("none"),
+                "created_at": literal(now, TS),
+            }
+            written = conn.execute(
+                insert(reconciliation_item).from_select(
+                    list(copied), select(*copied.values()).select_from(source).where(where)
+                )
+            ).rowcount
+            if written != len(numbers):  # nothing agreeing can change in between (terminal states): a bug if so
+                raise RuntimeError(f"agreeing lines changed under the run: {written} written, {len(numbers)} found")
+            agreeing |= numbers
+            for item in lines:
+                if item.line_no in numbers:
+                    self.tally.add_matched(item)
+        return agreeing
 
     def _match(self, conn: Connection, lines: Sequence[SettlementLine]) -> dict[int, Local]:
         """line_no -> our record, by the provider's transaction id first, then by our number."""
@@ -763,54 +836,77 @@ class _Run:
     # --- local only --------------------------------------------------------------------------
 
     def local_only(self) -> None:
-        """Our successes confirmed on the day that no current settlement file names: one escalated item each."""
+        """Our successes confirmed on the day that no current settlement file names: one escalated item each.
+
+        The database does the anti-join and hands back only the unsettled
+        records, a page at a time (keyset on the confirmation's time and id).
+        """
         start, end = day_bounds(self.day)
-        for event_type, kind in (("PaymentConfirmed", "payment"), ("RefundConfirmed", "refund")):
-            for keys in _confirmed_on(self.engine, event_type, kind, start, end, BATCH_LINES):
+        for kind in ("payment", "refund"):
+            after: tuple[datetime, int] | None = None
+            while True:
+                with self.engine.connect() as conn:
+                    rows = conn.execute(self._unsettled_query(kind, start, end, after)).mappings().all()
+                if not rows:
+                    break
                 with self.engine.begin() as conn:
-                    for local in self._unsettled(conn, kind, keys):
-                        now = utcnow()
+                    for row in rows:
+                        local = Local(kind, {k: v for k, v in row.items() if k not in ("confirmed_at", "event_id")})
                         finding = Finding(
                             RECON_LOCAL_ONLY,
                             escalate=True,
                             reason=f"our {kind} {local.key} succeeded; no settlement file of {self.provider} has it",
                         )
-                        item_id = _insert_item(conn, self._item(None, local, finding, "none", now))
+                        item_id = _insert_item(conn, self._item(None, local, finding, "none", utcnow()))
                         self._escalate(conn, finding, f"{RECON_LOCAL_ONLY}:{kind}:{local.key}", item_id, local)
                         self.tally.add(RECON_LOCAL_ONLY, None, local)
+                if len(rows) < BATCH_LINES:
+                    break
+                after = (rows[-1]["confirmed_at"], rows[-1]["event_id"])
 
-    def _unsettled(self, conn: Connection, kind: str, keys: Sequence[str]) -> list[Local]:
+    def _unsettled_query(self, kind: str, start: datetime, end: datetime, after: tuple[datetime, int] | None) -> Any:
+        """Succeeded records confirmed in [start, end) that no line of the provider's current files names."""
         line_kind = CHARGE if kind == "payment" else REFUND
-        _, _table, columns, ref_column, key_column = _KINDS[line_kind]
-        rows = [
-            r
-            for r in _rows(conn, columns, key_column, keys)
-            if r["status"] == PaymentStatus.SUCCEEDED.value and r["provider"] in self.accounts
-        ]
-        if not rows:
-            return []
+        _, table, columns, ref_column, key_column = _KINDS[line_kind]
+        event = ledger_event
         # Lines of the provider's current files (any day: a charge made just before midnight may settle the next).
-        named = (
-            select(settlement_line.c.merchant_reference, settlement_line.c.provider_reference)
-            .select_from(
-                settlement_line.join(settlement_file, settlement_file.c.id == settlement_line.c.settlement_file_id)
-            )
-            .where(
+        current = settlement_line.join(
+            settlement_file,
+            and_(
+                settlement_file.c.id == settlement_line.c.settlement_file_id,
                 settlement_file.c.provider == self.provider,
                 settlement_file.c.superseded_at.is_(None),
-                settlement_line.c.kind == line_kind,
+            ),
+        )
+        named_as_ours = exists(
+            select(literal(1))
+            .select_from(current)
+            .where(settlement_line.c.kind == line_kind, settlement_line.c.merchant_reference == key_column)
+        )
+        named_as_theirs = exists(
+            select(literal(1))
+            .select_from(current)
+            .where(settlement_line.c.kind == line_kind, settlement_line.c.provider_reference == ref_column)
+        )
+        event_key = event.c.payment_id if kind == "payment" else event.c.refund_id
+        query = (
+            select(event.c.created_at.label("confirmed_at"), event.c.id.label("event_id"), *columns)
+            .select_from(event.join(table, key_column == event_key))
+            .where(
+                event.c.event_type == ("PaymentConfirmed" if kind == "payment" else "RefundConfirmed"),
+                event.c.created_at >= start,
+                event.c.created_at < end,
+                table.c.status == PaymentStatus.SUCCEEDED.value,
+                table.c.provider.in_(self.accounts),
+                ~named_as_ours,
+                or_(ref_column.is_(None), ~named_as_theirs),
             )
         )
-        refs = [r[ref_column.name] for r in rows if r[ref_column.name]]
-        seen_refs = set()
-        if refs:
-            seen_refs = {pr for _, pr in conn.execute(named.where(settlement_line.c.provider_reference.in_(refs)))}
-        seen_keys = {mr for mr, _ in conn.execute(named.where(settlement_line.c.merchant_reference.in_(list(keys))))}
-        return [
-            Local(kind, r)
-            for r in rows
-            if r[key_column.name] not in seen_keys and not (r[ref_column.name] and r[ref_column.name] in seen_refs)
-        ]
+        if after is not None:
+            query = query.where(
+                or_(event.c.created_at > after[0], and_(event.c.created_at == after[0], event.c.id > after[1]))
+            )
+        return query.order_by(event.c.created_at, event.c.id).limit(BATCH_LINES)
 
     # --- fees -------------------------------------------------------------------------------------
 
@@ -1032,33 +1128,3 @@ def _count_prefix(conn: Connection, prefix: str) -> int:
     return conn.execute(
         select(func.count()).where(ledger_event.c.dedupe_key.startswith(prefix, autoescape=True))
     ).scalar_one()
-
-
-def _confirmed_on(
-    engine: Engine, event_type: str, kind: str, start: datetime, end: datetime, batch: int
-) -> Iterator[list[str]]:
-    """Our numbers of the payments (or refunds) confirmed in [start, end), a batch at a time (keyset on time, id)."""
-    key_column = ledger_event.c.refund_id if kind == "refund" else ledger_event.c.payment_id
-    after: tuple[datetime, int] | None = None
-    while True:
-        query = select(ledger_event.c.created_at, ledger_event.c.id, key_column).where(
-            ledger_event.c.event_type == event_type,
-            ledger_event.c.created_at >= start,
-            ledger_event.c.created_at < end,
-            key_column.is_not(None),
-        )
-        if after is not None:
-            query = query.where(
-                or_(
-                    ledger_event.c.created_at > after[0],
-                    and_(ledger_event.c.created_at == after[0], ledger_event.c.id > after[1]),
-                )
-            )
-        with engine.connect() as conn:
-            rows = conn.execute(query.order_by(ledger_event.c.created_at, ledger_event.c.id).limit(batch)).all()
-        if not rows:
-            return
-        yield [r[2] for r in rows]
-        if len(rows) < batch:
-            return
-        after = (rows[-1][0], rows[-1][1])
