@@ -355,7 +355,6 @@ CREATE TABLE settlement_line (
 	id BIGINT NOT NULL AUTO_INCREMENT,
 	settlement_file_id BIGINT NOT NULL,
 	line_no INTEGER NOT NULL COMMENT 'line of the file the record starts on (1-based)',
-	provider VARCHAR(32) NOT NULL,
 	kind VARCHAR(16) NOT NULL COMMENT 'charge, refund, fee, info (header, totals), invalid',
 	status VARCHAR(16) COMMENT 'succeeded, failed (normalised)',
 	provider_reference VARCHAR(128) COMMENT 'the provider''s transaction (or refund) id',

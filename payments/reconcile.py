@@ -573,11 +573,10 @@ def _end_run(engine: Engine, report: Report, status: str, error: str | None = No
         )
 
 
-def _line_row(file_id: int, provider: str, line: SettlementLine) -> dict[str, Any]:
+def _line_row(file_id: int, line: SettlementLine) -> dict[str, Any]:
     return {
         "settlement_file_id": file_id,
         "line_no": line.line_no,
-        "provider": provider,
         "kind": line.kind,
         "status": line.status,
         "provider_reference": line.provider_reference,
@@ -638,7 +637,7 @@ class _Run:
         acting: list[tuple[SettlementLine, Local | None, Finding]] = []
         with self.engine.begin() as conn:
             stored = conn.execute(
-                insert_ignore(settlement_line), [_line_row(report.file_id, self.provider, line) for line in lines]
+                insert_ignore(settlement_line), [_line_row(report.file_id, line) for line in lines]
             ).rowcount
             report.new_lines += max(stored, 0)
             report.line_count += len(lines)

@@ -363,7 +363,6 @@ settlement_line = Table(
     Column("id", ID, primary_key=True, autoincrement=True),
     Column("settlement_file_id", BigInteger, nullable=False),
     Column("line_no", Integer, nullable=False, comment="line of the file the record starts on (1-based)"),
-    Column("provider", String(32), nullable=False),
     Column("kind", String(16), nullable=False, comment="charge, refund, fee, info (header, totals), invalid"),
     Column("status", String(16), nullable=True, comment="succeeded, failed (normalised)"),
     Column("provider_reference", String(128), nullable=True, comment="the provider's transaction (or refund) id"),

@@ -213,7 +213,6 @@ def _rows(now) -> dict[str, dict]:
         "settlement_line": {
             "settlement_file_id": 1,
             "line_no": 1,
-            "provider": "sandbox",
             "kind": "info",
             "raw": "header",
         },

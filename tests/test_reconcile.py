@@ -746,7 +746,7 @@ def test_aging_shows_where_each_payment_stands_across_the_three_records_by_age(e
             from payments.bills.sandbox import read_line
 
             parsed = read_line(n, text, text.split(","))
-            conn.execute(insert(settlement_line).values(**reconcile._line_row(file_id, "sandbox", parsed)))
+            conn.execute(insert(settlement_line).values(**reconcile._line_row(file_id, parsed)))
     report = aging.aging(engine, now=now.replace(hour=23, minute=59))
     by = report["categories"]
     assert by["callback_not_applied"]["<1d"]["count"] == 1
