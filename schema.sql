@@ -369,9 +369,9 @@ CREATE TABLE settlement_line (
 	CONSTRAINT uq_settlement_line UNIQUE (settlement_file_id, line_no)
 )ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Every record of every settlement file, unchanged, with its normalised fields; append-only.' COLLATE utf8mb4_bin;
 
-CREATE INDEX idx_settlement_line_merchant_ref ON settlement_line (merchant_reference);
+CREATE INDEX idx_settlement_line_merchant_ref ON settlement_line (merchant_reference, kind, settlement_file_id);
 
-CREATE INDEX idx_settlement_line_provider_ref ON settlement_line (provider_reference);
+CREATE INDEX idx_settlement_line_provider_ref ON settlement_line (provider_reference, kind, settlement_file_id);
 
 CREATE TRIGGER IF NOT EXISTS ledger_event_no_update BEFORE UPDATE ON ledger_event FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'ledger_event is append-only';
 

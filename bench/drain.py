@@ -113,7 +113,7 @@ def sealer_loop(interval: float) -> int:
 
 def start_sealer(args: argparse.Namespace) -> Process:
     """The sealer runs this checkout's code, whichever tree the writers run."""
-    env = code_env(ROOT, DATABASE_URL=args.database_url)
+    env = code_env(ROOT, DATABASE_URL=args.database_url, PAYSYNC_ENV="development")
     command = [sys.executable, str(ROOT / "bench" / "drain.py"), "--sealer-loop"]
     return Process(command + ["--seal-interval", str(args.seal_interval)], env, "drain_sealer")
 

@@ -838,33 +838,46 @@ class _Run:
         """Our successes confirmed on the day that no current settlement file names: one escalated item each.
 
         The database does the anti-join and hands back only the unsettled
-        records, a page at a time (keyset on the confirmation's time and id).
+        records. Pages are fixed ranges of BATCH_LINES confirmations (keyset
+        on the confirmation's time and id), so no one query scans the whole
+        day however few of them are unsettled.
         """
         start, end = day_bounds(self.day)
         for kind in ("payment", "refund"):
+            event_type = "PaymentConfirmed" if kind == "payment" else "RefundConfirmed"
             after: tuple[datetime, int] | None = None
             while True:
                 with self.engine.connect() as conn:
-                    rows = conn.execute(self._unsettled_query(kind, start, end, after)).mappings().all()
-                if not rows:
+                    upto = _page_end(conn, event_type, start, end, after, BATCH_LINES)
+                    rows = conn.execute(self._unsettled_query(kind, start, end, after, upto)).mappings().all()
+                if rows:
+                    self._local_only_items(kind, rows)
+                if upto is None:
                     break
-                with self.engine.begin() as conn:
-                    for row in rows:
-                        local = Local(kind, {k: v for k, v in row.items() if k not in ("confirmed_at", "event_id")})
-                        finding = Finding(
-                            RECON_LOCAL_ONLY,
-                            escalate=True,
-                            reason=f"our {kind} {local.key} succeeded; no settlement file of {self.provider} has it",
-                        )
-                        item_id = _insert_item(conn, self._item(None, local, finding, "none", utcnow()))
-                        self._escalate(conn, finding, f"{RECON_LOCAL_ONLY}:{kind}:{local.key}", item_id, local)
-                        self.tally.add(RECON_LOCAL_ONLY, None, local)
-                if len(rows) < BATCH_LINES:
-                    break
-                after = (rows[-1]["confirmed_at"], rows[-1]["event_id"])
+                after = upto
 
-    def _unsettled_query(self, kind: str, start: datetime, end: datetime, after: tuple[datetime, int] | None) -> Any:
-        """Succeeded records confirmed in [start, end) that no line of the provider's current files names."""
+    def _local_only_items(self, kind: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        with self.engine.begin() as conn:
+            for row in rows:
+                local = Local(kind, {k: v for k, v in row.items() if k not in ("confirmed_at", "event_id")})
+                finding = Finding(
+                    RECON_LOCAL_ONLY,
+                    escalate=True,
+                    reason=f"our {kind} {local.key} succeeded; no settlement file of {self.provider} has it",
+                )
+                item_id = _insert_item(conn, self._item(None, local, finding, "none", utcnow()))
+                self._escalate(conn, finding, f"{RECON_LOCAL_ONLY}:{kind}:{local.key}", item_id, local)
+                self.tally.add(RECON_LOCAL_ONLY, None, local)
+
+    def _unsettled_query(
+        self,
+        kind: str,
+        start: datetime,
+        end: datetime,
+        after: tuple[datetime, int] | None,
+        upto: tuple[datetime, int] | None,
+    ) -> Any:
+        """Succeeded records confirmed in [start, end), after ``after`` up to ``upto``, no current file names."""
         line_kind = CHARGE if kind == "payment" else REFUND
         _, table, columns, ref_column, key_column = _KINDS[line_kind]
         event = ledger_event
@@ -901,11 +914,7 @@ class _Run:
                 or_(ref_column.is_(None), ~named_as_theirs),
             )
         )
-        if after is not None:
-            query = query.where(
-                or_(event.c.created_at > after[0], and_(event.c.created_at == after[0], event.c.id > after[1]))
-            )
-        return query.order_by(event.c.created_at, event.c.id).limit(BATCH_LINES)
+        return query.where(*_key_range(after, upto))
 
     # --- fees -------------------------------------------------------------------------------------
 
@@ -1127,3 +1136,38 @@ def _count_prefix(conn: Connection, prefix: str) -> int:
     return conn.execute(
         select(func.count()).where(ledger_event.c.dedupe_key.startswith(prefix, autoescape=True))
     ).scalar_one()
+
+
+def _key_range(after: tuple[datetime, int] | None, upto: tuple[datetime, int] | None) -> list[Any]:
+    """Ledger events with (created_at, id) in (after, upto]."""
+    event = ledger_event
+    where = []
+    if after is not None:
+        where.append(or_(event.c.created_at > after[0], and_(event.c.created_at == after[0], event.c.id > after[1])))
+    if upto is not None:
+        where.append(or_(event.c.created_at < upto[0], and_(event.c.created_at == upto[0], event.c.id <= upto[1])))
+    return where
+
+
+def _page_end(
+    conn: Connection,
+    event_type: str,
+    start: datetime,
+    end: datetime,
+    after: tuple[datetime, int] | None,
+    size: int,
+) -> tuple[datetime, int] | None:
+    """The key of the ``size``-th confirmation after ``after`` (an index-only read), or None if fewer remain."""
+    row = conn.execute(
+        select(ledger_event.c.created_at, ledger_event.c.id)
+        .where(
+            ledger_event.c.event_type == event_type,
+            ledger_event.c.created_at >= start,
+            ledger_event.c.created_at < end,
+            *_key_range(after, None),
+        )
+        .order_by(ledger_event.c.created_at, ledger_event.c.id)
+        .offset(size - 1)
+        .limit(1)
+    ).first()
+    return (row[0], row[1]) if row is not None else None

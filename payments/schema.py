@@ -374,8 +374,9 @@ settlement_line = Table(
     Column("parse_error", String(255), nullable=True, comment="why an invalid line could not be read"),
     Column("raw", LONGTEXT, nullable=False, comment="the record exactly as in the file, without its line ending"),
     UniqueConstraint("settlement_file_id", "line_no", name="uq_settlement_line"),
-    Index("idx_settlement_line_provider_ref", "provider_reference"),
-    Index("idx_settlement_line_merchant_ref", "merchant_reference"),
+    # Cover "does a current file name this transaction?" (local-only, aging) without reading the rows.
+    Index("idx_settlement_line_provider_ref", "provider_reference", "kind", "settlement_file_id"),
+    Index("idx_settlement_line_merchant_ref", "merchant_reference", "kind", "settlement_file_id"),
     comment="Every record of every settlement file, unchanged, with its normalised fields; append-only.",
     **MYSQL,
 )

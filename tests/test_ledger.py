@@ -28,13 +28,13 @@ from payments.transitions import apply_decision
 from tests.support import create_payment
 
 
-def confirm(engine, kind: str, row_id: str, target: PaymentStatus = PaymentStatus.SUCCEEDED) -> None:
-    """Move a Pending payment or refund through the state machine, as a provider's answer would."""
+def confirm(engine, kind: str, row_id: str, target: PaymentStatus = PaymentStatus.SUCCEEDED, now=None) -> None:
+    """Move a Pending payment or refund through the state machine, as a provider's answer would (at ``now``)."""
     table, key = (payment, payment.c.payment_id) if kind == "payment" else (refund, refund.c.refund_id)
     with engine.begin() as conn:
         current = conn.execute(select(table).where(key == row_id)).mappings().one()
         decision = decide(PaymentStatus(current["status"]), target)
-        apply_decision(conn, kind, current, decision, source="call:1", now=utcnow(), provider_reference=None)
+        apply_decision(conn, kind, current, decision, source="call:1", now=now or utcnow(), provider_reference=None)
 
 
 def create_refund(engine, payment_id: str, amount: int, *, status: str = "Pending", currency: str = "CNY") -> str:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import tracemalloc
 import uuid
-from datetime import date, timedelta
+from datetime import date, datetime, time, timedelta
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -69,27 +69,10 @@ def run(engine, path, day=DAY, provider="sandbox") -> reconcile.Report:
 
 
 def confirmed_payment(engine, amount: int, *, ref: str | None = None, on: date = DAY, currency: str = "CNY") -> str:
-    """A payment Succeeded through the state machine (PaymentConfirmed posted), confirmed on day ``on``."""
+    """A payment Succeeded through the state machine (PaymentConfirmed posted) at noon of day ``on``."""
     payment_id = create_payment(engine, amount=amount, status="Pending", currency=currency, provider_transaction_id=ref)
-    confirm(engine, "payment", payment_id)
-    backdate(engine, payment_id, on)
+    confirm(engine, "payment", payment_id, now=datetime.combine(on, time(12)))
     return payment_id
-
-
-def backdate(engine, payment_id: str, on: date) -> None:
-    """Move a payment's ledger events to noon of ``on`` (the day reconciliation looks at), triggers aside."""
-    from payments.db import is_sqlite
-
-    when = f"{on.isoformat()} 12:00:00"
-    with engine.begin() as conn:
-        conn.exec_driver_sql("DROP TRIGGER IF EXISTS ledger_event_no_update")
-        conn.exec_driver_sql(
-            "UPDATE ledger_event SET created_at = ? WHERE payment_id = ?"
-            if is_sqlite(engine)
-            else "UPDATE ledger_event SET created_at = %s WHERE payment_id = %s",
-            (when, payment_id),
-        )
-    init_db(engine)
 
 
 def items(engine, run_id: int) -> dict[str, list[dict]]:
@@ -351,6 +334,16 @@ def test_a_success_no_settlement_file_names_is_local_only_but_one_settled_the_ne
     run(engine, settlement(tmp_path, csv_line("ch_settled", settled, 700), name="again.csv"))
     assert count(engine, manual_review) == 1  # once per payment
     assert adjustments(engine) == []
+
+
+def test_local_only_pages_through_the_days_confirmations_a_range_at_a_time(engine, tmp_path, monkeypatch):
+    monkeypatch.setattr(reconcile, "BATCH_LINES", 2)
+    ids = [confirmed_payment(engine, 100 + n, ref=f"ch_page_{n}") for n in range(7)]
+    settled = [0, 2, 3, 6]
+    report = run(engine, settlement(tmp_path, *(csv_line(f"ch_page_{n}", ids[n], 100 + n) for n in settled)))
+    found = items(engine, report.run_id)
+    assert sorted(i["payment_id"] for i in found[RECON_LOCAL_ONLY]) == sorted([ids[1], ids[4], ids[5]])
+    assert len(found[RECON_MATCHED]) == 4
 
 
 def conn_rows(engine, table) -> list[dict]:
