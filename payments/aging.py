@@ -28,6 +28,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, and_, case, exists, func, literal, select
 
 from payments.db import utcnow
+from payments.reconcile import current_files
 from payments.schema import (
     CB_FAILED,
     CB_GAVE_UP,
@@ -95,16 +96,20 @@ def _callbacks(conn: Connection, now: datetime) -> list[Any]:
 
 
 def _succeeded_not_settled(conn: Connection, now: datetime, since: datetime) -> list[Any]:
-    e, p = ledger_event, payment
+    e, p, line = ledger_event, payment, settlement_line
+    days = (now.date() - since.date()).days
+    files = current_files(conn, None, now.date(), days + 1)  # constants: one covering-index probe per payment
     by_ref = exists(
-        select(literal(1))
-        .select_from(_current_lines())
-        .where(settlement_line.c.kind == "charge", settlement_line.c.provider_reference == p.c.provider_transaction_id)
+        select(literal(1)).where(
+            line.c.provider_reference == p.c.provider_transaction_id,
+            line.c.kind == "charge",
+            line.c.settlement_file_id.in_(files),
+        )
     )
     by_ours = exists(
-        select(literal(1))
-        .select_from(_current_lines())
-        .where(settlement_line.c.kind == "charge", settlement_line.c.merchant_reference == p.c.payment_id)
+        select(literal(1)).where(
+            line.c.merchant_reference == p.c.payment_id, line.c.kind == "charge", line.c.settlement_file_id.in_(files)
+        )
     )
     bucket = _bucket(e.c.created_at, now).label("bucket")
     query = (

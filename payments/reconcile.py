@@ -843,13 +843,16 @@ class _Run:
         day however few of them are unsettled.
         """
         start, end = day_bounds(self.day)
+        with self.engine.connect() as conn:
+            files = current_files(conn, self.provider, self.day)
         for kind in ("payment", "refund"):
             event_type = "PaymentConfirmed" if kind == "payment" else "RefundConfirmed"
             after: tuple[datetime, int] | None = None
             while True:
                 with self.engine.connect() as conn:
                     upto = _page_end(conn, event_type, start, end, after, BATCH_LINES)
-                    rows = conn.execute(self._unsettled_query(kind, start, end, after, upto)).mappings().all()
+                    query = self._unsettled_query(kind, files, start, end, after, upto)
+                    rows = conn.execute(query).mappings().all()
                 if rows:
                     self._local_only_items(kind, rows)
                 if upto is None:
@@ -872,6 +875,7 @@ class _Run:
     def _unsettled_query(
         self,
         kind: str,
+        files: Sequence[int],
         start: datetime,
         end: datetime,
         after: tuple[datetime, int] | None,
@@ -881,24 +885,22 @@ class _Run:
         line_kind = CHARGE if kind == "payment" else REFUND
         _, table, columns, ref_column, key_column = _KINDS[line_kind]
         event = ledger_event
-        # Lines of the provider's current files (any day: a charge made just before midnight may settle the next).
-        current = settlement_line.join(
-            settlement_file,
-            and_(
-                settlement_file.c.id == settlement_line.c.settlement_file_id,
-                settlement_file.c.provider == self.provider,
-                settlement_file.c.superseded_at.is_(None),
-            ),
-        )
+        line = settlement_line
+        # The file ids are constants so each check is one probe of a covering index (as a join, the optimizer
+        # may materialise every current line for every page instead).
         named_as_ours = exists(
-            select(literal(1))
-            .select_from(current)
-            .where(settlement_line.c.kind == line_kind, settlement_line.c.merchant_reference == key_column)
+            select(literal(1)).where(
+                line.c.merchant_reference == key_column,
+                line.c.kind == line_kind,
+                line.c.settlement_file_id.in_(list(files)),
+            )
         )
         named_as_theirs = exists(
-            select(literal(1))
-            .select_from(current)
-            .where(settlement_line.c.kind == line_kind, settlement_line.c.provider_reference == ref_column)
+            select(literal(1)).where(
+                line.c.provider_reference == ref_column,
+                line.c.kind == line_kind,
+                line.c.settlement_file_id.in_(list(files)),
+            )
         )
         event_key = event.c.payment_id if kind == "payment" else event.c.refund_id
         query = (
@@ -1136,6 +1138,23 @@ def _count_prefix(conn: Connection, prefix: str) -> int:
     return conn.execute(
         select(func.count()).where(ledger_event.c.dedupe_key.startswith(prefix, autoescape=True))
     ).scalar_one()
+
+
+FILE_WINDOW_DAYS = 31
+"""Settlement files this many days either side of a day can name its transactions (time zones, late completion)."""
+
+
+def current_files(conn: Connection, provider: str | None, day: date, window_days: int = FILE_WINDOW_DAYS) -> list[int]:
+    """Ids of the current (not superseded) settlement files of ``provider`` (None: all) for days around ``day``."""
+    f = settlement_file
+    query = select(f.c.id).where(
+        f.c.superseded_at.is_(None),
+        f.c.settlement_date >= day - timedelta(days=window_days),
+        f.c.settlement_date <= day + timedelta(days=window_days),
+    )
+    if provider is not None:
+        query = query.where(f.c.provider == provider)
+    return list(conn.execute(query.order_by(f.c.id)).scalars())
 
 
 def _key_range(after: tuple[datetime, int] | None, upto: tuple[datetime, int] | None) -> list[Any]:
