@@ -95,13 +95,21 @@ CREATE TABLE ledger_seal (
 	event_digest VARCHAR(64) NOT NULL COMMENT 'sha256 of the event''s canonical content and lines',
 	prev_hash VARCHAR(64) NOT NULL COMMENT 'chain_hash of seq - 1 (64 zeros for seq 1)',
 	chain_hash VARCHAR(64) NOT NULL COMMENT 'sha256 of prev_hash, seq, event id, digest',
-	max_event_id BIGINT NOT NULL COMMENT 'highest ledger_event_id sealed up to this seq: the sealer''s scan watermark',
+	max_event_id BIGINT NOT NULL COMMENT 'highest ledger_event_id sealed up to this seq: new events are the ids above it',
 	sealed_at DATETIME(6) NOT NULL,
 	PRIMARY KEY (seq),
 	CONSTRAINT uq_ledger_seal_event UNIQUE (ledger_event_id)
 )ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Tamper evidence: a SHA-256 chain over ledger events in the order the sealer saw them committed.' COLLATE utf8mb4_bin;
 
-CREATE INDEX idx_ledger_seal_sealed_at ON ledger_seal (sealed_at);
+CREATE TABLE ledger_seal_gap (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	from_event_id BIGINT NOT NULL COMMENT 'first ledger_event id the sealer skipped',
+	to_event_id BIGINT NOT NULL COMMENT 'last one (a range: ids are not always dense)',
+	noticed_at DATETIME(6) NOT NULL COMMENT 'watched for late commits until LATE_COMMIT_SECONDS after this',
+	PRIMARY KEY (id)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Work list of the sealer: ids skipped while sealing in id order (uncommitted then, or rolled back).' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_ledger_seal_gap_noticed ON ledger_seal_gap (noticed_at);
 
 CREATE TABLE manual_review (
 	id BIGINT NOT NULL AUTO_INCREMENT,

@@ -20,25 +20,25 @@ walks it and reports the first break.
 time but transactions commit in any order: event 41 can become visible after
 event 42. A sealer that remembered "sealed up to id 42" would skip 41
 forever. So the chain records events in the order the sealer *saw them
-committed*, and the question each run asks is "which committed events have
-no seal?" rather than "which ids come after the last one?":
+committed*, and nothing is skipped for good:
 
-1. New events: ids above the highest id sealed so far (``max_event_id`` of
-   the head seal, a running maximum), in id order. Cheap: an index range.
-2. Late commits: an event with an id *below* that maximum that committed
-   after the run that passed it. Every run looks for these in the ids above
-   the watermark ``W`` = the running maximum as it stood LATE_COMMIT_SECONDS
-   (60 s) ago. An event inserted after that moment has an id above ``W``
-   (ids grow with insert time), so any transaction that commits within about
-   a minute of writing its event is found here and sealed, later in the chain
-   than its id suggests. The run first compares two index-range counts
-   (events vs seals in that id window) and only runs the anti-join when they
-   differ, so the usual run costs two range counts and one range read.
-3. Stragglers: a transaction that stayed open for longer than that (nothing
-   in paysync holds one open that long) leaves an event below ``W``. The first
-   run in every process, and one run an hour after that, scan the whole table
-   for unsealed events and seal them; until then ``verify-ledger`` reports any
-   event unsealed for more than a minute, so none goes unnoticed.
+1. New events: the ids above the highest id sealed so far (``max_event_id``
+   of the head seal, a running maximum), in id order: an index range.
+2. Gaps: every id the sealer steps over while doing that (41, when it seals
+   40 and 42) is written to ``ledger_seal_gap`` in the same transaction as the
+   seals. Each run first looks for committed events inside the recorded gaps
+   and seals them, later in the chain than their ids suggest; a gap is
+   dropped LATE_COMMIT_SECONDS (60 s) after it was noticed, by then a
+   rolled-back transaction (its id is burnt for good) or a straggler. Looking
+   only at the gaps costs a run a few primary-key range probes, however fast
+   events are written; the gap list lives in the database, so it survives a
+   restart and any compensator holding the lock continues it.
+3. Stragglers: a transaction that commits more than a minute after writing
+   its event (nothing in paysync holds one open that long) is past its gap.
+   The first run in every process, and one run an hour after that, scan the
+   whole table for unsealed events, a range of ids at a time, and seal them;
+   until then ``verify-ledger`` reports every event unsealed for more than a
+   minute, so none goes unnoticed.
 
 A rolled-back transaction burns its id for good; that is a harmless hole in
 the ids, never in ``seq``. The chain proves the ledger has not changed since
@@ -58,12 +58,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, func, select
+from sqlalchemy import Connection, Engine, and_, delete, func, insert, or_, select
 
 from payments.db import utcnow
 from payments.locks import named_lock
 from payments.runtime import Runtime
-from payments.schema import ledger_entry, ledger_event, ledger_seal
+from payments.schema import ledger_entry, ledger_event, ledger_seal, ledger_seal_gap
 
 log = logging.getLogger("paysync.compensator.seal")
 
@@ -72,7 +72,11 @@ GENESIS = "0" * 64
 DIGEST_VERSION = "paysync-ledger-seal-v1"
 """Part of every digest: a later change to what a digest covers gets a new name, old seals keep verifying."""
 LATE_COMMIT_SECONDS = 60.0
-"""How late after writing its event a transaction may commit and still be sealed by the next ordinary run."""
+"""How long a gap is watched: a transaction committing this late after its event was stepped over is still sealed."""
+MAX_GAP_RANGES = 1000
+"""Gap ranges looked into per run (oldest first; the rest the next run)."""
+FULL_SCAN_STEP = 50_000
+"""Ids one query of the full scan covers, so none scans the whole table."""
 FULL_SCAN_SECONDS = 3600.0
 """How often (and at process start) a run looks for unsealed events across the whole table."""
 STALE_SECONDS = 60.0
@@ -159,24 +163,17 @@ def run_once(runtime: Runtime, *, max_seconds: float = 10.0, full_scan: bool | N
 
 
 def seal(engine: Engine, *, max_seconds: float = 10.0, full_scan: bool = False, batch: int = BATCH) -> int:
-    """Seal late commits, then new events, in batches of one transaction each, for up to ``max_seconds``."""
+    """Seal late commits (recorded gaps, or the whole table), then new events, in batches; return how many."""
     started = time.monotonic()
-    with engine.connect() as conn:
-        head = read_head(conn)
-        low = 0 if full_scan else watermark(conn, utcnow() - timedelta(seconds=LATE_COMMIT_SECONDS))
-        late = head.max_event_id > low and (full_scan or _window_has_unsealed(conn, low, head.max_event_id))
-    sealed = 0
+    with engine.begin() as conn:
+        cutoff = utcnow() - timedelta(seconds=LATE_COMMIT_SECONDS)
+        conn.execute(delete(ledger_seal_gap).where(ledger_seal_gap.c.noticed_at < cutoff))
+    late = _seal_everywhere(engine, batch) if full_scan else _seal_gaps(engine, batch)
     if late:
-        after = low
-        while time.monotonic() - started < max_seconds:
-            count, after = _seal_batch(engine, batch, late_window=(after, head.max_event_id))
-            sealed += count
-            if after is None:
-                break
-        if sealed:
-            log.warning("sealed %s ledger events that committed after later ones had been sealed", sealed)
+        log.warning("sealed %s ledger events that committed after later ones had been sealed", late)
+    sealed = late
     while time.monotonic() - started < max_seconds:
-        count, _ = _seal_batch(engine, batch)
+        count = _seal_new(engine, batch)
         sealed += count
         if count < batch:
             break
@@ -197,54 +194,77 @@ def read_head(conn: Connection) -> Head:
     return Head(row.seq, row.chain_hash, row.max_event_id) if row else Head()
 
 
-def watermark(conn: Connection, before: datetime) -> int:
-    """The highest event id sealed at or before ``before`` (0 if none): late commits are looked for above it."""
-    value = conn.execute(
-        select(ledger_seal.c.max_event_id)
-        .where(ledger_seal.c.sealed_at <= before)
-        .order_by(ledger_seal.c.sealed_at.desc(), ledger_seal.c.seq.desc())
-        .limit(1)
-    ).scalar()
-    return int(value or 0)
-
-
-def _window_has_unsealed(conn: Connection, low: int, high: int) -> bool:
-    """True when the ids in (low, high] hold more events than seals: some committed late."""
-    events = conn.execute(
-        select(func.count()).select_from(ledger_event).where(ledger_event.c.id > low, ledger_event.c.id <= high)
-    ).scalar_one()
-    seals = conn.execute(
-        select(func.count())
-        .select_from(ledger_seal)
-        .where(ledger_seal.c.ledger_event_id > low, ledger_seal.c.ledger_event_id <= high)
-    ).scalar_one()
-    return events > seals
+def holes(after: int, ids: Sequence[int]) -> list[tuple[int, int]]:
+    """The id ranges (first, last) missing between ``after`` and each of the ascending ``ids`` (pure)."""
+    out = []
+    for event_id in ids:
+        if event_id > after + 1:
+            out.append((after + 1, event_id - 1))
+        after = max(after, event_id)
+    return out
 
 
 _EVENT_SELECT = select(*(ledger_event.c[c] for c in EVENT_COLUMNS))
+_UNSEALED = _EVENT_SELECT.outerjoin(ledger_seal, ledger_seal.c.ledger_event_id == ledger_event.c.id).where(
+    ledger_seal.c.seq.is_(None)
+)
 
 
-def _seal_batch(engine: Engine, batch: int, late_window: tuple[int, int] | None = None) -> tuple[int, int | None]:
-    """Seal up to ``batch`` events in one transaction; return (sealed, id to continue the late window after).
-
-    Without ``late_window``: the events above the head's running maximum.
-    With it: the unsealed events in (after, high]; the second value is None once the window is done.
-    """
+def _seal_new(engine: Engine, batch: int) -> int:
+    """Seal up to ``batch`` events above the head, in id order; record the ids stepped over as gaps."""
     with engine.begin() as conn:
         head = read_head(conn)
-        if late_window is None:
-            query = _EVENT_SELECT.where(ledger_event.c.id > head.max_event_id)
-        else:
-            after, high = late_window
-            query = _EVENT_SELECT.outerjoin(ledger_seal, ledger_seal.c.ledger_event_id == ledger_event.c.id).where(
-                and_(ledger_event.c.id > after, ledger_event.c.id <= high), ledger_seal.c.seq.is_(None)
-            )
-        events = conn.execute(query.order_by(ledger_event.c.id).limit(batch)).mappings().all()
+        query = _EVENT_SELECT.where(ledger_event.c.id > head.max_event_id).order_by(ledger_event.c.id).limit(batch)
+        events = conn.execute(query).mappings().all()
         if events:
             _append_seals(conn, head, events)
-    if late_window is None:
-        return len(events), None
-    return len(events), (events[-1]["id"] if len(events) == batch else None)
+            gaps = holes(head.max_event_id, [e["id"] for e in events])
+            if gaps:
+                now = utcnow()
+                conn.execute(
+                    insert(ledger_seal_gap),
+                    [{"from_event_id": a, "to_event_id": b, "noticed_at": now} for a, b in gaps],
+                )
+    return len(events)
+
+
+def _seal_gaps(engine: Engine, batch: int) -> int:
+    """Seal the events that committed inside recorded gaps (a few primary-key ranges)."""
+    sealed = 0
+    with engine.connect() as conn:
+        ranges = conn.execute(
+            select(ledger_seal_gap.c.from_event_id, ledger_seal_gap.c.to_event_id)
+            .order_by(ledger_seal_gap.c.from_event_id)
+            .limit(MAX_GAP_RANGES)
+        ).all()
+    if not ranges:
+        return 0
+    inside = or_(*(ledger_event.c.id.between(a, b) for a, b in ranges))
+    while True:
+        with engine.begin() as conn:
+            events = conn.execute(_UNSEALED.where(inside).order_by(ledger_event.c.id).limit(batch)).mappings().all()
+            if events:
+                _append_seals(conn, read_head(conn), events)
+        sealed += len(events)
+        if len(events) < batch:
+            return sealed
+
+
+def _seal_everywhere(engine: Engine, batch: int) -> int:
+    """Seal every unsealed event below the head, scanning FULL_SCAN_STEP ids per query."""
+    with engine.connect() as conn:
+        high = read_head(conn).max_event_id
+    sealed, low = 0, 0
+    while low < high:
+        window = and_(ledger_event.c.id > low, ledger_event.c.id <= min(low + FULL_SCAN_STEP, high))
+        with engine.begin() as conn:
+            events = conn.execute(_UNSEALED.where(window).order_by(ledger_event.c.id).limit(batch)).mappings().all()
+            if events:
+                _append_seals(conn, read_head(conn), events)
+        sealed += len(events)
+        if len(events) < batch:
+            low += FULL_SCAN_STEP
+    return sealed
 
 
 def _append_seals(conn: Connection, head: Head, events: Sequence[Mapping[str, Any]]) -> None:

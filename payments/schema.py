@@ -327,12 +327,23 @@ ledger_seal = Table(
         "max_event_id",
         BigInteger,
         nullable=False,
-        comment="highest ledger_event_id sealed up to this seq: the sealer's scan watermark",
+        comment="highest ledger_event_id sealed up to this seq: new events are the ids above it",
     ),
     Column("sealed_at", TS, nullable=False),
     UniqueConstraint("ledger_event_id", name="uq_ledger_seal_event"),
-    Index("idx_ledger_seal_sealed_at", "sealed_at"),
     comment="Tamper evidence: a SHA-256 chain over ledger events in the order the sealer saw them committed.",
+    **MYSQL,
+)
+
+ledger_seal_gap = Table(
+    "ledger_seal_gap",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("from_event_id", BigInteger, nullable=False, comment="first ledger_event id the sealer skipped"),
+    Column("to_event_id", BigInteger, nullable=False, comment="last one (a range: ids are not always dense)"),
+    Column("noticed_at", TS, nullable=False, comment="watched for late commits until LATE_COMMIT_SECONDS after this"),
+    Index("idx_ledger_seal_gap_noticed", "noticed_at"),
+    comment="Work list of the sealer: ids skipped while sealing in id order (uncommitted then, or rolled back).",
     **MYSQL,
 )
 
