@@ -15,7 +15,7 @@ from compensator import seal_ledger
 from payments import ledger
 from payments.db import init_db, utcnow
 from payments.runtime import build_runtime
-from payments.schema import APPEND_ONLY_TABLES, ledger_seal
+from payments.schema import APPEND_ONLY_TABLES, ledger_seal, ledger_seal_gap
 from tests.support import ROOT, env_for, make_settings
 
 
@@ -170,7 +170,7 @@ def test_an_event_that_commits_after_a_later_one_was_sealed_is_sealed_next(maria
 
 
 @pytest.mark.mariadb
-def test_a_straggler_below_the_watermark_is_reported_until_a_full_scan_seals_it(mariadb, monkeypatch):
+def test_a_straggler_past_its_gap_is_reported_until_a_full_scan_seals_it(mariadb, monkeypatch):
     runtime = runtime_for(mariadb)
     monkeypatch.setattr(seal_ledger, "LATE_COMMIT_SECONDS", 0.0)  # as if the transaction stayed open for ages
     slow = mariadb.connect()
@@ -187,6 +187,35 @@ def test_a_straggler_below_the_watermark_is_reported_until_a_full_scan_seals_it(
     assert "unsealed for more than 60 s" in seal_ledger.describe(result)
     assert seal_ledger.run_once(runtime, full_scan=True) == 1
     assert seal_ledger.verify(mariadb).ok
+
+
+def test_the_ids_stepped_over_are_the_holes_between_the_head_and_each_new_id():
+    assert seal_ledger.holes(0, [1, 2, 3]) == []
+    assert seal_ledger.holes(0, [3, 4, 7]) == [(1, 2), (5, 6)]
+    assert seal_ledger.holes(10, [12]) == [(11, 11)]
+
+
+@pytest.mark.mariadb
+def test_a_rolled_back_id_is_watched_for_a_minute_then_dropped(mariadb, monkeypatch):
+    runtime = runtime_for(mariadb)
+    with mariadb.connect() as conn:
+        transaction = conn.begin()
+        append_event(conn)
+        transaction.rollback()  # its id is burnt for good
+    write_events(mariadb, 2)
+    assert seal_ledger.run_once(runtime, full_scan=False) == 2
+    assert count_gaps(mariadb) == 1
+    assert seal_ledger.run_once(runtime, full_scan=False) == 0
+    assert count_gaps(mariadb) == 1  # still watched: it might yet commit
+    monkeypatch.setattr(seal_ledger, "LATE_COMMIT_SECONDS", 0.0)
+    seal_ledger.run_once(runtime, full_scan=False)
+    assert count_gaps(mariadb) == 0
+    assert seal_ledger.verify(mariadb).ok
+
+
+def count_gaps(engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(ledger_seal_gap)).scalar_one()
 
 
 def test_a_fresh_unsealed_event_is_not_yet_a_problem_but_an_old_one_is(runtime):
