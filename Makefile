@@ -8,7 +8,7 @@ SANDBOX_PORT ?= 8100
 # `make run` is for a developer's machine: development fills in dev tokens and secrets, and says so once.
 PAYSYNC_ENV ?= development
 
-.PHONY: run test lint format venv chaos bench-ingest bench-drain bench-charges bench-events clean
+.PHONY: run test lint format venv chaos bench-ingest bench-drain bench-charges bench-events bench-reconcile clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "paysync needs Python 3.11 or newer")'
@@ -58,6 +58,10 @@ bench-events: venv
 
 bench-charges: venv
 	$(BIN)/python bench/charges.py $(BENCH_ARGS)
+
+# Needs MariaDB. A quick run: BENCH_ARGS="--sizes 10000,100000".
+bench-reconcile: venv
+	$(BIN)/python bench/reconcile.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache

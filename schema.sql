@@ -87,6 +87,30 @@ CREATE TABLE ledger_event (
 
 CREATE INDEX idx_ledger_event_payment ON ledger_event (payment_id);
 
+CREATE INDEX idx_ledger_event_type_time ON ledger_event (event_type, created_at);
+
+CREATE TABLE ledger_seal (
+	seq BIGINT NOT NULL COMMENT 'position in the chain: 1, 2, 3, … without gaps',
+	ledger_event_id BIGINT NOT NULL COMMENT 'the sealed event (each event is sealed once)',
+	event_digest VARCHAR(64) NOT NULL COMMENT 'sha256 of the event''s canonical content and lines',
+	prev_hash VARCHAR(64) NOT NULL COMMENT 'chain_hash of seq - 1 (64 zeros for seq 1)',
+	chain_hash VARCHAR(64) NOT NULL COMMENT 'sha256 of prev_hash, seq, event id, digest',
+	max_event_id BIGINT NOT NULL COMMENT 'highest ledger_event_id sealed up to this seq: new events are the ids above it',
+	sealed_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (seq),
+	CONSTRAINT uq_ledger_seal_event UNIQUE (ledger_event_id)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Tamper evidence: a SHA-256 chain over ledger events in the order the sealer saw them committed.' COLLATE utf8mb4_bin;
+
+CREATE TABLE ledger_seal_gap (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	from_event_id BIGINT NOT NULL COMMENT 'first ledger_event id the sealer skipped',
+	to_event_id BIGINT NOT NULL COMMENT 'last one (a range: ids are not always dense)',
+	noticed_at DATETIME(6) NOT NULL COMMENT 'watched for late commits until LATE_COMMIT_SECONDS after this',
+	PRIMARY KEY (id)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Work list of the sealer: ids skipped while sealing in id order (uncommitted then, or rolled back).' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_ledger_seal_gap_noticed ON ledger_seal_gap (noticed_at);
+
 CREATE TABLE manual_review (
 	id BIGINT NOT NULL AUTO_INCREMENT,
 	kind VARCHAR(40) NOT NULL COMMENT 'callback_gave_up, conflicting_report, unresolved_payment, …',
@@ -249,6 +273,60 @@ CREATE TABLE provider_cursor (
 	PRIMARY KEY (provider, name)
 )ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Where a job reading a provider''s API left off (Stripe catch_up: created time of the newest event listed).' COLLATE utf8mb4_bin;
 
+CREATE TABLE reconciliation_item (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	run_id BIGINT NOT NULL,
+	category VARCHAR(24) NOT NULL,
+	kind VARCHAR(16) NOT NULL COMMENT 'charge, refund, fee, invalid',
+	settlement_file_id BIGINT COMMENT 'NULL for local_only items',
+	line_no INTEGER,
+	payment_id VARCHAR(40),
+	refund_id VARCHAR(40),
+	provider_reference VARCHAR(128),
+	merchant_reference VARCHAR(128),
+	currency VARCHAR(3),
+	provider_amount_minor BIGINT,
+	local_amount_minor BIGINT,
+	fee_minor BIGINT,
+	provider_status VARCHAR(16),
+	local_status VARCHAR(16) COMMENT 'the local status when the line was matched',
+	action VARCHAR(16) NOT NULL COMMENT 'none, resolved, adjusted, review',
+	escalation_key VARCHAR(191) COMMENT 'subject escalated by this item (once per subject)',
+	manual_review_id BIGINT,
+	details TEXT COMMENT 'JSON: why, the adjustment posted, …',
+	created_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (id),
+	CONSTRAINT ck_reconciliation_item_category CHECK (category IN ('matched', 'resolved', 'amount_mismatch', 'status_mismatch', 'provider_only', 'local_only', 'fee', 'ignored', 'unreadable'))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='The result for each settlement line (and each local-only success) of a run; the source of its effects.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_reconciliation_item_escalation ON reconciliation_item (escalation_key);
+
+CREATE INDEX idx_reconciliation_item_payment ON reconciliation_item (payment_id);
+
+CREATE INDEX idx_reconciliation_item_run ON reconciliation_item (run_id, category);
+
+CREATE TABLE reconciliation_run (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	provider VARCHAR(32) NOT NULL,
+	settlement_date DATE NOT NULL,
+	settlement_file_id BIGINT,
+	started_by VARCHAR(16) NOT NULL COMMENT 'daily (the compensator) or manual (the command)',
+	status VARCHAR(16) NOT NULL COMMENT 'running, completed, failed',
+	line_count INTEGER NOT NULL COMMENT 'records read from the file',
+	new_lines INTEGER NOT NULL COMMENT 'records stored by this run (0: seen before)',
+	resolved INTEGER NOT NULL COMMENT 'payments and refunds moved by the state machine',
+	adjustments INTEGER NOT NULL COMMENT 'ReconciliationAdjusted events posted',
+	reviews INTEGER NOT NULL COMMENT 'manual reviews opened',
+	summary TEXT COMMENT 'JSON: count and amounts per currency for each category; fees',
+	error VARCHAR(500),
+	started_at DATETIME(6) NOT NULL,
+	finished_at DATETIME(6),
+	PRIMARY KEY (id),
+	CONSTRAINT ck_reconciliation_run_status CHECK (status IN ('running', 'completed', 'failed'))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='One reconciliation of one provider''s day: the summary an operator reads first.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_reconciliation_run_day ON reconciliation_run (provider, settlement_date);
+
 CREATE TABLE refund (
 	id BIGINT NOT NULL AUTO_INCREMENT,
 	refund_id VARCHAR(40) NOT NULL COMMENT 'business number, fixed for life (re_<ULID>)',
@@ -279,6 +357,46 @@ CREATE INDEX idx_refund_payment ON refund (payment_id);
 
 CREATE INDEX idx_refund_status_query ON refund (status, next_query_at);
 
+CREATE TABLE settlement_file (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	provider VARCHAR(32) NOT NULL,
+	settlement_date DATE NOT NULL COMMENT 'the day the provider''s file covers',
+	format VARCHAR(32) NOT NULL COMMENT 'the parser that read it, e.g. sandbox_csv',
+	source VARCHAR(500) NOT NULL COMMENT 'download (through the adapter) or file:<path>',
+	sha256 VARCHAR(64) NOT NULL COMMENT 'of the file''s bytes exactly as received',
+	size_bytes BIGINT NOT NULL,
+	line_count INTEGER COMMENT 'records stored; NULL until the import finished',
+	status VARCHAR(16) NOT NULL COMMENT 'importing, imported',
+	superseded_at DATETIME(6) COMMENT 'set when a newer file for the same day was imported',
+	created_at DATETIME(6) NOT NULL,
+	imported_at DATETIME(6),
+	PRIMARY KEY (id),
+	CONSTRAINT uq_settlement_file UNIQUE (provider, settlement_date, sha256),
+	CONSTRAINT ck_settlement_file_status CHECK (status IN ('importing', 'imported'))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Each provider settlement file imported: what, from where, its digest; the same bytes are imported once.' COLLATE utf8mb4_bin;
+
+CREATE TABLE settlement_line (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	settlement_file_id BIGINT NOT NULL,
+	line_no INTEGER NOT NULL COMMENT 'line of the file the record starts on (1-based)',
+	kind VARCHAR(16) NOT NULL COMMENT 'charge, refund, fee, info (header, totals), invalid',
+	status VARCHAR(16) COMMENT 'succeeded, failed (normalised)',
+	provider_reference VARCHAR(128) COMMENT 'the provider''s transaction (or refund) id',
+	merchant_reference VARCHAR(128) COMMENT 'our payment_id (or refund_id)',
+	amount_minor BIGINT COMMENT 'magnitude in minor units; kind says the direction',
+	fee_minor BIGINT COMMENT 'fee the provider took (negative: returned)',
+	currency VARCHAR(3),
+	occurred_at DATETIME(6),
+	parse_error VARCHAR(255) COMMENT 'why an invalid line could not be read',
+	raw MEDIUMTEXT NOT NULL COMMENT 'the record exactly as in the file, without its line ending',
+	PRIMARY KEY (id),
+	CONSTRAINT uq_settlement_line UNIQUE (settlement_file_id, line_no)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Every record of every settlement file, unchanged, with its normalised fields; append-only.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_settlement_line_merchant_ref ON settlement_line (merchant_reference, kind, settlement_file_id);
+
+CREATE INDEX idx_settlement_line_provider_ref ON settlement_line (provider_reference, kind, settlement_file_id);
+
 CREATE TRIGGER IF NOT EXISTS ledger_event_no_update BEFORE UPDATE ON ledger_event FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'ledger_event is append-only';
 
 CREATE TRIGGER IF NOT EXISTS ledger_event_no_delete BEFORE DELETE ON ledger_event FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'ledger_event is append-only';
@@ -286,4 +404,12 @@ CREATE TRIGGER IF NOT EXISTS ledger_event_no_delete BEFORE DELETE ON ledger_even
 CREATE TRIGGER IF NOT EXISTS ledger_entry_no_update BEFORE UPDATE ON ledger_entry FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'ledger_entry is append-only';
 
 CREATE TRIGGER IF NOT EXISTS ledger_entry_no_delete BEFORE DELETE ON ledger_entry FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'ledger_entry is append-only';
+
+CREATE TRIGGER IF NOT EXISTS ledger_seal_no_update BEFORE UPDATE ON ledger_seal FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'ledger_seal is append-only';
+
+CREATE TRIGGER IF NOT EXISTS ledger_seal_no_delete BEFORE DELETE ON ledger_seal FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'ledger_seal is append-only';
+
+CREATE TRIGGER IF NOT EXISTS settlement_line_no_update BEFORE UPDATE ON settlement_line FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'settlement_line is append-only';
+
+CREATE TRIGGER IF NOT EXISTS settlement_line_no_delete BEFORE DELETE ON settlement_line FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'settlement_line is append-only';
 

@@ -19,6 +19,13 @@ Every phase checks the result, not just the speed: all rows status 1, every
 payment Succeeded, exactly one ledger event, one outbox domain event and one
 processed_event per row. The original cron design drains 100 rows a minute;
 the table shows each rate against that too.
+
+``--seal`` runs every phase a second time with a ledger sealer beside the
+writers (``seal_ledger.run_once`` every SEAL_INTERVAL_SECONDS in a process of
+its own, as in the compensator), alternating with the plain run, and shows
+the ratio: what tamper evidence costs the writers. After each sealed phase it
+waits for the chain to cover every event (the seal lag after the last commit)
+and verifies it.
 """
 
 from __future__ import annotations
@@ -81,7 +88,57 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "alternating with this one, for before/after ratios",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="give up on a phase after this many seconds")
+    parser.add_argument("--seal", action="store_true", help="also run every phase with a ledger sealer alongside")
+    parser.add_argument("--seal-interval", type=float, default=2.0, help="SEAL_INTERVAL_SECONDS of the sealer")
+    parser.add_argument("--sealer-loop", action="store_true", help=argparse.SUPPRESS)  # the sealer's own process
     return parser.parse_args(argv)
+
+
+def sealer_loop(interval: float) -> int:
+    """Seal every ``interval`` seconds until SIGTERM, as the compensator's seal_ledger job does."""
+    import signal
+
+    from compensator import seal_ledger
+    from payments.runtime import build_runtime
+    from payments.settings import load_settings
+
+    runtime = build_runtime(load_settings())
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    while not stopping:
+        started = time.monotonic()
+        seal_ledger.run_once(runtime)
+        time.sleep(max(0.0, interval - (time.monotonic() - started)))
+    return 0
+
+
+def start_sealer(args: argparse.Namespace) -> Process:
+    """The sealer runs this checkout's code, whichever tree the writers run."""
+    env = code_env(ROOT, DATABASE_URL=args.database_url, PAYSYNC_ENV="development")
+    command = [sys.executable, str(ROOT / "bench" / "drain.py"), "--sealer-loop"]
+    return Process(command + ["--seal-interval", str(args.seal_interval)], env, "drain_sealer")
+
+
+def wait_sealed(engine: Engine, rows: int, timeout: float, sealer: Process) -> float:
+    """Seconds from the last row's commit until every ledger event is sealed; then verify the chain."""
+    from compensator import seal_ledger
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with engine.connect() as conn:
+            sealed = conn.execute(text("SELECT COUNT(*) FROM ledger_seal")).scalar()
+        if sealed >= rows:
+            break
+        if not sealer.alive():
+            raise SystemExit(f"FAIL: the sealer died:\n{sealer.tail()}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"FAIL: {sealed} of {rows} ledger events sealed after {timeout:g} s")
+        time.sleep(0.1)
+    lag = (utcnow() - last_commit(engine)).total_seconds()
+    result = seal_ledger.verify(engine)
+    if not result.ok or result.verified != rows:
+        raise SystemExit(f"FAIL: seal chain: {seal_ledger.describe(result)}")
+    return lag
 
 
 def build_backlog(engine: Engine, rows: int) -> list[int]:
@@ -185,7 +242,7 @@ def code_env(tree: Path, **settings: str) -> dict[str, str]:
     return env
 
 
-def consumer_phase(args: argparse.Namespace, consumers: int, tree: Path = ROOT) -> dict:
+def consumer_phase(args: argparse.Namespace, consumers: int, tree: Path = ROOT, seal: bool = False) -> dict:
     """Drain the backlog through ``consumers`` consumer processes fed one message per row."""
     import pika
 
@@ -193,6 +250,8 @@ def consumer_phase(args: argparse.Namespace, consumers: int, tree: Path = ROOT) 
 
     engine = prepare_database(args.database_url)
     ids = build_backlog(engine, args.rows)
+    sealer = start_sealer(args) if seal else None
+    lag = None
     queue = f"bench_drain_{uuid.uuid4().hex[:8]}"
     env = code_env(tree, DATABASE_URL=args.database_url, AMQP_URL=args.amqp_url, AMQP_QUEUE=queue)
     conn = pika.BlockingConnection(pika.URLParameters(args.amqp_url))
@@ -215,21 +274,31 @@ def consumer_phase(args: argparse.Namespace, consumers: int, tree: Path = ROOT) 
         wait_drained(engine, args.rows, args.timeout, procs)
         seconds = (last_commit(engine) - started).total_seconds()
         check_effects(engine, args.rows)
+        if sealer is not None:
+            lag = wait_sealed(engine, args.rows, args.timeout, sealer)
     finally:
-        for proc in procs:
+        for proc in procs + ([sealer] if sealer else []):
             proc.stop()
         if conn.is_open:
             with contextlib.suppress(Exception):
                 conn.close()
         delete_queue(args.amqp_url, queue)
         engine.dispose()
-    return {"seconds": seconds, "rows_per_s": args.rows / seconds, "publish_seconds": published, "load": loadavg()}
+    return {
+        "seconds": seconds,
+        "rows_per_s": args.rows / seconds,
+        "publish_seconds": published,
+        "seal_lag_seconds": lag,
+        "load": loadavg(),
+    }
 
 
-def compensator_phase(args: argparse.Namespace, tree: Path = ROOT, concurrency: str = "") -> dict:
+def compensator_phase(args: argparse.Namespace, tree: Path = ROOT, concurrency: str = "", seal: bool = False) -> dict:
     """Drain the backlog with one ``python -m compensator compensate --once``."""
     engine = prepare_database(args.database_url)
     build_backlog(engine, args.rows)
+    sealer = start_sealer(args) if seal else None
+    lag = None
     env = code_env(
         tree,
         DATABASE_URL=args.database_url,
@@ -249,20 +318,32 @@ def compensator_phase(args: argparse.Namespace, tree: Path = ROOT, concurrency: 
     proc = Process(command, env, "drain_compensator", cwd=tree)
     try:
         code = proc.popen.wait(args.timeout)
+        wall = time.monotonic() - clock
+        if code != 0:
+            raise SystemExit(f"FAIL: compensator exited {code}:\n{proc.tail()}")
+        wait_drained(engine, args.rows, 1.0, [])
+        seconds = (last_commit(engine) - started).total_seconds()
+        check_effects(engine, args.rows)
+        if sealer is not None:
+            lag = wait_sealed(engine, args.rows, args.timeout, sealer)
     finally:
         proc.stop()
-    wall = time.monotonic() - clock
-    if code != 0:
-        raise SystemExit(f"FAIL: compensator exited {code}:\n{proc.tail()}")
-    wait_drained(engine, args.rows, 1.0, [])
-    seconds = (last_commit(engine) - started).total_seconds()
-    check_effects(engine, args.rows)
+        if sealer is not None:
+            sealer.stop()
     engine.dispose()
-    return {"seconds": seconds, "rows_per_s": args.rows / seconds, "process_wall_seconds": wall, "load": loadavg()}
+    return {
+        "seconds": seconds,
+        "rows_per_s": args.rows / seconds,
+        "process_wall_seconds": wall,
+        "seal_lag_seconds": lag,
+        "load": loadavg(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.sealer_loop:
+        return sealer_loop(args.seal_interval)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     phases: dict[str, list[dict]] = {}
@@ -271,36 +352,43 @@ def main(argv: list[str] | None = None) -> int:
     if args.before_tree:
         trees = {"before ": Path(args.before_tree).resolve(), "": ROOT}
     sweeps = [] if args.skip_compensator else args.compensator_concurrency.split(",")
+    seal_modes = [False, True] if args.seal else [False]
     for _ in range(args.repeats):
         for prefix, tree in trees.items():
             if not args.skip_consumer:
                 for consumers in [int(c) for c in args.consumers.split(",") if c]:
-                    name = f"{prefix}consumer x{consumers}"
-                    result = consumer_phase(args, consumers, tree)
+                    for seal in seal_modes:
+                        name = f"{prefix}consumer x{consumers}" + (" +sealer" if seal else "")
+                        result = consumer_phase(args, consumers, tree, seal)
+                        phases.setdefault(name, []).append(result)
+                        print(
+                            f"  {name:<26} {result['rows_per_s']:8.0f} rows/s  ({result['seconds']:.1f} s; "
+                            f"publishing took {result['publish_seconds']:.1f} s;{_lag(result)} load {result['load']})",
+                            flush=True,
+                        )
+            for concurrency in sweeps:
+                for seal in seal_modes:
+                    name = f"{prefix}compensator x1" + (f" c={concurrency}" if concurrency else "")
+                    name += " +sealer" if seal else ""
+                    result = compensator_phase(args, tree, concurrency, seal)
                     phases.setdefault(name, []).append(result)
                     print(
                         f"  {name:<26} {result['rows_per_s']:8.0f} rows/s  ({result['seconds']:.1f} s; "
-                        f"publishing took {result['publish_seconds']:.1f} s; load {result['load']})",
+                        f"process wall {result['process_wall_seconds']:.1f} s;{_lag(result)} load {result['load']})",
                         flush=True,
                     )
-            for concurrency in sweeps:
-                name = f"{prefix}compensator x1" + (f" c={concurrency}" if concurrency else "")
-                result = compensator_phase(args, tree, concurrency)
-                phases.setdefault(name, []).append(result)
-                print(
-                    f"  {name:<26} {result['rows_per_s']:8.0f} rows/s  ({result['seconds']:.1f} s; "
-                    f"process wall {result['process_wall_seconds']:.1f} s; load {result['load']})",
-                    flush=True,
-                )
 
     print()
-    print(f"{'path':<26} | {'rows/s':>8} | {'vs cron 100/min':>15} | {'vs before':>9} | target")
+    versus_what = "vs unsealed" if args.seal and not args.before_tree else "vs before"
+    print(f"{'path':<26} | {'rows/s':>8} | {'vs cron 100/min':>15} | {versus_what:>11} | target")
     print("-" * 86)
     summary = {}
     for name, runs in phases.items():
         rate = median([r["rows_per_s"] for r in runs])
         summary[name] = {"rows_per_s": rate, "runs": len(runs)}
         before = phases.get(f"before {name}")
+        if name.endswith(" +sealer"):
+            before = phases.get(name.removesuffix(" +sealer"))  # the plain run beside it
         versus = ""
         if before:
             # Median of per-repeat ratios: the two runs of a repeat are back to back and share the load.
@@ -311,12 +399,17 @@ def main(argv: list[str] | None = None) -> int:
         verdict = f">= {target:.0f}: {'met' if rate >= target else 'MISSED'}"
         if name.startswith("before "):
             verdict = ""
-        print(f"{name:<26} | {rate:8.0f} | {rate / CRON_ROWS_PER_SECOND:14.0f}x | {versus:>9} | {verdict}")
+        print(f"{name:<26} | {rate:8.0f} | {rate / CRON_ROWS_PER_SECOND:14.0f}x | {versus:>11} | {verdict}")
     print(f"load after: {loadavg()}")
     out = RESULTS / f"drain-{stamp}.json"
     out.write_text(json.dumps({"args": vars(args), "summary": summary, "runs": phases}, indent=2, default=str))
     print(f"raw results: {out.relative_to(ROOT)}")
     return 0
+
+
+def _lag(result: dict) -> str:
+    lag = result.get("seal_lag_seconds")
+    return "" if lag is None else f" sealed {lag:.1f} s after the last commit;"
 
 
 if __name__ == "__main__":

@@ -2,23 +2,31 @@
 
 Jobs: compensate_callbacks (alias compensate), relay_outbox, query_unresolved,
 evaluate_alerts, publish_events (domain events to RabbitMQ and the merchant's
-webhook) and catch_up (missed Stripe events; a no-op without Stripe settings),
-each on its interval setting. Each is registered with
-``max_instances=1`` and coalescing, so a slow sweep is never run twice at
-once in one process and missed runs collapse into one.
+webhook), catch_up (missed Stripe events; a no-op without Stripe settings) and
+seal_ledger, each on its interval setting, and reconcile (daily at
+RECONCILE_TIME). Each is registered with ``max_instances=1`` and coalescing,
+so a slow sweep is never run twice at once in one process and missed runs
+collapse into one.
 
-``python -m compensator reverify --provider P [--since ISO-TIME]`` re-verifies
-rejected callbacks against today's keys after a key fix (compensator/reverify.py).
+Commands for operators (each exits 0 when all is well, 1 when not, 2 on bad usage):
+
+- ``reverify --provider P [--since ISO-TIME]``: re-verify rejected callbacks against
+  today's keys after a key fix (compensator/reverify.py)
+- ``reconcile --date YYYY-MM-DD [--provider P] [--file PATH] [--format text|json]``
+- ``verify-ledger [--format text|json]``: walk the seal chain
+- ``aging [--format text|json]``: callback log vs local status vs settlement, by age
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import re
 import signal
 import sys
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 
 from payments.errors import ConfigError
 from payments.runtime import Runtime, build_runtime
@@ -36,6 +44,7 @@ def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], flo
         publish_events,
         query_unresolved,
         relay_outbox,
+        seal_ledger,
     )
 
     return {
@@ -45,7 +54,15 @@ def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], flo
         "relay_outbox": (relay_outbox.run_once, lambda rt: rt.settings.relay_interval_seconds),
         "query_unresolved": (query_unresolved.run_once, lambda rt: rt.settings.query_interval_seconds),
         "catch_up": (catch_up.run_once, lambda rt: catch_up.INTERVAL_SECONDS),
+        "seal_ledger": (seal_ledger.run_once, lambda rt: rt.settings.seal_interval_seconds),
     }
+
+
+def _daily_jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], str]]]:
+    """Job name -> (run_once, UTC time of day HH:MM for these settings)."""
+    from compensator import reconcile
+
+    return {"reconcile": (reconcile.run_once, lambda rt: rt.settings.reconcile_time)}
 
 
 ALIASES = {"compensate": "compensate_callbacks"}
@@ -53,7 +70,7 @@ ALIASES = {"compensate": "compensate_callbacks"}
 
 def run_job(runtime: Runtime, name: str) -> int:
     """Run one job once and return its count; exceptions are logged, not raised (a scheduler must live on)."""
-    run_once, _ = _jobs()[name]
+    run_once, _ = {**_jobs(), **_daily_jobs()}[name]
     try:
         return run_once(runtime)
     except Exception:  # noqa: BLE001
@@ -83,10 +100,110 @@ def serve(runtime: Runtime) -> None:
         log.info("signal %s: stopping after running jobs finish", signum)
         scheduler.shutdown(wait=False)
 
+    for name, (_, time_of_day) in _daily_jobs().items():
+        hour, minute = time_of_day(runtime).split(":")
+        scheduler.add_job(
+            run_job,
+            "cron",
+            args=(runtime, name),
+            hour=int(hour),
+            minute=int(minute),
+            id=name,
+            name=name,
+            misfire_grace_time=6 * 3600,  # a compensator down at that minute still runs it when it is back
+        )
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    log.info("compensator started", extra={"jobs": sorted(_jobs()), "broker": runtime.settings.has_broker})
+    jobs = sorted([*_jobs(), *_daily_jobs()])
+    log.info("compensator started", extra={"jobs": jobs, "broker": runtime.settings.has_broker})
     scheduler.start()
+
+
+COMMANDS = ("reconcile", "verify-ledger", "aging")
+
+
+def _setup() -> Runtime:
+    """Settings, logging and the runtime for a command (bad configuration exits 2 in start_process)."""
+    return build_runtime(start_process("compensator"), pool_size=4)
+
+
+def command(argv: list[str]) -> int:
+    """The operator commands (module docstring)."""
+    parser = argparse.ArgumentParser(prog=f"python -m compensator {argv[0]}")
+    parser.add_argument("--format", choices=("text", "json"), default="text")
+    if argv[0] == "reconcile":
+        parser.add_argument("--date", help="the settlement day, YYYY-MM-DD (UTC)")
+        parser.add_argument("--provider", help="one provider (default: every configured one with settlement files)")
+        parser.add_argument("--file", help="reconcile this file instead of downloading the provider's")
+        parser.add_argument("--once", action="store_true", help="run the daily job once (the last N days)")
+    args = parser.parse_args(argv[1:])
+    if argv[0] == "reconcile" and not args.once and not args.date:
+        parser.error("give --date YYYY-MM-DD (or --once for the daily job)")
+    if argv[0] == "reconcile" and args.date:
+        try:
+            day = date.fromisoformat(args.date) if re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.date) else None
+        except ValueError:
+            day = None
+        if day is None:
+            parser.error(f"--date must be a real day YYYY-MM-DD, got {args.date!r}")
+    runtime = _setup()
+    try:
+        if argv[0] == "verify-ledger":
+            return _verify(runtime, args.format)
+        if argv[0] == "aging":
+            return _aging(runtime, args.format)
+        if args.once and not args.date:
+            count = run_job(runtime, "reconcile")
+            print(f"reconcile: {count}")
+            return 0 if count >= 0 else 1
+        return _reconcile(runtime, day, args, parser)
+    finally:
+        runtime.engine.dispose()
+
+
+def _verify(runtime: Runtime, fmt: str) -> int:
+    from compensator import seal_ledger
+
+    result = seal_ledger.verify(runtime.engine)
+    print(json.dumps(result.as_dict(), indent=2) if fmt == "json" else seal_ledger.describe(result))
+    return 0 if result.ok else 1
+
+
+def _aging(runtime: Runtime, fmt: str) -> int:
+    from payments import aging
+
+    report = aging.aging(runtime.engine)
+    print(json.dumps(report, indent=2) if fmt == "json" else aging.describe(report))
+    return 0
+
+
+def _reconcile(runtime: Runtime, day: date, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from compensator.reconcile import reconcilable, reconcile_command
+    from payments import reconcile
+    from payments.providers.base import ProviderUnavailable
+    from payments.settlement import SettlementFormatError
+
+    if args.provider:
+        providers = [args.provider]
+    elif args.file:
+        parser.error("--file needs --provider (whose format the file is in)")
+    else:
+        providers = reconcilable(runtime)
+        if not providers:
+            print("reconcile: no configured provider has settlement files", file=sys.stderr)
+            return 1
+    try:
+        reports = reconcile_command(runtime, day, providers, args.file)
+    except (reconcile.ReconcileError, ProviderUnavailable, SettlementFormatError, OSError) as exc:
+        print(f"reconcile: {exc}", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        body = [r.as_dict() for r in reports]
+        print(json.dumps(body[0] if len(body) == 1 else body, indent=2, sort_keys=True))
+    else:
+        print("\n".join(reconcile.describe(r) for r in reports))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,9 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["reverify"]:
         return reverify_main(argv[1:])
+    if argv and argv[0] in COMMANDS:
+        return command(argv)
     parser = argparse.ArgumentParser(prog="python -m compensator")
+    jobs = sorted([*_jobs(), *_daily_jobs(), *ALIASES])
     parser.add_argument(
-        "job", nargs="?", help="one job to run: " + ", ".join(sorted([*_jobs(), *ALIASES])) + "; or reverify"
+        "job", nargs="?", help="one job to run: " + ", ".join(jobs) + "; or " + ", ".join(["reverify", *COMMANDS])
     )
     parser.add_argument("--once", action="store_true", help="run the job once and exit (for cron)")
     args = parser.parse_args(argv)
@@ -107,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime = build_runtime(settings, pool_size=pool_size)
     if args.job:
         name = ALIASES.get(args.job, args.job)
-        if name not in _jobs():
+        if name not in _jobs() and name not in _daily_jobs():
             parser.error(f"unknown job {args.job!r}")
         if not args.once:
             parser.error("a job name needs --once (the scheduler runs every job)")

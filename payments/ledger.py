@@ -4,7 +4,19 @@ Each business event is one ``ledger_event`` row plus zero or more
 ``ledger_entry`` lines whose signed amounts (debit > 0, credit < 0) sum to
 zero. Rows are never updated or deleted (triggers refuse it); a correction is
 a new event. ``dedupe_key`` is UNIQUE, so one business effect can be recorded
-once only, whatever races above it.
+once only, whatever races above it. ``compensator/seal_ledger.py`` chains the
+committed events into a SHA-256 chain shortly after they are written.
+
+Chart of accounts (README "Ledger" has the table of which event posts what):
+
+- ``assets:provider:<provider>``: provider receivable, the money a provider
+  holds for us (confirmed charges minus confirmed refunds and fees, plus or
+  minus reconciliation adjustments);
+- ``income:payments``: sales income, credited by confirmed charges;
+- ``income:refunds``: contra-income, debited by confirmed refunds;
+- ``expenses:provider_fees``: the fees in the providers' settlement files;
+- ``suspense:reconciliation``: what the provider's books say and ours do not
+  (or the other way round), parked by reconciliation until a person decides.
 """
 
 from __future__ import annotations
@@ -14,7 +26,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, insert, select
+from sqlalchemy import Connection, func, insert, select
 
 from payments.schema import ledger_entry, ledger_event
 from payments.states import PaymentStatus, StatusChange
@@ -25,6 +37,14 @@ INCOME_REFUNDS = "income:refunds"
 """Debited when a refund is confirmed (contra-income)."""
 EXPENSE_FEES = "expenses:provider_fees"
 """Debited with the provider's fees found by reconciliation."""
+SUSPENSE_RECONCILIATION = "suspense:reconciliation"
+"""The other side of every ReconciliationAdjusted: differences waiting for a person."""
+INCOME_ACCOUNTS = (INCOME_PAYMENTS, INCOME_REFUNDS)
+
+FEE_CHARGED = "FeeCharged"
+"""Fees of a settlement day: Dr expenses:provider_fees, Cr the provider's receivable."""
+RECONCILIATION_ADJUSTED = "ReconciliationAdjusted"
+"""The provider's books differ from ours: the receivable moved to what the provider says, the difference in suspense."""
 
 
 def provider_account(provider: str) -> str:
@@ -36,6 +56,8 @@ class UnbalancedEntries(ValueError):
     """The lines of one ledger event do not sum to zero."""
 
 
+Entries = list[tuple[str, int]]
+
 CONFIRMED_EVENTS = {"payment": "PaymentConfirmed", "refund": "RefundConfirmed"}
 """The ledger event a Succeeded payment or refund books."""
 FAILED_EVENTS = {"payment": "PaymentFailed", "refund": "RefundFailed"}
@@ -44,19 +66,40 @@ SOURCE_TYPES = {"callback": "callback", "call": "provider_call", "query": "query
 """ledger_event.source_type for each kind of status_source."""
 
 
-def status_change_postings(change: StatusChange) -> tuple[str, list[tuple[str, int]]] | None:
+# The posting functions: the lines each kind of event books (pure). Every ledger line paysync writes comes from one
+# of these four; status_change_postings picks between the first two, reconciliation uses the last two.
+
+
+def payment_confirmed_entries(provider: str, amount: int) -> Entries:
+    """PaymentConfirmed: the provider now holds ``amount`` for us; we earned it."""
+    return [(provider_account(provider), amount), (INCOME_PAYMENTS, -amount)]
+
+
+def refund_confirmed_entries(provider: str, amount: int) -> Entries:
+    """RefundConfirmed: the provider gave ``amount`` back to the customer out of what it holds for us."""
+    return [(INCOME_REFUNDS, amount), (provider_account(provider), -amount)]
+
+
+def fee_entries(provider: str, fee: int) -> Entries:
+    """FeeCharged: the provider kept ``fee`` (negative: it gave fees back)."""
+    return [(EXPENSE_FEES, fee), (provider_account(provider), -fee)]
+
+
+def adjustment_entries(provider: str, delta: int) -> Entries:
+    """ReconciliationAdjusted: move our receivable by ``delta`` to what the provider says; park it in suspense."""
+    return [(provider_account(provider), delta), (SUSPENSE_RECONCILIATION, -delta)]
+
+
+def status_change_postings(change: StatusChange) -> tuple[str, Entries] | None:
     """The ledger event type and lines a status change books (pure); None when it books nothing.
 
-    Only terminal states are booked. A confirmed payment moves its amount
-    from income to the provider's asset account; a confirmed refund moves it
-    back through contra-income; a failure is an event with no lines.
+    Only terminal states are booked. A confirmed payment or refund books
+    ``payment_confirmed_entries`` / ``refund_confirmed_entries``; a failure is
+    an event with no lines.
     """
-    amount = change.amount_minor
-    provider_acct = provider_account(change.provider)
     if change.target == PaymentStatus.SUCCEEDED:
-        if change.kind == "payment":
-            return CONFIRMED_EVENTS["payment"], [(provider_acct, amount), (INCOME_PAYMENTS, -amount)]
-        return CONFIRMED_EVENTS["refund"], [(INCOME_REFUNDS, amount), (provider_acct, -amount)]
+        entries = payment_confirmed_entries if change.kind == "payment" else refund_confirmed_entries
+        return CONFIRMED_EVENTS[change.kind], entries(change.provider, change.amount_minor)
     if change.target == PaymentStatus.FAILED:
         return FAILED_EVENTS[change.kind], []
     return None
@@ -167,3 +210,40 @@ def history(conn: Connection, payment_id: str) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def payment_balance(conn: Connection, payment_id: str) -> dict[str, int]:
+    """What a payment earned, by currency, as the ledger derives it: confirmed charge minus confirmed refunds.
+
+    Read from the income accounts only, so fees (expenses) and reconciliation
+    adjustments (suspense) never change it.
+    """
+    rows = conn.execute(
+        select(ledger_entry.c.currency, func.sum(ledger_entry.c.amount_minor))
+        .join(ledger_event, ledger_event.c.id == ledger_entry.c.ledger_event_id)
+        .where(ledger_event.c.payment_id == payment_id, ledger_entry.c.account.in_(INCOME_ACCOUNTS))
+        .group_by(ledger_entry.c.currency)
+    ).all()
+    return {currency: -int(total) for currency, total in rows if total}
+
+
+def balances(conn: Connection) -> dict[tuple[str, str], int]:
+    """The trial balance: (account, currency) -> signed total; every currency's totals sum to zero."""
+    rows = conn.execute(
+        select(ledger_entry.c.account, ledger_entry.c.currency, func.sum(ledger_entry.c.amount_minor)).group_by(
+            ledger_entry.c.account, ledger_entry.c.currency
+        )
+    ).all()
+    return {(account, currency): int(total) for account, currency, total in rows}
+
+
+def unbalanced_events(conn: Connection, limit: int = 10) -> list[int]:
+    """Ids of events whose lines do not sum to zero in some currency (there should be none)."""
+    rows = conn.execute(
+        select(ledger_entry.c.ledger_event_id)
+        .group_by(ledger_entry.c.ledger_event_id, ledger_entry.c.currency)
+        .having(func.sum(ledger_entry.c.amount_minor) != 0)
+        .order_by(ledger_entry.c.ledger_event_id)
+        .limit(limit)
+    ).scalars()
+    return list(rows)

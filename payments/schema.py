@@ -16,6 +16,7 @@ from sqlalchemy import (
     BigInteger,
     CheckConstraint,
     Column,
+    Date,
     DateTime,
     Index,
     Integer,
@@ -346,6 +347,8 @@ ledger_event = Table(
     Column("created_at", TS, nullable=False),
     UniqueConstraint("dedupe_key", name="uq_ledger_event_dedupe"),
     Index("idx_ledger_event_payment", "payment_id"),
+    # Reconciliation finds the day's confirmations (local-only check, aging) without an index on hot payment rows.
+    Index("idx_ledger_event_type_time", "event_type", "created_at"),
     comment="Append-only business events; UPDATE and DELETE are refused by triggers.",
     **MYSQL,
 )
@@ -363,6 +366,172 @@ ledger_entry = Table(
     Index("idx_ledger_entry_event", "ledger_event_id"),
     Index("idx_ledger_entry_account", "account"),
     comment="Double-entry lines of ledger events; append-only like ledger_event.",
+    **MYSQL,
+)
+
+ledger_seal = Table(
+    "ledger_seal",
+    metadata,
+    Column("seq", ID, primary_key=True, autoincrement=False, comment="position in the chain: 1, 2, 3, … without gaps"),
+    Column("ledger_event_id", BigInteger, nullable=False, comment="the sealed event (each event is sealed once)"),
+    Column("event_digest", String(64), nullable=False, comment="sha256 of the event's canonical content and lines"),
+    Column("prev_hash", String(64), nullable=False, comment="chain_hash of seq - 1 (64 zeros for seq 1)"),
+    Column("chain_hash", String(64), nullable=False, comment="sha256 of prev_hash, seq, event id, digest"),
+    Column(
+        "max_event_id",
+        BigInteger,
+        nullable=False,
+        comment="highest ledger_event_id sealed up to this seq: new events are the ids above it",
+    ),
+    Column("sealed_at", TS, nullable=False),
+    UniqueConstraint("ledger_event_id", name="uq_ledger_seal_event"),
+    comment="Tamper evidence: a SHA-256 chain over ledger events in the order the sealer saw them committed.",
+    **MYSQL,
+)
+
+ledger_seal_gap = Table(
+    "ledger_seal_gap",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("from_event_id", BigInteger, nullable=False, comment="first ledger_event id the sealer skipped"),
+    Column("to_event_id", BigInteger, nullable=False, comment="last one (a range: ids are not always dense)"),
+    Column("noticed_at", TS, nullable=False, comment="watched for late commits until LATE_COMMIT_SECONDS after this"),
+    Index("idx_ledger_seal_gap_noticed", "noticed_at"),
+    comment="Work list of the sealer: ids skipped while sealing in id order (uncommitted then, or rolled back).",
+    **MYSQL,
+)
+
+settlement_file = Table(
+    "settlement_file",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("provider", String(32), nullable=False),
+    Column("settlement_date", Date, nullable=False, comment="the day the provider's file covers"),
+    Column("format", String(32), nullable=False, comment="the parser that read it, e.g. sandbox_csv"),
+    Column("source", String(500), nullable=False, comment="download (through the adapter) or file:<path>"),
+    Column("sha256", String(64), nullable=False, comment="of the file's bytes exactly as received"),
+    Column("size_bytes", BigInteger, nullable=False),
+    Column("line_count", Integer, nullable=True, comment="records stored; NULL until the import finished"),
+    Column("status", String(16), nullable=False, comment="importing, imported"),
+    Column("superseded_at", TS, nullable=True, comment="set when a newer file for the same day was imported"),
+    Column("created_at", TS, nullable=False),
+    Column("imported_at", TS, nullable=True),
+    UniqueConstraint("provider", "settlement_date", "sha256", name="uq_settlement_file"),
+    CheckConstraint("status IN ('importing', 'imported')", name="ck_settlement_file_status"),
+    comment="Each provider settlement file imported: what, from where, its digest; the same bytes are imported once.",
+    **MYSQL,
+)
+
+settlement_line = Table(
+    "settlement_line",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("settlement_file_id", BigInteger, nullable=False),
+    Column("line_no", Integer, nullable=False, comment="line of the file the record starts on (1-based)"),
+    Column("kind", String(16), nullable=False, comment="charge, refund, fee, info (header, totals), invalid"),
+    Column("status", String(16), nullable=True, comment="succeeded, failed (normalised)"),
+    Column("provider_reference", String(128), nullable=True, comment="the provider's transaction (or refund) id"),
+    Column("merchant_reference", String(128), nullable=True, comment="our payment_id (or refund_id)"),
+    Column("amount_minor", BigInteger, nullable=True, comment="magnitude in minor units; kind says the direction"),
+    Column("fee_minor", BigInteger, nullable=True, comment="fee the provider took (negative: returned)"),
+    Column("currency", String(3), nullable=True),
+    Column("occurred_at", TS, nullable=True),
+    Column("parse_error", String(255), nullable=True, comment="why an invalid line could not be read"),
+    Column("raw", LONGTEXT, nullable=False, comment="the record exactly as in the file, without its line ending"),
+    UniqueConstraint("settlement_file_id", "line_no", name="uq_settlement_line"),
+    # Cover "does a current file name this transaction?" (local-only, aging) without reading the rows.
+    Index("idx_settlement_line_provider_ref", "provider_reference", "kind", "settlement_file_id"),
+    Index("idx_settlement_line_merchant_ref", "merchant_reference", "kind", "settlement_file_id"),
+    comment="Every record of every settlement file, unchanged, with its normalised fields; append-only.",
+    **MYSQL,
+)
+
+# Reconciliation item categories (reconciliation_item.category).
+RECON_MATCHED = "matched"
+"""Both sides agree (succeeded and the same money, or both failed)."""
+RECON_RESOLVED = "resolved"
+"""Locally unresolved (Created/Pending/Unknown); the provider's line settled it through the state machine."""
+RECON_AMOUNT_MISMATCH = "amount_mismatch"
+"""Same transaction, another amount or currency."""
+RECON_STATUS_MISMATCH = "status_mismatch"
+"""A terminal local status the provider contradicts (a Failed payment it settled, a success it failed)."""
+RECON_PROVIDER_ONLY = "provider_only"
+"""Money the provider moved that we hold no record of (or a second charge for one of our numbers)."""
+RECON_LOCAL_ONLY = "local_only"
+"""We hold a success the provider's files do not have."""
+RECON_FEE = "fee"
+"""A fee line (booked with the day's fees as FeeCharged)."""
+RECON_IGNORED = "ignored"
+"""A failed transaction we hold no record of: no money moved, nothing to do."""
+RECON_UNREADABLE = "unreadable"
+"""A line the parser could not read: kept raw, sent to a person."""
+RECON_CATEGORIES = (
+    RECON_MATCHED,
+    RECON_RESOLVED,
+    RECON_AMOUNT_MISMATCH,
+    RECON_STATUS_MISMATCH,
+    RECON_PROVIDER_ONLY,
+    RECON_LOCAL_ONLY,
+    RECON_FEE,
+    RECON_IGNORED,
+    RECON_UNREADABLE,
+)
+
+reconciliation_run = Table(
+    "reconciliation_run",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("provider", String(32), nullable=False),
+    Column("settlement_date", Date, nullable=False),
+    Column("settlement_file_id", BigInteger, nullable=True),
+    Column("started_by", String(16), nullable=False, comment="daily (the compensator) or manual (the command)"),
+    Column("status", String(16), nullable=False, comment="running, completed, failed"),
+    Column("line_count", Integer, nullable=False, default=0, comment="records read from the file"),
+    Column("new_lines", Integer, nullable=False, default=0, comment="records stored by this run (0: seen before)"),
+    Column("resolved", Integer, nullable=False, default=0, comment="payments and refunds moved by the state machine"),
+    Column("adjustments", Integer, nullable=False, default=0, comment="ReconciliationAdjusted events posted"),
+    Column("reviews", Integer, nullable=False, default=0, comment="manual reviews opened"),
+    Column("summary", Text, nullable=True, comment="JSON: count and amounts per currency for each category; fees"),
+    Column("error", String(500), nullable=True),
+    Column("started_at", TS, nullable=False),
+    Column("finished_at", TS, nullable=True),
+    CheckConstraint("status IN ('running', 'completed', 'failed')", name="ck_reconciliation_run_status"),
+    Index("idx_reconciliation_run_day", "provider", "settlement_date"),
+    comment="One reconciliation of one provider's day: the summary an operator reads first.",
+    **MYSQL,
+)
+
+reconciliation_item = Table(
+    "reconciliation_item",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("run_id", BigInteger, nullable=False),
+    Column("category", String(24), nullable=False),
+    Column("kind", String(16), nullable=False, comment="charge, refund, fee, invalid"),
+    Column("settlement_file_id", BigInteger, nullable=True, comment="NULL for local_only items"),
+    Column("line_no", Integer, nullable=True),
+    Column("payment_id", String(40), nullable=True),
+    Column("refund_id", String(40), nullable=True),
+    Column("provider_reference", String(128), nullable=True),
+    Column("merchant_reference", String(128), nullable=True),
+    Column("currency", String(3), nullable=True),
+    Column("provider_amount_minor", BigInteger, nullable=True),
+    Column("local_amount_minor", BigInteger, nullable=True),
+    Column("fee_minor", BigInteger, nullable=True),
+    Column("provider_status", String(16), nullable=True),
+    Column("local_status", String(16), nullable=True, comment="the local status when the line was matched"),
+    Column("action", String(16), nullable=False, comment="none, resolved, adjusted, review"),
+    Column("escalation_key", String(191), nullable=True, comment="subject escalated by this item (once per subject)"),
+    Column("manual_review_id", BigInteger, nullable=True),
+    Column("details", Text, nullable=True, comment="JSON: why, the adjustment posted, …"),
+    Column("created_at", TS, nullable=False),
+    CheckConstraint(
+        "category IN (" + ", ".join(f"'{c}'" for c in RECON_CATEGORIES) + ")", name="ck_reconciliation_item_category"
+    ),
+    Index("idx_reconciliation_item_run", "run_id", "category"),
+    Index("idx_reconciliation_item_payment", "payment_id"),
+    Index("idx_reconciliation_item_escalation", "escalation_key"),
+    comment="The result for each settlement line (and each local-only success) of a run; the source of its effects.",
     **MYSQL,
 )
 
@@ -425,12 +594,13 @@ alert = Table(
 )
 
 
-# The ledger is append-only and the database itself refuses changes (invariant 8).
-APPEND_ONLY_TABLES = ("ledger_event", "ledger_entry")
+# The ledger, its seals and the providers' settlement lines are append-only; the database itself refuses changes
+# (invariant 8).
+APPEND_ONLY_TABLES = ("ledger_event", "ledger_entry", "ledger_seal", "settlement_line")
 
 
 def trigger_ddl(dialect_name: str) -> list[str]:
-    """CREATE TRIGGER statements that make the ledger tables refuse UPDATE and DELETE."""
+    """CREATE TRIGGER statements that make the append-only tables refuse UPDATE and DELETE."""
     statements = []
     for table_name in APPEND_ONLY_TABLES:
         for op in ("UPDATE", "DELETE"):

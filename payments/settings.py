@@ -230,6 +230,12 @@ class Settings:
     """Our public POST /callbacks/alipay URL, sent as notify_url with each precreate; empty: none sent."""
     alipay_source_cidrs: tuple[str, ...] = ()
     """Comma-separated networks Alipay notifications may come from; empty: any source."""
+    seal_interval_seconds: float = 2.0
+    """How often seal_ledger chains newly committed ledger events."""
+    reconcile_time: str = "02:30"
+    """UTC time of day (HH:MM) the compensator reconciles the providers' settlement files."""
+    reconcile_days_back: int = 3
+    """The daily reconciliation fetches the last N days' files (yesterday included); unchanged ones are skipped."""
     log_level: str = "INFO"
     """Python logging level name."""
     failpoints: str = ""
@@ -369,6 +375,9 @@ _PARSERS = {
     "alipay_gateway_url": lambda n, v: _url(n, v, ("http://", "https://")) or "https://openapi.alipay.com/gateway.do",
     "alipay_notify_url": lambda n, v: _url(n, v, ("http://", "https://")),
     "alipay_source_cidrs": lambda n, v: _cidrs(n, v),
+    "seal_interval_seconds": lambda n, v: _float(n, v, 0.1, 3600),
+    "reconcile_time": lambda n, v: _time_of_day(n, v),
+    "reconcile_days_back": lambda n, v: _int(n, v, 1, 90),
     "log_level": lambda n, v: _log_level(n, v),
     "failpoints": lambda n, v: v.strip(),
     "wechatpay_mchid": lambda n, v: _matching(n, v, _MCHID, "digits, at most 32"),
@@ -548,6 +557,14 @@ def _check_wechatpay(settings: Settings) -> None:
     from payments.providers import wechatpay
 
     wechatpay.validate(settings)
+
+
+def _time_of_day(name: str, raw: str) -> str:
+    value = raw.strip()
+    match = re.fullmatch(r"(\d{2}):(\d{2})", value)
+    if not match or int(match[1]) > 23 or int(match[2]) > 59:
+        raise ConfigError(f"{name} must be a UTC time of day HH:MM such as 02:30, got {raw!r}")
+    return value
 
 
 def _log_level(name: str, raw: str) -> str:

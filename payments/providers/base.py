@@ -21,7 +21,7 @@ one that can do neither goes to the manual queue.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -282,8 +282,13 @@ class Provider:
         """Ask the provider to refund (part of) a charge."""
         raise NotImplementedError
 
-    def settlement(self, day: str, timeout: float) -> list[dict[str, str]]:
-        """The settlement file for ``day`` (YYYY-MM-DD) as rows; raises ProviderUnavailable."""
+    def settlement(self, day: str, timeout: float) -> Iterator[bytes]:
+        """The settlement file for ``day`` (YYYY-MM-DD), streamed: its bytes exactly as served, in chunks.
+
+        Raises ProviderUnavailable when there is no file to be had, and also
+        while iterating if the transfer breaks off (a partial file is never
+        passed on as a whole one). Parsing is ``payments.settlement``'s job.
+        """
         raise NotImplementedError
 
     def parse_fetched(self, body: bytes) -> CallbackEvent:

@@ -15,13 +15,11 @@ reset, a 5xx, a 429 or a body we cannot read is Unknown (invariant 5).
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -197,13 +195,19 @@ class SandboxProvider(Provider):
         )
         return _read(response, error, latency, lambda data: read_refund(data, request))
 
-    def settlement(self, day: str, timeout: float) -> list[dict[str, str]]:
-        """GET /v1/settlements/<day>.csv as a list of rows; ProviderUnavailable if it cannot be had."""
-        response, error, _ = self._exchange("GET", f"/v1/settlements/{day}.csv", timeout)
-        if response is None or response.status_code != 200:
-            reason = error or f"http_{response.status_code}"
-            raise ProviderUnavailable(f"settlement file for {day} not available: {reason}")
-        return list(csv.DictReader(io.StringIO(response.text)))
+    def settlement(self, day: str, timeout: float) -> Iterator[bytes]:
+        """GET /v1/settlements/<day>.csv, streamed in chunks (``timeout`` bounds each read, not the whole file)."""
+        url = f"{self._api_url}/v1/settlements/{day}.csv"
+        try:
+            response = self._session().get(
+                url, timeout=(min(timeout, 3.0), timeout), allow_redirects=False, stream=True
+            )
+        except requests.RequestException as exc:
+            raise ProviderUnavailable(f"settlement file for {day} not available: {type(exc).__name__}") from None
+        if response.status_code != 200:
+            response.close()
+            raise ProviderUnavailable(f"settlement file for {day} not available: http_{response.status_code}")
+        return _stream(response, day)
 
     def parse_callback(self, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
         """Verify the Sandbox-Signature header against each configured secret, then read the event."""
@@ -240,6 +244,26 @@ class SandboxProvider(Provider):
             return {}
         limits = {"provider_event_id": 128, "event_type": 64, "order_no": 64, "payment_order_no": 128}
         return {k: v for k, v in values.items() if isinstance(v, str) and len(v) <= limits[k]}
+
+
+SETTLEMENT_CHUNK_BYTES = 64 * 1024
+
+
+def _stream(response: requests.Response, day: str) -> Iterator[bytes]:
+    """The body in chunks; ProviderUnavailable if it breaks off or comes up short of Content-Length."""
+    received = 0
+    try:
+        for chunk in response.iter_content(SETTLEMENT_CHUNK_BYTES):
+            received += len(chunk)
+            yield chunk
+    except requests.RequestException as exc:
+        reason = f"broke off after {received} bytes: {type(exc).__name__}"
+        raise ProviderUnavailable(f"settlement file for {day} {reason}") from None
+    finally:
+        response.close()
+    expected = response.headers.get("Content-Length")
+    if expected is not None and expected.isdigit() and int(expected) != received:
+        raise ProviderUnavailable(f"settlement file for {day} is {received} bytes, the platform announced {expected}")
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:
