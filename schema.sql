@@ -291,15 +291,12 @@ CREATE TABLE reconciliation_item (
 	provider_status VARCHAR(16),
 	local_status VARCHAR(16) COMMENT 'the local status when the line was matched',
 	action VARCHAR(16) NOT NULL COMMENT 'none, resolved, adjusted, review',
-	escalation_key VARCHAR(191) COMMENT 'subject escalated by this item (once per subject)',
 	manual_review_id BIGINT,
 	details TEXT COMMENT 'JSON: why, the adjustment posted, …',
 	created_at DATETIME(6) NOT NULL,
 	PRIMARY KEY (id),
 	CONSTRAINT ck_reconciliation_item_category CHECK (category IN ('matched', 'resolved', 'amount_mismatch', 'status_mismatch', 'provider_only', 'local_only', 'fee', 'ignored', 'unreadable'))
 )ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='The result for each settlement line (and each local-only success) of a run; the source of its effects.' COLLATE utf8mb4_bin;
-
-CREATE INDEX idx_reconciliation_item_escalation ON reconciliation_item (escalation_key);
 
 CREATE INDEX idx_reconciliation_item_payment ON reconciliation_item (payment_id);
 

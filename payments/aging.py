@@ -30,9 +30,6 @@ from sqlalchemy import Connection, Engine, and_, case, exists, func, literal, se
 from payments.db import utcnow
 from payments.reconcile import current_files
 from payments.schema import (
-    CB_FAILED,
-    CB_GAVE_UP,
-    CB_PENDING,
     ledger_event,
     payment,
     payment_callback_log,
@@ -40,7 +37,8 @@ from payments.schema import (
     settlement_file,
     settlement_line,
 )
-from payments.states import PaymentStatus
+from payments.settlement import SUCCEEDED
+from payments.states import CallbackStatus, PaymentStatus
 
 BUCKETS = ("<1h", "<1d", "<3d", "older")
 CATEGORIES = ("callback_not_applied", "succeeded_not_settled", "settled_not_succeeded", "refunds_pending")
@@ -89,7 +87,7 @@ def _callbacks(conn: Connection, now: datetime) -> list[Any]:
     bucket = _bucket(t.c.create_time, now).label("bucket")
     query = (
         select(bucket, literal(None).label("currency"), func.count(), literal(0))
-        .where(t.c.status.in_((CB_PENDING, CB_FAILED, CB_GAVE_UP)))
+        .where(t.c.status.in_((CallbackStatus.PENDING, CallbackStatus.FAILED, CallbackStatus.GAVE_UP)))
         .group_by(bucket)
     )
     return list(conn.execute(query))
@@ -140,7 +138,7 @@ def _settled_not_succeeded(conn: Connection, now: datetime, since: datetime) -> 
         .where(
             settlement_file.c.settlement_date >= since.date(),
             line.c.kind == "charge",
-            line.c.status == "succeeded",
+            line.c.status == SUCCEEDED,
             ~ours_by_ref,
             ~ours_by_number,
         )

@@ -53,11 +53,11 @@ from typing import Any, BinaryIO
 
 from sqlalchemy import Connection, Engine, and_, exists, func, insert, literal, null, or_, select, update
 
-from payments import alerts, ledger
+from payments import ledger
 from payments.bills import sandbox as sandbox_bill
 from payments.db import insert_ignore, utcnow
 from payments.providers.base import Provider
-from payments.review import open_review
+from payments.review import escalate
 from payments.schema import (
     RECON_AMOUNT_MISMATCH,
     RECON_CATEGORIES,
@@ -81,6 +81,7 @@ from payments.schema import (
 )
 from payments.settlement import (
     CHARGE,
+    FAILED,
     FEE,
     INFO,
     INVALID,
@@ -90,7 +91,15 @@ from payments.settlement import (
     SettlementLine,
     checked,
 )
-from payments.states import TERMINAL, Decision, PaymentStatus, Verdict, decide
+from payments.states import (
+    TERMINAL,
+    Decision,
+    PaymentStatus,
+    ReconciliationRunStatus,
+    SettlementFileStatus,
+    Verdict,
+    decide,
+)
 from payments.transitions import apply_decision
 
 log = logging.getLogger("paysync.reconcile")
@@ -345,7 +354,7 @@ class Report:
     provider: str
     day: date
     run_id: int | None = None
-    status: str = "running"
+    status: str = ReconciliationRunStatus.RUNNING
     file_id: int | None = None
     sha256: str | None = None
     size: int | None = None
@@ -450,9 +459,9 @@ def reconcile(
         run.local_only()
         run.book_fees()
     except BaseException as exc:
-        _end_run(engine, report, "failed", error=f"{type(exc).__name__}: {exc}")
+        _end_run(engine, report, ReconciliationRunStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
         raise
-    _end_run(engine, report, "completed")
+    _end_run(engine, report, ReconciliationRunStatus.COMPLETED)
     log.info(
         "reconciled %s %s: %s lines, %s unexplained",
         provider,
@@ -490,7 +499,7 @@ def _register_file(engine: Engine, provider: str, day: date, fmt: str, source: S
                 source=source.source,
                 sha256=source.sha256,
                 size_bytes=source.size,
-                status="importing",
+                status=SettlementFileStatus.IMPORTING,
                 created_at=now,
             )
         )
@@ -502,7 +511,10 @@ def _completed_run(engine: Engine, file_id: int) -> bool:
         return (
             conn.execute(
                 select(reconciliation_run.c.id)
-                .where(reconciliation_run.c.settlement_file_id == file_id, reconciliation_run.c.status == "completed")
+                .where(
+                    reconciliation_run.c.settlement_file_id == file_id,
+                    reconciliation_run.c.status == ReconciliationRunStatus.COMPLETED,
+                )
                 .limit(1)
             ).first()
             is not None
@@ -517,7 +529,7 @@ def _start_run(engine: Engine, provider: str, day: date, file_id: int, started_b
                 settlement_date=day,
                 settlement_file_id=file_id,
                 started_by=started_by,
-                status="running",
+                status=ReconciliationRunStatus.RUNNING,
                 line_count=0,
                 new_lines=0,
                 resolved=0,
@@ -535,8 +547,8 @@ def _finish_import(engine: Engine, report: Report) -> None:
     with engine.begin() as conn:
         conn.execute(
             update(settlement_file)
-            .where(settlement_file.c.id == report.file_id, settlement_file.c.status == "importing")
-            .values(status="imported", line_count=report.line_count, imported_at=now)
+            .where(settlement_file.c.id == report.file_id, settlement_file.c.status == SettlementFileStatus.IMPORTING)
+            .values(status=SettlementFileStatus.IMPORTED, line_count=report.line_count, imported_at=now)
         )
         conn.execute(
             update(settlement_file)
@@ -686,7 +698,7 @@ class _Run:
                 table.c.currency == line.c.currency,
                 or_(
                     and_(line.c.status == SUCCEEDED, table.c.status == PaymentStatus.SUCCEEDED.value),
-                    and_(line.c.status == "failed", table.c.status == PaymentStatus.FAILED.value),
+                    and_(line.c.status == FAILED, table.c.status == PaymentStatus.FAILED.value),
                 ),
             )
             numbers = set(conn.execute(select(line.c.line_no).select_from(source).where(where)).scalars())
@@ -777,7 +789,6 @@ class _Run:
             "provider_status": line.status if line is not None else None,
             "local_status": local.row["status"] if local is not None else None,
             "action": action,
-            "escalation_key": None,
             "manual_review_id": None,
             "details": json.dumps(details, sort_keys=True, default=str) if details else None,
             "created_at": now,
@@ -809,7 +820,12 @@ class _Run:
                 self.tally.adjustments += len(_post_adjustments(conn, plan, item_id, self.report, now))
             # An unreadable line is escalated when its file is first stored; re-runs of that file are not news.
             if finding.escalate and (finding.category != RECON_UNREADABLE or new_file):
-                self._escalate(conn, finding, f"{finding.category}:{subject_of(self.provider, line)}", item_id, local)
+                # Unreadable lines have no transaction to name: one review per file, counting them.
+                unreadable = finding.category == RECON_UNREADABLE
+                subject = (
+                    f"{self.provider}:file:{self.report.file_id}" if unreadable else subject_of(self.provider, line)
+                )
+                self._escalate(conn, finding, subject, item_id, local)
             self.tally.add(finding.category, line, local)
 
     def _plan_adjustment(self, conn: Connection, line: SettlementLine, local: Local | None) -> _Adjustment:
@@ -869,7 +885,7 @@ class _Run:
                     reason=f"our {kind} {local.key} succeeded; no settlement file of {self.provider} has it",
                 )
                 item_id = _insert_item(conn, self._item(None, local, finding, "none", utcnow()))
-                self._escalate(conn, finding, f"{RECON_LOCAL_ONLY}:{kind}:{local.key}", item_id, local)
+                self._escalate(conn, finding, f"{self.provider}:{kind}:{local.key}", item_id, local)
                 self.tally.add(RECON_LOCAL_ONLY, None, local)
 
     def _unsettled_query(
@@ -950,9 +966,9 @@ class _Run:
 
     # --- the narrow seams to the state machine and the manual queue ------------------------------
 
-    def _escalate(self, conn: Connection, finding: Finding, key: str, item_id: int, local: Local | None) -> None:
+    def _escalate(self, conn: Connection, finding: Finding, subject: str, item_id: int, local: Local | None) -> None:
         """Once per subject: a manual review and an alert for what reconciliation cannot decide."""
-        review_id = _escalate(conn, finding, key, item_id, local, self.provider, self.day)
+        review_id = _escalate(conn, finding, subject, item_id, local, self.provider, self.day)
         if review_id is not None:
             self.tally.reviews += 1
 
@@ -1025,54 +1041,42 @@ def _resolve(
 def _escalate(
     conn: Connection,
     finding: Finding,
-    key: str,
+    subject: str,
     item_id: int,
     local: Local | None,
     provider: str,
     day: date,
 ) -> int | None:
-    """The one place reconciliation hands something to a person: review + alert, once per ``key``; the review id.
+    """The one place reconciliation hands something to a person; the review id if this opened it.
 
-    "Once" is remembered on the reconciliation items (``escalation_key``), so
-    re-running a day never opens a second review for the same difference.
+    ``review.escalate`` gives the once-per-subject guarantee: while the
+    review of (``reconciliation_<category>``, ``subject``) is open, a re-run
+    of the day updates it and raises no second alert; the item links to the
+    review either way.
     """
-    key = key if len(key) <= 191 else f"{key[:120]}:sha256:{hashlib.sha256(key.encode()).hexdigest()[:40]}"
-    earlier = conn.execute(
-        select(reconciliation_item.c.manual_review_id)
-        .where(reconciliation_item.c.escalation_key == key, reconciliation_item.c.manual_review_id.is_not(None))
-        .limit(1)
-    ).scalar()
-    if earlier is not None:
-        conn.execute(update(reconciliation_item).where(reconciliation_item.c.id == item_id).values(action="review"))
-        return None
-    now = utcnow()
     payment_id = local.row["payment_id"] if local is not None else None
     refund_id = local.key if local is not None and local.kind == "refund" else None
     reason = f"reconciliation {provider} {day.isoformat()}: {finding.category}: {finding.reason}"
-    review_id = open_review(
+    escalation = escalate(
         conn,
         kind=f"reconciliation_{finding.category}",
+        subject=subject,
         reason=reason,
-        now=now,
+        now=utcnow(),
         payment_id=payment_id,
         refund_id=refund_id,
-        details={"reconciliation_item_id": item_id, "subject": key},
-    )
-    alerts.observe(
-        conn,
-        rule=f"reconciliation_{finding.category}",
-        key=f"reconciliation:{key}"[:191],
-        message=reason,
-        now=now,
-        details={"reconciliation_item_id": item_id, "manual_review_id": review_id},
+        details={"reconciliation_item_id": item_id, "provider": provider, "day": day.isoformat()},
     )
     conn.execute(
         update(reconciliation_item)
         .where(reconciliation_item.c.id == item_id)
-        .values(action="review", escalation_key=key, manual_review_id=review_id)
+        .values(action="review", manual_review_id=escalation.review_id)
     )
-    log.warning("reconciliation: %s", reason, extra={"reconciliation_item_id": item_id, "manual_review_id": review_id})
-    return review_id
+    if not escalation.first:
+        return None
+    extra = {"reconciliation_item_id": item_id, "manual_review_id": escalation.review_id}
+    log.warning("reconciliation: %s", reason, extra=extra)
+    return escalation.review_id
 
 
 # ------------------------------------------------------------------------------------------- queries

@@ -31,7 +31,16 @@ from sqlalchemy import (
 from sqlalchemy.dialects import mysql
 from sqlalchemy.types import TypeDecorator
 
-from payments.states import BreakerState, CallbackStatus, DeliveryStatus, OutboxStatus, PaymentStatus, ReviewStatus
+from payments.states import (
+    BreakerState,
+    CallbackStatus,
+    DeliveryStatus,
+    OutboxStatus,
+    PaymentStatus,
+    ReconciliationRunStatus,
+    ReviewStatus,
+    SettlementFileStatus,
+)
 
 metadata = MetaData()
 
@@ -417,7 +426,7 @@ settlement_file = Table(
     Column("created_at", TS, nullable=False),
     Column("imported_at", TS, nullable=True),
     UniqueConstraint("provider", "settlement_date", "sha256", name="uq_settlement_file"),
-    CheckConstraint("status IN ('importing', 'imported')", name="ck_settlement_file_status"),
+    CheckConstraint(_in("status", SettlementFileStatus), name="ck_settlement_file_status"),
     comment="Each provider settlement file imported: what, from where, its digest; the same bytes are imported once.",
     **MYSQL,
 )
@@ -495,7 +504,7 @@ reconciliation_run = Table(
     Column("error", String(500), nullable=True),
     Column("started_at", TS, nullable=False),
     Column("finished_at", TS, nullable=True),
-    CheckConstraint("status IN ('running', 'completed', 'failed')", name="ck_reconciliation_run_status"),
+    CheckConstraint(_in("status", ReconciliationRunStatus), name="ck_reconciliation_run_status"),
     Index("idx_reconciliation_run_day", "provider", "settlement_date"),
     comment="One reconciliation of one provider's day: the summary an operator reads first.",
     **MYSQL,
@@ -521,7 +530,6 @@ reconciliation_item = Table(
     Column("provider_status", String(16), nullable=True),
     Column("local_status", String(16), nullable=True, comment="the local status when the line was matched"),
     Column("action", String(16), nullable=False, comment="none, resolved, adjusted, review"),
-    Column("escalation_key", String(191), nullable=True, comment="subject escalated by this item (once per subject)"),
     Column("manual_review_id", BigInteger, nullable=True),
     Column("details", Text, nullable=True, comment="JSON: why, the adjustment posted, …"),
     Column("created_at", TS, nullable=False),
@@ -530,7 +538,6 @@ reconciliation_item = Table(
     ),
     Index("idx_reconciliation_item_run", "run_id", "category"),
     Index("idx_reconciliation_item_payment", "payment_id"),
-    Index("idx_reconciliation_item_escalation", "escalation_key"),
     comment="The result for each settlement line (and each local-only success) of a run; the source of its effects.",
     **MYSQL,
 )

@@ -4,8 +4,9 @@ One enum per status column: ``PaymentStatus`` (payment.status and
 refund.status, with the state machine below), ``CallbackStatus``
 (payment_callback_log.status), ``OutboxStatus`` (outbox.status),
 ``DeliveryStatus`` (event_delivery.status), ``ReviewStatus``
-(manual_review.status), ``AlertStatus`` (alert.status) and ``BreakerState``
-(provider_breaker.state). Nothing else
+(manual_review.status), ``AlertStatus`` (alert.status), ``BreakerState``
+(provider_breaker.state), ``SettlementFileStatus`` (settlement_file.status)
+and ``ReconciliationRunStatus`` (reconciliation_run.status). Nothing else
 spells those values out.
 
 The state machine, one transition table and pure functions:
@@ -104,6 +105,24 @@ class BreakerState(StrEnum):
 
     CLOSED = "closed"
     OPEN = "open"
+
+
+class SettlementFileStatus(StrEnum):
+    """Status of an imported settlement file (settlement_file.status)."""
+
+    IMPORTING = "importing"
+    """Registered; its lines are being stored (a crashed import resumes where it stopped)."""
+    IMPORTED = "imported"
+    """Every record stored."""
+
+
+class ReconciliationRunStatus(StrEnum):
+    """Status of one reconciliation of a provider's day (reconciliation_run.status)."""
+
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    """Stopped by an error (reconciliation_run.error says which); re-running the day is safe."""
 
 
 TERMINAL = frozenset({PaymentStatus.SUCCEEDED, PaymentStatus.FAILED})
