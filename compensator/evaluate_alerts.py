@@ -10,15 +10,14 @@ Give-ups and conflicting reports fire their own alerts where they happen.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, case, func, or_, select, text
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import Connection, case, func, or_, select
 
 from payments import alerts
 from payments.db import utcnow
+from payments.locks import lock_name, named_lock
 from payments.runtime import Runtime
 from payments.schema import payment_callback_log
 from payments.states import CALLBACK_RETRYABLE, AlertStatus, CallbackStatus
@@ -48,12 +47,7 @@ def failure_counts(conn: Connection, since: datetime) -> tuple[int, int]:
 
 
 LOCK_NAME = "paysync.evaluate_alerts"
-"""Named database lock: one evaluation at a time across every compensator (see ``lock_name``)."""
-
-
-def lock_name(conn: Connection) -> str:
-    """LOCK_NAME for this database: GET_LOCK names are server-wide, and one server may hold several paysyncs."""
-    return f"{LOCK_NAME}:{conn.engine.url.database}"[:64]
+"""Named database lock (``payments.locks``): one evaluation at a time across every compensator."""
 
 
 def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
@@ -63,32 +57,12 @@ def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
     rows (INSERT IGNORE then UPDATE of one open key), which InnoDB answers with
     deadlocks; evaluating twice at once gains nothing, so the second one skips.
     """
-    with runtime.engine.connect() as conn:
-        if not _try_lock(conn):
-            log.debug("another evaluator holds %s; skipping this run", lock_name(conn))
+    with named_lock(runtime.engine, LOCK_NAME) as locked:
+        if not locked:
+            log.debug("another evaluator holds %s; skipping this run", lock_name(runtime.engine, LOCK_NAME))
             return 0
-        try:
+        with runtime.engine.connect() as conn:
             return _evaluate(conn, runtime, now or utcnow())
-        finally:
-            _unlock(conn)
-
-
-def _try_lock(conn: Connection) -> bool:
-    if conn.dialect.name == "sqlite":  # one writer at a time already (BEGIN IMMEDIATE)
-        return True
-    got = conn.execute(text("SELECT GET_LOCK(:name, 0)"), {"name": lock_name(conn)}).scalar()
-    conn.commit()
-    return got == 1
-
-
-def _unlock(conn: Connection) -> None:
-    if conn.dialect.name == "sqlite":
-        return
-    # A connection that died took its lock with it, and must not hide the error that killed it.
-    with contextlib.suppress(SQLAlchemyError):
-        conn.rollback()
-        conn.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": lock_name(conn)})
-        conn.commit()
 
 
 def _evaluate(conn: Connection, runtime: Runtime, now: datetime) -> int:

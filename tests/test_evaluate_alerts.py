@@ -11,6 +11,7 @@ from sqlalchemy import insert, select, update
 
 from compensator import evaluate_alerts
 from payments.db import make_engine, utcnow
+from payments.locks import named_lock
 from payments.runtime import build_runtime
 from payments.schema import alert, payment_callback_log
 from payments.states import CallbackStatus
@@ -199,12 +200,9 @@ def test_an_evaluator_of_another_database_on_the_same_server_does_not_stop_ours(
         _create_database(other)
         t0 = utcnow()
         _rows(mariadb, [CallbackStatus.PENDING] * 101, t0)
-        with other.connect() as held:
-            assert evaluate_alerts._try_lock(held), "the other database's evaluator is running"
-            try:
-                evaluate_alerts.run_once(_runtime(mariadb, alert_backlog_seconds=0), now=t0)
-            finally:
-                evaluate_alerts._unlock(held)
+        with named_lock(other, evaluate_alerts.LOCK_NAME) as held:
+            assert held, "the other database's evaluator is running"
+            evaluate_alerts.run_once(_runtime(mariadb, alert_backlog_seconds=0), now=t0)
         assert [a.status for a in _alerts(mariadb, "callback_backlog")] == ["firing"]
     finally:
         other.dispose()
