@@ -30,7 +30,6 @@ from sqlalchemy import (
     inspect,
     text,
 )
-from sqlalchemy import types as sqltypes
 
 from payments.db import init_db, make_engine
 from payments.migrations import (
@@ -46,7 +45,7 @@ from payments.migrations import (
 )
 from payments.migrations.compare import differences
 from payments.migrations.draft import draft_revision
-from payments.schema import metadata, trigger_ddl
+from payments.schema import APPEND_ONLY_TABLES, metadata, trigger_ddl
 from tests.schema_describe import describe
 from tests.support import ROOT, env_for
 
@@ -157,11 +156,10 @@ def fill_every_table(engine) -> Stored:
             for check in inspector.get_check_constraints(table):
                 for column, value in CHECKED_VALUE.findall(check["sqltext"]):
                     allowed.setdefault(column, value)
-            key = inspector.get_pk_constraint(table)["constrained_columns"]
+            # Integer keys get 1 too: not every one autoincrements (ledger_seal.seq is the chain's own number).
             row = {
                 column["name"]: allowed.get(column["name"], _value_for(column["type"]))
                 for column in inspector.get_columns(table)
-                if not (column["name"] in key and isinstance(column["type"], sqltypes.Integer))  # autoincrement
             }
             names = ", ".join(row)
             marks = ", ".join(f":{name}" for name in row)
@@ -169,7 +167,13 @@ def fill_every_table(engine) -> Stored:
     return stored_rows(engine)
 
 
-SAMPLE_VALUES = {int: 1, str: "x", bytes: b"\x00body", dt.datetime: dt.datetime(2026, 1, 2, 3, 4, 5, 678901)}
+SAMPLE_VALUES = {
+    int: 1,
+    str: "x",
+    bytes: b"\x00body",
+    dt.datetime: dt.datetime(2026, 1, 2, 3, 4, 5, 678901),
+    dt.date: dt.date(2026, 1, 2),
+}
 
 
 def _value_for(type_) -> object:
@@ -221,7 +225,7 @@ def test_every_revision_in_order_gives_what_payments_schema_py_gives(scratch):
     found = schema_differences(migrated)
     assert not found, WRITE_A_MIGRATION + "\n".join(found)
     migrated_schema, fresh_schema = describe(migrated), describe(fresh)
-    assert len(fresh_schema["tables"]) >= 13 and len(fresh_schema["triggers"]) == 4
+    assert len(fresh_schema["tables"]) >= 13 and len(fresh_schema["triggers"]) == 2 * len(APPEND_ONLY_TABLES)
     for part in fresh_schema:
         assert migrated_schema[part] == fresh_schema[part], WRITE_A_MIGRATION + f"they differ in {part}"
 
@@ -429,7 +433,7 @@ def changed_schema() -> MetaData:
     alert.append_constraint(UniqueConstraint("dedupe_key", "first_seen_at", name="uq_alert_dedupe_first_seen"))
     alert.append_constraint(CheckConstraint("severity IN ('info', 'warning', 'critical')", name="ck_alert_severity"))
     Table(
-        "settlement_line",
+        "payout_line",
         schema,
         Column("id", Integer, primary_key=True, autoincrement=True),
         Column("day", String(10), nullable=False),
@@ -442,9 +446,9 @@ def changed_schema() -> MetaData:
 
 
 def changed_triggers(dialect_name: str) -> list[str]:
-    """The ledger triggers, one dropped, plus the same pair for the new settlement_line table."""
+    """The append-only triggers, one dropped, plus the same pair for the new payout_line table."""
     statements = [s for s in trigger_ddl(dialect_name) if "ledger_entry_no_update" not in s]
-    return statements + [s.replace("ledger_event", "settlement_line") for s in trigger_ddl(dialect_name)[:2]]
+    return statements + [s.replace("ledger_event", "payout_line") for s in trigger_ddl(dialect_name)[:2]]
 
 
 def test_the_comparison_names_every_kind_of_change(scratch):
@@ -459,18 +463,18 @@ def test_the_comparison_names_every_kind_of_change(scratch):
         f"constraint uq_alert_dedupe_first_seen on alert (dedupe_key, first_seen_at): in {ours}, not in the database",
         f"index idx_payment_currency on payment (currency): in {ours}, not in the database",
         f"index idx_payment_order_no on payment (order_no): in the database, not in {ours}",
-        f"table settlement_line: in {ours}, not in the database",
+        f"table payout_line: in {ours}, not in the database",
         f"trigger ledger_entry_no_update: in the database, not in {ours}",
-        f"trigger settlement_line_no_delete: in {ours}, not in the database",
-        f"trigger settlement_line_no_update: in {ours}, not in the database",
+        f"trigger payout_line_no_delete: in {ours}, not in the database",
+        f"trigger payout_line_no_update: in {ours}, not in the database",
     ]
 
 
 def test_migration_diff_drafts_a_revision_that_closes_the_gap(scratch):
     engine = scratch()
     schema = changed_schema()
-    draft = draft_revision(engine, "add settlement lines", schema, changed_triggers)
-    assert draft.filename == f"{int(head_revision()) + 1:04d}_add_settlement_lines.py"
+    draft = draft_revision(engine, "add payout lines", schema, changed_triggers)
+    assert draft.filename == f"{int(head_revision()) + 1:04d}_add_payout_lines.py"
     assert f'down_revision = "{head_revision()}"' in draft.text
     assert draft.differences and all(line in draft.text for line in draft.differences)
 
