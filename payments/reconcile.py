@@ -46,7 +46,7 @@ import logging
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import date, datetime, time, timedelta
+from datetime import UTC, date, datetime, time, timedelta, tzinfo
 from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -54,7 +54,10 @@ from typing import Any, BinaryIO
 from sqlalchemy import Connection, Engine, and_, exists, func, insert, literal, null, or_, select, update
 
 from payments import ledger
+from payments.bills import alipay as alipay_bill
 from payments.bills import sandbox as sandbox_bill
+from payments.bills import stripe as stripe_bill
+from payments.bills import wechatpay as wechatpay_bill
 from payments.db import insert_ignore, utcnow
 from payments.providers.base import Provider
 from payments.review import escalate
@@ -106,8 +109,18 @@ log = logging.getLogger("paysync.reconcile")
 
 PARSERS: dict[str, tuple[str, Parser]] = {
     "sandbox": (sandbox_bill.FORMAT, sandbox_bill.parse),
+    "alipay": (alipay_bill.FORMAT, alipay_bill.read_settlement),
+    "wechatpay": (wechatpay_bill.FORMAT, wechatpay_bill.read_settlement),
+    "stripe": (stripe_bill.FORMAT, stripe_bill.read_settlement),
 }
 """Provider name -> (format name, pure parser) of its settlement files; a new provider's bill parser is one line."""
+
+DAY_ZONES: dict[str, tzinfo] = {
+    "alipay": alipay_bill.BEIJING,
+    "wechatpay": wechatpay_bill.BEIJING,
+}
+"""Provider -> the time zone its settlement days are counted in (default UTC): Alipay and WeChat Pay bill by
+Beijing days, so their day D is [D-1 16:00, D 16:00) UTC, and so is the local-only pass's day."""
 
 ACCOUNTS: dict[str, tuple[str, ...]] = {
     "sandbox": ("sandbox", "sandbox_legacy"),
@@ -422,9 +435,9 @@ def describe(report: Report) -> str:
 # ------------------------------------------------------------------------------------------- a run
 
 
-def day_bounds(day: date) -> tuple[datetime, datetime]:
-    """Naive UTC start of ``day`` and of the next day."""
-    start = datetime.combine(day, time(0))
+def day_bounds(day: date, zone: tzinfo = UTC) -> tuple[datetime, datetime]:
+    """Naive UTC start of ``day`` (counted in ``zone``) and of the next day."""
+    start = datetime.combine(day, time(0), zone).astimezone(UTC).replace(tzinfo=None)
     return start, start + timedelta(days=1)
 
 
@@ -858,7 +871,7 @@ class _Run:
         on the confirmation's time and id), so no one query scans the whole
         day however few of them are unsettled.
         """
-        start, end = day_bounds(self.day)
+        start, end = day_bounds(self.day, DAY_ZONES.get(self.provider, UTC))
         with self.engine.connect() as conn:
             files = current_files(conn, self.provider, self.day)
         for kind in ("payment", "refund"):

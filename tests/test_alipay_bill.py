@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import io
 import zipfile
+from datetime import datetime
 from decimal import Decimal
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from payments.bills.alipay import BillFormatError, member_name, parse_trade_bill, parse_trade_bill_zip
+from payments.bills.alipay import (
+    BillFormatError,
+    member_name,
+    parse_trade_bill,
+    parse_trade_bill_zip,
+    read_settlement,
+    refund_reference,
+)
+from payments.settlement import CHARGE, INFO, INVALID, REFUND, SUCCEEDED, SettlementFormatError, checked
 
 HEADER = (
     "支付宝交易号,商户订单号,业务类型,商品名称,创建时间,完成时间,门店编号,门店名称,操作员,终端号,对方账户,"
@@ -165,3 +174,33 @@ def test_any_bill_in_the_published_layout_round_trips(entries):
     assert [(x.amount_minor, x.subject, x.kind == "refund") for x in lines] == [
         (fen, subject.strip(), refund) for fen, subject, refund in entries
     ]
+
+
+# --------------------------------------------------------------------------------------------- as settlement lines
+
+
+def test_as_settlement_lines_every_line_of_the_detail_csv_comes_out_and_a_bad_one_is_invalid():
+    bad = row("2024011522001412345678909999", "pay_03", "交易", "x", "2024-01-15 13:00:00", "1.234", "1.23")
+    archive = gbk_zip({"p_20240115_业务明细.csv": detail_text([*ROWS, bad])})
+    lines = list(read_settlement(archive))
+    assert [x.line_no for x in lines] == list(range(1, len(lines) + 1))
+    assert all(checked(x) == x for x in lines)
+    moving = [x for x in lines if x.kind not in (INFO, INVALID)]
+    assert [(x.kind, x.status, x.merchant_reference, x.amount_minor, x.fee_minor) for x in moving] == [
+        (CHARGE, SUCCEEDED, "pay_01", 1000, 6),
+        (CHARGE, SUCCEEDED, "pay_02", 2000, 6),
+        (REFUND, SUCCEEDED, "re_01", 500, -3),
+    ]
+    assert moving[0].provider_reference == "2024011522001412345678901234"
+    assert moving[2].provider_reference == refund_reference("2024011522001412345678901234", "re_01")
+    assert moving[0].occurred_at == datetime(2024, 1, 15, 2, 0, 1)  # Beijing 10:00:01, naive UTC
+    (invalid,) = [x for x in lines if x.kind == INVALID]
+    assert "two decimals" in invalid.error and invalid.raw.startswith("2024011522001412345678909999")
+    assert lines[0].kind == INFO and lines[0].raw == "#支付宝业务明细查询"
+
+
+def test_as_settlement_lines_a_file_that_is_not_a_trade_bill_is_refused_whole():
+    with pytest.raises(SettlementFormatError, match="not a zip"):
+        list(read_settlement(io.BytesIO(b"PK not really")))
+    with pytest.raises(SettlementFormatError, match="header"):
+        list(read_settlement(gbk_zip({"p_业务明细.csv": "#only comments\r\n支付宝交易号,商户订单号\r\n1,2\r\n"})))

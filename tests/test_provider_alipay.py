@@ -9,6 +9,7 @@ must then find out what happened.
 # ruff: noqa: F811 - pytest fixtures imported from tests.alipay_support
 from __future__ import annotations
 
+import io
 import time
 import urllib.parse
 from decimal import Decimal
@@ -17,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from payments.bills.alipay import read_settlement, refund_reference
 from payments.errors import ConfigError, MalformedCallback, SignatureInvalid, TimestampOutOfTolerance
 from payments.providers import alipay_sign as sig
 from payments.providers import build_providers
@@ -35,6 +37,7 @@ from payments.providers.base import (
     Unknown,
 )
 from payments.settings import check_alipay_settings, load_settings
+from payments.settlement import CHARGE, INFO, REFUND
 from payments.sources import source_allowed
 from payments.states import PaymentStatus
 from sandbox.fakes.alipay import rsa2_sign, sign_string
@@ -441,7 +444,13 @@ def test_the_bill_downloads_through_the_bill_api_and_parses(keys, fake_alipay):
         ("refund", "pay_fake_1", 500),
     ]
     assert lines[1].refund_reference == "re_fake_1" and lines[0].fee_minor == 6 and lines[1].fee_minor == -3
-    assert provider.settlement(day, 5)[0]["merchant_reference"] == "pay_fake_1"
+    settled = list(read_settlement(io.BytesIO(b"".join(provider.settlement(day, 5)))))
+    assert [(x.kind, x.merchant_reference, x.amount_minor, x.fee_minor) for x in settled if x.kind != INFO] == [
+        (CHARGE, "pay_fake_1", 1000, 6),
+        (REFUND, "re_fake_1", 500, -3),
+    ]
+    refunded = next(x for x in settled if x.kind == REFUND)
+    assert refunded.provider_reference == refund_reference(lines[1].provider_transaction_id, "re_fake_1")
     assert verified_calls(fake_alipay, "alipay.data.dataservice.bill.downloadurl.query")
 
 

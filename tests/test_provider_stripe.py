@@ -7,6 +7,7 @@ parameters, 409 in flight, keys forgotten after 24 hours on its own clock).
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from dataclasses import replace
 import pytest
 import requests
 
+from payments.bills.stripe import read_settlement
 from payments.providers.base import (
     AMOUNT_MISMATCH,
     Failed,
@@ -27,6 +29,7 @@ from payments.providers.base import (
     Unknown,
 )
 from payments.providers.stripe import API_VERSION, EVENT_TYPES, StripeProvider
+from payments.settlement import checked
 from sandbox.fakes.stripe import IdempotencyRecord
 from tests.stripe_support import API_KEY, OLD_SECRET, FakeServer, charge_request, new_fake
 from tests.support import ROOT, env_for, free_port, wait_for_port
@@ -383,8 +386,9 @@ def test_the_days_balance_transactions_stream_page_by_page_into_settlement_lines
     refund = next(x for x in lines if x.kind == "refund")
     assert (refund.merchant_reference, refund.amount_minor) == ("re_ours1", 40)
     assert all(x.provider_reference.startswith("pi_") for x in lines if x.kind == "charge")
-    rows = stripe.settlement(day, TIMEOUT)
-    assert len(rows) == 121 and rows[0]["currency"] == "USD"
+    settled = list(read_settlement(io.BytesIO(b"".join(stripe.settlement(day, TIMEOUT)))))
+    assert [x.kind for x in settled] == [x.kind if x.kind in ("charge", "refund", "fee") else "info" for x in lines]
+    assert settled[0].currency == "USD" and all(checked(x) == x for x in settled)
 
 
 def test_balance_transactions_that_cannot_be_had_raise(stripe, fake):

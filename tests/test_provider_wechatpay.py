@@ -13,12 +13,14 @@ without ever creating a second order.
 
 from __future__ import annotations
 
+import io
 import time
 from dataclasses import replace
 from datetime import datetime, timedelta
 
 import pytest
 
+from payments.bills.wechatpay import read_settlement
 from payments.providers import wechatpay_sign as sign
 from payments.providers.base import (
     AMOUNT_MISMATCH,
@@ -36,6 +38,8 @@ from payments.providers.base import (
     Unknown,
 )
 from payments.providers.wechatpay import Reply, WechatPayProvider, error_outcome, read_reply, read_transaction
+from payments.settlement import CHARGE, INFO, SUCCEEDED
+from payments.settlement import REFUND as REFUND_KIND
 from sandbox.fakes import wechatpay as fake
 from tests.wechatpay_support import FakeServer, fake_config, wx_keys, wx_settings  # noqa: F401
 
@@ -321,18 +325,32 @@ def test_the_trade_bill_is_downloaded_checked_against_its_hash_and_parsed(wx):
     lines = list(adapter.settlement_lines(today(), 5))
     assert [(line.kind, line.amount_minor) for line in lines] == [("charge", 1000), ("refund", 400)]
     assert lines[0].description == "测试商品" and lines[1].merchant_refund_id == REFUND
-    rows = adapter.settlement(today(), 5)
-    assert rows[0]["merchant_transaction_id"] == PAYMENT and rows[0]["fee"] == "6" and rows[0]["status"] == "succeeded"
+    assert lines[1].status == "PROCESSING"
+
+    def settled() -> list:
+        return [x for x in read_settlement(io.BytesIO(b"".join(adapter.settlement(today(), 5)))) if x.kind != INFO]
+
+    # A refund still processing is not a settlement line yet; once it succeeded it is.
+    assert [(x.kind, x.merchant_reference, x.status, x.fee_minor) for x in settled()] == [
+        (CHARGE, PAYMENT, SUCCEEDED, 6)
+    ]
+    platform.finish_refund(REFUND, "SUCCESS")
+    charge, refunded = settled()
+    assert (refunded.kind, refunded.merchant_reference, refunded.status) == (REFUND_KIND, REFUND, SUCCEEDED)
+    assert refunded.provider_reference == lines[1].provider_refund_id and refunded.amount_minor == 400
     assert all_verified(platform)
 
 
 def test_a_day_without_a_bill_is_empty_and_a_bill_off_its_hash_is_refused(wx):
     platform, adapter = wx
     assert list(adapter.settlement_lines("2020-01-01", 5)) == []
+    assert list(read_settlement(io.BytesIO(b"".join(adapter.settlement("2020-01-01", 5))))) == []
     paid(platform, adapter)
     platform.set_faults(fake.Faults(corrupt_bill=True))
     with pytest.raises(ProviderUnavailable, match="hash"):
         adapter.settlement_lines(today(), 5)
+    with pytest.raises(ProviderUnavailable, match="hash"):
+        adapter.settlement(today(), 5)  # before a byte is passed on
     platform.set_faults(fake.Faults(script=["SYSTEM_ERROR"]))
     with pytest.raises(ProviderUnavailable):
         adapter.settlement_lines(today(), 5)

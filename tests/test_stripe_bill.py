@@ -15,7 +15,10 @@ from datetime import datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from payments.bills.stripe import parse_balance_transactions
+from payments.bills.stripe import parse_balance_transactions, read_settlement
+from payments.settlement import CHARGE as CHARGE_KIND
+from payments.settlement import INFO, SUCCEEDED, checked
+from payments.settlement import REFUND as REFUND_KIND
 
 CREATED = 1714557600  # 2024-05-01T10:00:00Z
 
@@ -158,18 +161,29 @@ def test_it_streams_chunks_that_cut_lines_anywhere():
     assert list(parse_balance_transactions(iter(chunks))) == whole
 
 
-def test_rows_in_the_sandbox_settlement_layout():
-    charge = next(parse_balance_transactions(_stream(FIXTURE[:1])))
-    assert charge.as_row() == {
-        "provider_transaction_id": "pi_3MmlLr",
-        "merchant_transaction_id": "",
-        "type": "charge",
-        "amount": "1000",
-        "fee": "59",
-        "currency": "USD",
-        "status": "succeeded",
-        "created_at": "2024-05-01T10:00:00Z",
-    }
+def test_settlement_lines_are_the_balance_lines_with_adjustments_and_payouts_as_info():
+    stream = _stream(FIXTURE)
+    lines = list(read_settlement(stream))
+    balance = list(parse_balance_transactions(_stream(FIXTURE)))
+    assert [x.line_no for x in lines] == [x.line_no for x in balance]
+    charge = lines[0]
+    assert (charge.kind, charge.status, charge.provider_reference, charge.merchant_reference) == (
+        CHARGE_KIND,
+        SUCCEEDED,
+        "pi_3MmlLr",
+        None,
+    )
+    assert (charge.amount_minor, charge.fee_minor, charge.currency) == (1000, 59, "USD")
+    assert charge.occurred_at == datetime(2024, 5, 1, 10, 0, 0)
+    for ours, theirs in zip(lines, balance, strict=True):
+        assert checked(ours) == ours, theirs  # every mapped line holds together
+        mapped = (ours.kind, ours.amount_minor, ours.fee_minor)
+        if theirs.kind in ("adjustment", "payout", "other"):
+            assert ours.kind == INFO
+        else:
+            assert mapped == (theirs.kind, theirs.amount_minor, theirs.fee_minor)
+    refund = next(x for x in lines if x.kind == REFUND_KIND)
+    assert (refund.provider_reference, refund.merchant_reference) == ("re_3MmlLr", "re_ours")
 
 
 @settings(max_examples=200, deadline=None)

@@ -10,6 +10,7 @@ The property test renders random bills with the fake platform's own writer.
 from __future__ import annotations
 
 import functools
+import io
 from datetime import UTC, datetime
 from decimal import Decimal
 
@@ -18,7 +19,8 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from payments.bills.wechatpay import BillFormatError, TradeBill, parse_trade_bill
+from payments.bills.wechatpay import BillFormatError, TradeBill, parse_trade_bill, read_settlement
+from payments.settlement import CHARGE, FAILED, INFO, INVALID, REFUND, SUCCEEDED, SettlementFormatError, checked
 from sandbox.fakes import wechatpay as fake
 
 HEADER = (
@@ -174,3 +176,52 @@ def test_the_fee_is_rounded_half_up_to_the_fen_that_settles():
     text = FIXTURE.replace("`0.06000,", "`0.00500,", 1).replace("`0.00006,", "`0.00499,", 1)
     fees = [line.fee_minor for line in parse_trade_bill(text.splitlines())]
     assert fees == [1, -2, 0]
+
+
+# --------------------------------------------------------------------------------------------- as settlement lines
+
+
+def test_as_settlement_lines_every_line_comes_out_with_our_numbers_and_a_revoked_charge_failed():
+    lines = list(read_settlement(io.BytesIO(FIXTURE.encode())))
+    assert [x.line_no for x in lines] == [1, 2, 3, 4, 5, 6]
+    assert all(checked(x) == x for x in lines)
+    header, charge, refund, revoked, summary_header, summary = lines
+    assert {header.kind, summary_header.kind, summary.kind} == {INFO}
+    assert (charge.kind, charge.status, charge.merchant_reference, charge.amount_minor, charge.fee_minor) == (
+        CHARGE,
+        SUCCEEDED,
+        "pay_01HWXYZ0000000000000000001",
+        1000,
+        6,
+    )
+    assert charge.provider_reference == "4200000001202405011234567890"
+    assert charge.occurred_at == datetime(2024, 5, 1, 2, 0, 0)
+    assert (refund.kind, refund.merchant_reference, refund.provider_reference) == (
+        REFUND,
+        "re_01HWXYZ000000000000000001",
+        "50000000382019052709732678859",
+    )
+    assert (revoked.kind, revoked.status) == (CHARGE, FAILED)
+
+
+def test_as_settlement_lines_a_refund_in_progress_is_info_and_an_abnormal_one_is_for_a_person():
+    processing = FIXTURE.replace("`ORIGINAL,`SUCCESS", "`ORIGINAL,`PROCESSING")
+    assert read_settlement_kinds(processing)[2] == INFO
+    abnormal = FIXTURE.replace("`ORIGINAL,`SUCCESS", "`ORIGINAL,`ABNORMAL")
+    line = list(read_settlement(io.BytesIO(abnormal.encode())))[2]
+    assert line.kind == INVALID and "not final" in line.error
+
+
+def read_settlement_kinds(text: str) -> list[str]:
+    return [x.kind for x in read_settlement(io.BytesIO(text.encode()))]
+
+
+def test_as_settlement_lines_a_bill_that_does_not_add_up_is_refused_before_any_line():
+    short = FIXTURE.replace("`3,`10.01", "`4,`10.01")
+    lines = read_settlement(io.BytesIO(short.encode()))
+    with pytest.raises(SettlementFormatError, match="summary counts 4"):
+        next(lines)
+    bad_line = FIXTURE.replace("`NATIVE,`SUCCESS", "`NATIVE,`SUCCESS,`extra", 1)
+    kinds = read_settlement_kinds(bad_line)
+    assert kinds[1] == INVALID and kinds.count(CHARGE) == 1
+    assert list(read_settlement(io.BytesIO(b""))) == []  # no bill for the day

@@ -22,20 +22,27 @@ text). Lines starting with ``#`` (the header block and the summary lines)
 never become settlement lines. Columns are found by their header names, not
 positions. Refund lines (业务类型 退款) have a negative 商家实收 and a positive
 服务费 (the fee given back).
+
+``read_settlement`` is the reconciliation's parser (``payments.reconcile.PARSERS``):
+the zip's bytes in, every line of the detail CSV out as a
+``payments.settlement.SettlementLine`` (the ``#`` block and the header as
+info, a line that cannot be read as invalid).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import zipfile
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
-from typing import IO, Literal
+from typing import IO, BinaryIO, Literal
 
 from payments.errors import PaysyncError
+from payments.settlement import CHARGE, INFO, INVALID, REFUND, SUCCEEDED, SettlementFormatError, SettlementLine
 
 COLUMNS = {
     "trade_no": "支付宝交易号",
@@ -54,6 +61,10 @@ REQUIRED = ("trade_no", "out_trade_no", "biz_type", "finished", "order_amount", 
 KINDS = {"交易": "charge", "退款": "refund"}
 """业务类型 → our line kind."""
 DETAIL_SUFFIX = "业务明细.csv"
+BEIJING = timezone(timedelta(hours=8), "Asia/Shanghai")
+"""The bill's clock: its days and its times."""
+FORMAT = "alipay_trade_bill"
+"""settlement_file.format of these files."""
 
 
 class BillFormatError(PaysyncError):
@@ -89,9 +100,10 @@ class AlipayBillLine:
     """完成时间 in ISO form, Beijing time (+08:00)."""
     subject: str
 
-    def as_row(self) -> dict[str, str]:
-        """The line as a flat dict of strings (today's ``Provider.settlement`` rows)."""
-        return {k: "" if v is None else str(v) for k, v in asdict(self).items()}
+
+def refund_reference(trade_no: str, refund_id: str) -> str:
+    """Alipay has no refund id of its own: (trade_no, out_request_no) names a refund, in its bill too."""
+    return f"{trade_no}:{refund_id}"
 
 
 def _cell(value: str) -> str:
@@ -115,20 +127,45 @@ def parse_trade_bill(lines: Iterable[str]) -> Iterator[AlipayBillLine]:
     Raises BillFormatError (naming the line) on a line that cannot be read;
     everything before it has been yielded.
     """
+    for _, _, item in records(lines):
+        if isinstance(item, BillFormatError):
+            raise item
+        if item is not None:
+            yield item
+
+
+Record = tuple[int, str, "AlipayBillLine | BillFormatError | None"]
+"""(line number, raw text, the trade or refund line; why it cannot be read; or None: not a transaction)."""
+
+
+def records(lines: Iterable[str]) -> Iterator[Record]:
+    """Every line of a decoded 业务明细 file, read (pure): the one loop both parsers share.
+
+    Raises BillFormatError for the file as a whole (no header, a header
+    without the columns read); a data line that cannot be read comes out
+    with its error instead.
+    """
     header: dict[str, int] | None = None
     for line_no, raw_line in enumerate(lines, start=1):
         raw = raw_line.rstrip("\r\n")
         text = raw.lstrip("\ufeff")
         if not text.strip() or text.startswith("#"):
-            continue  # header block, list markers, summary lines, blank lines
+            yield line_no, raw, None  # header block, list markers, summary lines, blank lines
+            continue
         cells = [_cell(c) for c in next(csv.reader([text]))]
         if header is None:
             header = {name: i for i, name in enumerate(cells)}
             missing = [COLUMNS[key] for key in REQUIRED if COLUMNS[key] not in header]
             if missing:
                 raise BillFormatError(f"line {line_no}: header lacks {', '.join(missing)}")
+            yield line_no, raw, None
             continue
-        yield _line(cells, header, line_no, raw)
+        item: AlipayBillLine | BillFormatError
+        try:
+            item = _line(cells, header, line_no, raw)
+        except BillFormatError as exc:
+            item = exc
+        yield line_no, raw, item
     if header is None:
         raise BillFormatError("no 业务明细 header line found")
 
@@ -197,8 +234,9 @@ def detail_member(archive: zipfile.ZipFile) -> zipfile.ZipInfo:
     raise BillFormatError("the bill zip holds no 业务明细.csv")
 
 
-def parse_trade_bill_zip(fileobj: IO[bytes]) -> Iterator[AlipayBillLine]:
-    """Open the trade-bill zip and stream its detail CSV, decoded from GBK, through ``parse_trade_bill``."""
+@contextlib.contextmanager
+def _detail_text(fileobj: IO[bytes]) -> Iterator[io.TextIOWrapper]:
+    """The trade-bill zip's detail CSV as text, decoded from GBK as it is read."""
     try:
         archive = zipfile.ZipFile(fileobj)
     except zipfile.BadZipFile:
@@ -207,6 +245,60 @@ def parse_trade_bill_zip(fileobj: IO[bytes]) -> Iterator[AlipayBillLine]:
         # gb18030 is GBK's superset: a GBK file decodes the same, and nothing is replaced silently.
         text = io.TextIOWrapper(member, encoding="gb18030", errors="strict", newline="")
         try:
-            yield from parse_trade_bill(text)
+            yield text
         except UnicodeDecodeError as exc:
             raise BillFormatError(f"the detail CSV is not GBK text ({exc.reason})") from None
+        finally:
+            with contextlib.suppress(ValueError):
+                text.detach()  # the archive closes the member; the wrapper must not close it twice
+
+
+def parse_trade_bill_zip(fileobj: IO[bytes]) -> Iterator[AlipayBillLine]:
+    """Open the trade-bill zip and stream its detail CSV, decoded from GBK, through ``parse_trade_bill``."""
+    with _detail_text(fileobj) as text:
+        yield from parse_trade_bill(text)
+
+
+def read_settlement(stream: BinaryIO) -> Iterator[SettlementLine]:
+    """A trade-bill zip as settlement lines: every line of its detail CSV, in order (``payments.settlement``).
+
+    SettlementFormatError when it is not a trade bill at all (not a zip, no
+    detail CSV, no header, not GBK).
+    """
+    try:
+        with _detail_text(stream) as text:
+            for line_no, raw, item in records(text):
+                yield settlement_line(line_no, raw, item)
+    except (BillFormatError, zipfile.BadZipFile) as exc:
+        raise SettlementFormatError(str(exc)) from None
+
+
+def settlement_line(line_no: int, raw: str, item: AlipayBillLine | BillFormatError | None) -> SettlementLine:
+    """One record of ``records`` as a settlement line (pure).
+
+    Every bill line is a completed trade or refund (succeeded). A charge
+    names the trade (支付宝交易号) and our payment_id; a refund names what
+    the adapter stores as its provider_refund_id (``refund_reference``) and
+    our refund_id (退款批次号/请求号).
+    """
+    if item is None:
+        return SettlementLine(line_no, raw, INFO)
+    if isinstance(item, BillFormatError):
+        return SettlementLine(line_no, raw, INVALID, error=str(item)[:255])
+    refund = item.kind == "refund"
+    return SettlementLine(
+        line_no,
+        raw,
+        REFUND if refund else CHARGE,
+        status=SUCCEEDED,
+        provider_reference=(
+            refund_reference(item.provider_transaction_id, item.refund_reference or "")
+            if refund
+            else item.provider_transaction_id
+        ),
+        merchant_reference=item.refund_reference if refund else item.merchant_reference,
+        amount_minor=item.amount_minor,
+        fee_minor=item.fee_minor,
+        currency=item.currency,
+        occurred_at=datetime.fromisoformat(item.occurred_at).astimezone(UTC).replace(tzinfo=None),
+    )

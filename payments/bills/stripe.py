@@ -30,8 +30,10 @@ amount − fee. Types read here:
 Amounts come out as paysync minor units (``stripe_money.from_stripe``), always
 non-negative: the kind says which way the money went. A line that cannot be
 read comes out as ``invalid`` with the reason and its text, never dropped.
-The fields are named like ``payments.settlement.SettlementLine`` (recon's
-interface) so the adaptation is one mapping.
+The fields are named like ``payments.settlement.SettlementLine``, so
+``settlement_line`` (the mapping ``read_settlement``, the reconciliation's
+parser, applies) is one step: adjustments, payouts and other types are info
+there (money moved that is not a charge, refund or fee of ours).
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, BinaryIO
 
 from payments.providers.stripe_money import AmountError, from_stripe, iso_currency
+from payments.settlement import CHARGE, FEE, INFO, INVALID, REFUND, SettlementLine
 
 CHARGE_TYPES = frozenset({"charge", "payment"})
 REFUND_TYPES = frozenset({"refund", "payment_refund"})
@@ -50,6 +53,8 @@ REFUND_FAILURE_TYPES = frozenset({"refund_failure"})
 FEE_TYPES = frozenset({"stripe_fee", "stripe_fx_fee", "tax_fee", "network_cost"})
 ADJUSTMENT_TYPES = frozenset({"adjustment", "payment_reversal"})
 PAYOUT_TYPES = frozenset({"payout", "payout_cancel", "payout_failure"})
+FORMAT = "stripe_balance_transactions"
+"""settlement_file.format of these files (JSON lines, one balance transaction each)."""
 MAX_LINE_BYTES = 1 << 20
 """A line longer than this is invalid (a balance transaction with its source is a few kilobytes)."""
 
@@ -85,19 +90,6 @@ class BalanceLine:
     """Stripe's ``type``, unchanged."""
     net_minor: int | None = None
     """Stripe's ``net`` (signed) in paysync minor units."""
-
-    def as_row(self) -> dict[str, str]:
-        """The line in the sandbox settlement CSV's columns (what ``Provider.settlement`` returns today)."""
-        return {
-            "provider_transaction_id": self.provider_reference or "",
-            "merchant_transaction_id": self.merchant_reference or "",
-            "type": self.kind,
-            "amount": str(self.amount_minor or 0),
-            "fee": str(self.fee_minor),
-            "currency": self.currency or "",
-            "status": self.status or "",
-            "created_at": self.occurred_at.strftime("%Y-%m-%dT%H:%M:%SZ") if self.occurred_at else "",
-        }
 
 
 def parse_balance_transactions(stream: Iterable[bytes]) -> Iterator[BalanceLine]:
@@ -218,3 +210,32 @@ def _metadata(source: Any, key: str) -> str | None:
 
 def _bad(line_no: int, raw: str, reason: str) -> BalanceLine:
     return BalanceLine(line_no, raw, "invalid", error=reason[:255])
+
+
+SETTLEMENT_KINDS = {"charge": CHARGE, "refund": REFUND, "fee": FEE, "invalid": INVALID}
+"""BalanceLine kinds that are settlement kinds as they are; every other kind is info."""
+
+
+def read_settlement(stream: BinaryIO) -> Iterator[SettlementLine]:
+    """A day's balance transactions (JSON lines) as settlement lines, every line in order (pure, streaming)."""
+    return (settlement_line(line) for line in parse_balance_transactions(iter(lambda: stream.read(1 << 16), b"")))
+
+
+def settlement_line(line: BalanceLine) -> SettlementLine:
+    """A balance line as a settlement line: the same fields; adjustments, payouts and other types as info (pure)."""
+    kind = SETTLEMENT_KINDS.get(line.kind)
+    if kind is None:
+        return SettlementLine(line.line_no, line.raw, INFO)
+    return SettlementLine(
+        line.line_no,
+        line.raw,
+        kind,
+        status=line.status,
+        provider_reference=line.provider_reference,
+        merchant_reference=line.merchant_reference,
+        amount_minor=line.amount_minor,
+        fee_minor=line.fee_minor,
+        currency=line.currency,
+        occurred_at=line.occurred_at,
+        error=line.error,
+    )

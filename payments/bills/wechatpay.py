@@ -18,15 +18,35 @@ half up to fen, which is what is actually settled. Times are Beijing time
 (UTC+8). A detail line that does not fit the header, a missing summary, or a
 summary whose count disagrees with the detail lines raises BillFormatError
 with the line number: a bill that does not add up is never half-trusted.
+
+``read_settlement`` is the reconciliation's parser (``payments.reconcile.PARSERS``):
+the bill's bytes in, every line out as a ``payments.settlement.SettlementLine``.
+It reads the file twice (it is the seekable copy reconciliation keeps): once
+to check the header, the summary and its count, so that a bill that does not
+add up is refused before any line of it is matched; then line by line, a
+detail line that cannot be read coming out as invalid.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
-from typing import Literal
+from typing import BinaryIO, Literal
+
+from payments.settlement import (
+    CHARGE,
+    FAILED,
+    INFO,
+    INVALID,
+    REFUND,
+    SUCCEEDED,
+    SettlementFormatError,
+    SettlementLine,
+)
 
 BEIJING = timezone(timedelta(hours=8), "Asia/Shanghai")
 """The bill's clock."""
@@ -36,6 +56,14 @@ REQUIRED = ("交易时间", "微信订单号", "商户订单号", "交易状态"
 """Detail columns every trade bill carries."""
 REFUND_COLUMNS = ("微信退款单号", "商户退款单号", "退款状态")
 """Needed by refund lines (present in ALL and REFUND bills)."""
+
+FORMAT = "wechatpay_trade_bill"
+"""settlement_file.format of these files."""
+FINAL_STATUSES = {
+    "charge": {"SUCCESS": SUCCEEDED, "REVOKED": FAILED},
+    "refund": {"SUCCESS": SUCCEEDED, "CLOSED": FAILED, "REFUNDCLOSE": FAILED},
+}
+"""A line's status as a settlement status; PROCESSING is not final yet, anything else (ABNORMAL) needs a person."""
 
 _FEN = Decimal("0.01")
 
@@ -105,6 +133,18 @@ class TradeBill:
         self.summary: BillSummary | None = None
 
     def __iter__(self) -> Iterator[BillLine]:
+        for _, _, item in self.records():
+            if isinstance(item, BillFormatError):
+                raise item
+            if item is not None:
+                yield item
+
+    def records(self) -> Iterator[tuple[int, str, BillLine | BillFormatError | None]]:
+        """Every line as (number, text, its BillLine, why it cannot be read, or None: not a detail line).
+
+        Raises BillFormatError for what makes the bill as a whole unreadable:
+        no header, no summary, a summary whose count is not the detail lines'.
+        """
         columns: dict[str, int] | None = None
         summary_columns: list[str] | None = None
         details = 0
@@ -112,19 +152,26 @@ class TradeBill:
             line = text.rstrip("\r\n")
             if number == 1:
                 line = line.lstrip("\ufeff")
-            if not line.strip():
-                continue
-            if self.summary is not None:
-                raise BillFormatError(number, "text after the summary line")
-            if columns is None:
-                columns = _header(number, line)
-            elif summary_columns is not None:
-                self.summary = _summary(number, line, summary_columns)
-            elif not line.startswith("`") and line.split(",", 1)[0].strip() == SUMMARY_MARKER:
-                summary_columns = [name.strip() for name in line.split(",")]
-            else:
-                details += 1
-                yield _detail(number, line, columns)
+            item: BillLine | BillFormatError | None = None
+            try:
+                if not line.strip():
+                    pass
+                elif self.summary is not None:
+                    raise BillFormatError(number, "text after the summary line")
+                elif columns is None:
+                    columns = _header(number, line)
+                elif summary_columns is not None:
+                    self.summary = _summary(number, line, summary_columns)
+                elif not line.startswith("`") and line.split(",", 1)[0].strip() == SUMMARY_MARKER:
+                    summary_columns = [name.strip() for name in line.split(",")]
+                else:
+                    details += 1
+                    item = _detail(number, line, columns)
+            except BillFormatError as exc:
+                if columns is None or (summary_columns is not None and self.summary is None):
+                    raise  # no header, or a summary that cannot be read: nothing of the bill adds up
+                item = exc
+            yield number, line, item
         if columns is None:
             raise BillFormatError(0, "empty bill: no header")
         if self.summary is None:
@@ -255,3 +302,69 @@ def _time(number: int, text: str) -> datetime:
     except ValueError:
         raise BillFormatError(number, f"交易时间 {text[:25]!r} is not YYYY-MM-DD HH:MM:SS") from None
     return local.replace(tzinfo=BEIJING).astimezone(UTC)
+
+
+def read_settlement(stream: BinaryIO) -> Iterator[SettlementLine]:
+    """A trade bill's bytes as settlement lines, every line in order (see the module docstring).
+
+    An empty file is a day WeChat Pay has no bill for (NO_STATEMENT_EXIST):
+    no lines. SettlementFormatError when the bill does not add up.
+    """
+    if not stream.read(1):
+        return
+    stream.seek(0)
+    try:
+        with _text(stream) as text:
+            for _ in TradeBill(text).records():
+                pass
+        stream.seek(0)
+        with _text(stream) as text:
+            for number, line, item in TradeBill(text).records():
+                yield settlement_line(number, line, item)
+    except BillFormatError as exc:
+        raise SettlementFormatError(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise SettlementFormatError(f"the bill is not UTF-8 text ({exc.reason})") from None
+
+
+@contextlib.contextmanager
+def _text(stream: BinaryIO) -> Iterator[io.TextIOWrapper]:
+    text = io.TextIOWrapper(stream, encoding="utf-8-sig", newline="")
+    try:
+        yield text
+    finally:
+        with contextlib.suppress(ValueError):
+            text.detach()  # the caller owns the stream
+
+
+def settlement_line(number: int, line: str, item: BillLine | BillFormatError | None) -> SettlementLine:
+    """One record of ``TradeBill.records`` as a settlement line (pure).
+
+    A charge names 微信订单号 and our payment_id; a refund 微信退款单号 and our
+    refund_id (商户退款单号). The amount is what was asked (订单金额,
+    申请退款金额), as our records hold it. A refund still PROCESSING is info
+    (a later bill has its outcome); a status that is neither final nor that
+    (ABNORMAL: WeChat Pay could not pay it back) is invalid: a person decides.
+    """
+    if item is None:
+        return SettlementLine(number, line, INFO)
+    if isinstance(item, BillFormatError):
+        return SettlementLine(number, line, INVALID, error=str(item)[:255])
+    refund = item.kind == "refund"
+    status = FINAL_STATUSES[item.kind].get(item.status)
+    if status is None:
+        if refund and item.status == "PROCESSING":
+            return SettlementLine(number, line, INFO)
+        return SettlementLine(number, line, INVALID, error=f"{item.kind} status {item.status[:20]!r} is not final")
+    return SettlementLine(
+        number,
+        line,
+        REFUND if refund else CHARGE,
+        status=status,
+        provider_reference=item.provider_refund_id if refund else item.provider_transaction_id,
+        merchant_reference=item.merchant_refund_id if refund else item.merchant_reference,
+        amount_minor=item.amount_minor,
+        fee_minor=item.fee_minor,
+        currency=item.currency,
+        occurred_at=item.occurred_at.astimezone(UTC).replace(tzinfo=None),
+    )

@@ -41,6 +41,7 @@ from typing import IO, Any
 import requests
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from payments.bills.alipay import parse_trade_bill_zip, refund_reference
 from payments.errors import CallbackRejected, ConfigError, MalformedCallback, SignatureInvalid, TimestampOutOfTolerance
 from payments.logs import scrub
 from payments.providers import alipay_sign as sig
@@ -203,8 +204,18 @@ class AlipayProvider(Provider):
         """
         return self._call(CLOSE, {"out_trade_no": payment_id}, timeout, lambda node: read_close(node, payment_id))
 
-    def download_bill(self, day: str, timeout: float) -> IO[bytes]:
-        """The trade bill zip for ``day`` (YYYY-MM-DD) in a temporary file; ProviderUnavailable if not to be had."""
+    def settlement(self, day: str, timeout: float) -> Iterator[bytes]:
+        """The trade-bill zip for ``day`` (YYYY-MM-DD, Beijing) as Alipay serves it, streamed in chunks.
+
+        The signed ``bill.downloadurl.query`` is made at once (ProviderUnavailable
+        if Alipay has no bill to give); the zip is fetched as it is read, which
+        the caller does at once: the URL is good for 30 seconds. A download
+        that breaks off raises ProviderUnavailable mid-way. ``payments.bills.alipay``
+        reads the bytes.
+        """
+        return self._bill_chunks(day, self._bill_url(day, timeout), timeout)
+
+    def _bill_url(self, day: str, timeout: float) -> str:
         response, error, latency = self._exchange(BILL_URL, {"bill_type": "trade", "bill_date": day}, timeout)
         node, reason = self._verified(BILL_URL, response, error)
         if node is None:
@@ -213,29 +224,33 @@ class AlipayProvider(Provider):
         url = node.get("bill_download_url")
         if code != "10000" or not isinstance(url, str) or not url.startswith(("https://", "http://")):
             raise ProviderUnavailable(f"trade bill for {day}: code {code} {node.get('sub_code') or ''}".strip())
+        return url
+
+    def _bill_chunks(self, day: str, url: str, timeout: float) -> Iterator[bytes]:
         try:
-            # The URL is good for 30 seconds: fetch it at once, to disk, without holding it in memory.
             with self._session().get(url, timeout=(min(timeout, 3.0), timeout), stream=True) as download:
                 if download.status_code != 200:
                     raise ProviderUnavailable(f"trade bill for {day}: download answered {download.status_code}")
-                spool = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - returned open
-                for chunk in download.iter_content(64 * 1024):
-                    spool.write(chunk)
+                yield from download.iter_content(64 * 1024)
         except requests.RequestException as exc:
             raise ProviderUnavailable(f"trade bill for {day}: download failed ({type(exc).__name__})") from None
+
+    def download_bill(self, day: str, timeout: float) -> IO[bytes]:
+        """The trade bill zip for ``day``: ``settlement`` spooled to a temporary file (ProviderUnavailable passes)."""
+        spool = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - returned open
+        try:
+            for chunk in self.settlement(day, timeout):
+                spool.write(chunk)
+        except BaseException:
+            spool.close()
+            raise
         spool.seek(0)
         return spool
 
     def settlement_lines(self, day: str, timeout: float) -> Iterator[Any]:
         """The day's trade bill as AlipayBillLine objects, parsed as the file streams by."""
-        from payments.bills.alipay import parse_trade_bill_zip
-
         with self.download_bill(day, timeout) as archive:
             yield from parse_trade_bill_zip(archive)
-
-    def settlement(self, day: str, timeout: float) -> list[dict[str, str]]:
-        """Today's settlement interface: the bill's lines as rows (see payments.bills.alipay)."""
-        return [line.as_row() for line in self.settlement_lines(day, timeout)]
 
     # ----------------------------------------------------------------------------------------- HTTP
 
@@ -579,11 +594,6 @@ def read_trade_query(node: Mapping[str, Any], payment_id: str, expected: ChargeR
     if status == "TRADE_CLOSED" and not _paid(node):
         return Failed("TRADE_CLOSED", definitive=True, raw=node, provider_transaction_id=trade_no)
     return Succeeded(trade_no, raw=node)
-
-
-def refund_reference(trade_no: str, refund_id: str) -> str:
-    """Alipay has no refund id of its own: (trade_no, out_request_no) names a refund, in its bill too."""
-    return f"{trade_no}:{refund_id}"
 
 
 def read_refund(node: Mapping[str, Any], request: RefundRequest) -> Outcome:

@@ -828,9 +828,9 @@ class StripeProvider(Provider):
         """The day's balance transactions read as settlement lines (``payments.bills.stripe``), streaming."""
         return parse_balance_transactions(self.balance_transactions(day, timeout))
 
-    def settlement(self, day: str, timeout: float) -> list[dict[str, str]]:
-        """The day's charge and refund lines in the sandbox settlement-row layout (today's reconcile interface)."""
-        return [line.as_row() for line in self.settlement_lines(day, timeout) if line.kind in ("charge", "refund")]
+    def settlement(self, day: str, timeout: float) -> Iterator[bytes]:
+        """The day's balance transactions as JSON lines (``balance_transactions``), read by payments.bills.stripe."""
+        return self.balance_transactions(day, timeout)
 
 
 def _metadata_is(obj: Mapping[str, Any], reference: str, key: str = "payment_id") -> bool:

@@ -636,9 +636,15 @@ class WechatPayProvider(Provider):
             return iter(())
         return _lines_then_close(spool)
 
-    def settlement(self, day: str, timeout: float) -> list[dict[str, str]]:
-        """The day's bill as rows in the sandbox's settlement columns (see sandbox/settlement.py COLUMNS)."""
-        return [settlement_row(line) for line in self.settlement_lines(day, timeout)]
+    def settlement(self, day: str, timeout: float) -> Iterator[bytes]:
+        """The day's ALL trade bill (``day`` in Beijing time) as WeChat Pay served it, in chunks.
+
+        Downloaded and checked against its hash before the first byte is passed
+        on (ProviderUnavailable otherwise, at once); no bytes at all when WeChat
+        has no bill for the day. ``payments.bills.wechatpay`` reads them.
+        """
+        spool = self.download_trade_bill(day, timeout)
+        return iter(()) if spool is None else _chunks_then_close(spool)
 
     # ----------------------------------------------------------------------------------------- notifications
 
@@ -761,20 +767,10 @@ class WechatPayProvider(Provider):
 # --------------------------------------------------------------------------------------------- helpers
 
 
-def settlement_row(line: BillLine) -> dict[str, str]:
-    """A bill line in the sandbox settlement file's columns (for code that reads that shape)."""
-    succeeded = line.status == "SUCCESS"
-    return {
-        "provider_transaction_id": line.provider_refund_id if line.kind == "refund" else line.provider_transaction_id,
-        "merchant_transaction_id": (line.merchant_refund_id if line.kind == "refund" else line.merchant_reference)
-        or "",
-        "type": line.kind,
-        "amount": str(line.amount_minor),
-        "fee": str(line.fee_minor),
-        "currency": line.currency,
-        "status": "succeeded" if succeeded else line.status.lower(),
-        "created_at": line.occurred_at.strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
+def _chunks_then_close(spool: IO[bytes]) -> Iterator[bytes]:
+    with spool:
+        while chunk := spool.read(64 * 1024):
+            yield chunk
 
 
 def _lines_then_close(spool: IO[bytes]) -> Iterator[BillLine]:
