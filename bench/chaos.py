@@ -19,8 +19,11 @@
    run, and SIGKILLs RabbitMQ and MariaDB once each, starting them again.
 4. The run waits (up to ``--deadline``) until every payment is terminal,
    every callback row processed or rejected, every outbox row sent and the
-   platform has nothing in flight; then prints one row per invariant
-   (``chaos_invariants`` and each mix's own) and exits 1 if any is violated.
+   platform has nothing in flight; then each mix checks the converged system
+   through paysync's own commands (the sandbox mix: ``compensator reconcile``
+   for each day of the run, ``seal_ledger --once``, ``verify-ledger``), and
+   the run prints one row per invariant (``chaos_invariants`` and each mix's
+   own) and exits 1 if any is violated.
    ``--json-out`` writes the table, the kills and the time series of open
    payments.
 
@@ -102,7 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_mixes(args: argparse.Namespace) -> list[Mix]:
-    """The capabilities in the run. Each later one (refunds, a real provider's fake, reconciliation) joins here."""
+    """The capabilities in the run. Each later one (refunds, a real provider's fake) joins here."""
     sandbox = SandboxMix()
     if args.faults:
         sandbox.faults = json.loads(args.faults)
@@ -196,6 +199,8 @@ class ChaosRun:
         self.database = ExternalServer(args.database_url, "mariadb") if args.database_url else PrivateMariaDB(self.work)
         self.broker = ExternalServer(args.amqp_url, "rabbitmq") if args.amqp_url else PrivateRabbitMQ(self.work)
         self.procs: list[Supervised] = []
+        self.paysync_env: dict[str, str] = {}
+        """The settings every paysync process of the run gets (the mixes' commands run with them too)."""
         self.engine: Any = None
         self.mixes = build_mixes(args)
         self.started = time.monotonic()
@@ -239,6 +244,7 @@ class ChaosRun:
         for mix in self.mixes:
             paysync.update(mix.paysync_env())
             self.procs += mix.start(self.ctx)
+        self.paysync_env = paysync
         self.gateway = Supervised("web", "web", paysync, self.log_dir)
         self.gateway.start()
         self.procs.append(self.gateway)
@@ -316,6 +322,7 @@ class ChaosRun:
         """Observe, evaluate, print the table, write the JSON; True when every row holds."""
         args, schedule = self.args, self.schedule
         for mix in self.mixes:
+            mix.after_convergence(lambda command: subprocess_run(command, self.paysync_env))
             mix.observe()
         rows, explained = evaluate(read_database(self.engine), self.driver, self.mixes)
         secrets = [MERCHANT_TOKEN, OPS_TOKEN] + [s for m in self.mixes for s in m.secrets()]

@@ -8,21 +8,27 @@ A ``Mix`` is one provider (or one capability) in the run. It
 - contributes its share of the payments (``payments``);
 - says when its side has nothing left in flight (``quiet``), so the run
   knows it converged;
+- checks the converged system through paysync's own commands
+  (``after_convergence``): the sandbox mix reconciles the day's settlement
+  file and verifies the ledger's seal chain;
 - adds the invariant rows that need its platform's own truth (``rows``) and
   explains the manual-review items it expects (``explain_review``).
 
-Today there is one: ``SandboxMix``. Refunds, each real provider's fake
-platform and the reconciliation of the day are meant to be further mixes (or
-extensions of one), added to ``MIXES`` in ``bench/chaos.py``.
+Today there is one: ``SandboxMix``. Refunds and each real provider's fake
+platform are meant to be further mixes (or extensions of one), added in
+``build_mixes`` in ``bench/chaos.py``.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import subprocess
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +37,12 @@ from chaos_invariants import CALLBACK_REJECTED, Database, Row, examples
 from chaos_load import PaymentRequest
 from chaos_stack import Supervised, free_port, port_open, wait_for
 
+Command = Callable[[list[str]], subprocess.CompletedProcess]
+"""Runs a paysync command (``["python", "-m", "compensator", …]``) with the run's paysync settings."""
+
 CURRENCIES = ("CNY", "CNY", "CNY", "USD", "EUR", "JPY")
+UNEXPLAINED = ("amount_mismatch", "status_mismatch", "provider_only", "local_only", "unreadable")
+"""Reconciliation categories a person must look at (README "Reconciliation"), as the run's JSON names them."""
 """Several currencies, so "balanced per currency" means something; CNY most often."""
 
 
@@ -69,6 +80,9 @@ class Mix:
     def quiet(self) -> bool:
         """True when the platform has nothing left in flight (no pending webhook, no processing charge)."""
         return True
+
+    def after_convergence(self, command: Command) -> None:
+        """Check the converged system through paysync's commands, before the database is read for the table."""
 
     def observe(self) -> None:
         """Read the platform's truth once, after convergence."""
@@ -120,6 +134,11 @@ class SandboxMix(Mix):
     port: int = field(default_factory=free_port)
     truth: dict[str, Any] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
+    started_day: str = field(default_factory=lambda: datetime.now(UTC).date().isoformat())
+    reconciliations: list[dict[str, Any]] = field(default_factory=list)
+    """``reconcile --format json`` of each day of the run (or {"date", "error"} when the command failed)."""
+    chain: dict[str, Any] = field(default_factory=dict)
+    """``verify-ledger --format json`` after the reconciliation."""
 
     @property
     def url(self) -> str:
@@ -150,6 +169,7 @@ class SandboxMix(Mix):
             "SANDBOX_WEBHOOK_MAX_ATTEMPTS": "10",
             "SANDBOX_WEBHOOK_BACKOFF_SECONDS": "0.5",
         }
+        self.started_day = datetime.now(UTC).date().isoformat()
         proc = Supervised("sandbox", "sandbox", env, ctx.log_dir)
         proc.start()
         wait_for(lambda: port_open(self.port), 60, "sandbox platform")
@@ -186,6 +206,32 @@ class SandboxMix(Mix):
         pending = any(e["status"] == "pending" for e in events)
         processing = any(c["status"] == "processing" for c in truth["charges"])
         return not pending and not processing
+
+    def days(self) -> list[str]:
+        """The UTC days the run's charges can be filed under: from the day it started to today."""
+        day, today = datetime.fromisoformat(self.started_day).date(), datetime.now(UTC).date()
+        days = []
+        while day <= today:
+            days.append(day.isoformat())
+            day += timedelta(days=1)
+        return days
+
+    def after_convergence(self, command: Command) -> None:
+        """Reconcile each day's sandbox settlement file, seal what that booked, then verify the ledger chain."""
+        self.reconciliations = []
+        for day in self.days():
+            done = command(["python", "-m", "compensator", "reconcile", "--provider", self.provider, "--date", day,
+                            "--format", "json"])  # fmt: skip
+            try:
+                self.reconciliations.append(json.loads(done.stdout))
+            except ValueError:
+                self.reconciliations.append({"date": day, "error": (done.stderr or done.stdout)[-500:]})
+        sealed = command(["python", "-m", "compensator", "seal_ledger", "--once"])
+        verified = command(["python", "-m", "compensator", "verify-ledger", "--format", "json"])
+        try:
+            self.chain = json.loads(verified.stdout)
+        except ValueError:
+            self.chain = {"ok": False, "error": (sealed.stderr + verified.stderr)[-500:]}
 
     def observe(self) -> None:
         """The platform's truth and its delivery log."""
@@ -232,7 +278,7 @@ class SandboxMix(Mix):
                 missing.append(f"{event['id']}: {acked} acknowledged, {kept} stored")
 
         section = f"sandbox ({len(ours)} payments)"
-        return [
+        rows = [
             Row(
                 "status equal to the sandbox's truth",
                 f"all ({len(ours)})",
@@ -263,6 +309,43 @@ class SandboxMix(Mix):
                 str(len(missing)),
                 not missing,
                 examples(missing),
+                section,
+            ),
+        ]
+        return rows + self._reconciliation_rows(section)
+
+    def _reconciliation_rows(self, section: str) -> list[Row]:
+        """The day's reconciliation explains every line; the seal chain is whole and every event sealed."""
+        unexplained = []
+        lines = 0
+        for report in self.reconciliations:
+            if report.get("status") != "completed":
+                unexplained.append(f"{report.get('date')}: run {report.get('status')} {report.get('error') or ''}")
+                continue
+            lines += report["file"]["lines"]
+            for category, entry in report["categories"].items():
+                if category in UNEXPLAINED and entry["count"]:
+                    unexplained.append(f"{report['date']}: {entry['count']} {category}")
+        if not self.reconciliations:
+            unexplained.append("no reconciliation ran")
+        chain = self.chain
+        keys = ("first_break", "stale_unsealed", "stale_examples", "error")
+        broken = [] if chain.get("ok") else [json.dumps({k: chain.get(k) for k in keys})]
+        return [
+            Row(
+                "the reconciliation of the day has no unexplained item",
+                f"0 (of {lines} settlement lines, {len(self.reconciliations)} day(s))",
+                str(len(unexplained)),
+                not unexplained,
+                examples(unexplained),
+                section,
+            ),
+            Row(
+                "ledger chain verifies",
+                "every event sealed, no break",
+                f"{chain.get('verified', 0)} seals verified" if chain.get("ok") else "broken or incomplete",
+                bool(chain.get("ok")),
+                broken,
                 section,
             ),
         ]

@@ -22,7 +22,7 @@ One run (``reconcile``), streamed so a file of any size takes flat memory:
      we have no record of) posts a ``ReconciliationAdjusted`` event that moves
      the provider receivable to what the provider says, the difference into
      ``suspense:reconciliation``, and is escalated: a manual review and an
-     alert, once per subject (``_escalate``).
+     alert, once per subject (``_escalate``, through ``review.escalate``).
 4. **Local only:** successes we confirmed that day that no current settlement
    file names are items too, escalated once per payment or refund.
 5. **Fees:** the day's fees (fee columns and fee lines) are booked as one

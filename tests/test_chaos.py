@@ -28,7 +28,7 @@ sys.path.append(str(ROOT / "bench"))
 
 from chaos_invariants import Database, core_rows  # noqa: E402
 from chaos_load import LoadResult, PaymentRequest, Replay  # noqa: E402
-from chaos_mix import SandboxMix  # noqa: E402
+from chaos_mix import UNEXPLAINED, SandboxMix  # noqa: E402
 
 SERVERS = ["mariadb-install-db", "mariadbd", "/usr/lib/rabbitmq/bin/rabbitmq-server"]
 
@@ -128,7 +128,18 @@ def _sandbox(**truth) -> SandboxMix:
         {"id": "evt_a", "status": "delivered", "attempt_log": [{"status_code": 200}]},
         {"id": "evt_b", "status": "delivered", "attempt_log": [{"status_code": 401}, {"status_code": 200}]},
     ]
+    mix.reconciliations = [_reconciliation()]
+    mix.chain = {"ok": True, "verified": 3, "first_break": None, "stale_unsealed": 0, "stale_examples": []}
     return mix
+
+
+def _reconciliation(**counts: int) -> dict:
+    """A completed run of the day as ``reconcile --format json`` prints it, the categories counted as given."""
+    categories = {c: {"count": 0, "amounts": {}} for c in ("matched", "resolved", "fee", "ignored", *UNEXPLAINED)}
+    categories["matched"]["count"] = 2
+    for category, count in counts.items():
+        categories[category]["count"] = count
+    return {"date": "2024-03-01", "status": "completed", "file": {"lines": 3}, "categories": categories}
 
 
 def _failing(rows) -> set[str]:
@@ -191,6 +202,31 @@ def test_each_sandbox_row_fails_on_its_fault():
     )
     lost = _db(callbacks_by_event={("sandbox", "evt_a"): Counter({1: 1}), ("sandbox", "evt_b"): Counter({3: 1})})
     assert "acknowledged deliveries missing from payment_callback_log" in _failing(_sandbox().rows(lost, created))
+
+
+@pytest.mark.parametrize("category", UNEXPLAINED)
+def test_the_reconciliation_row_fails_on_an_unexplained_item(category):
+    mix = _sandbox()
+    mix.reconciliations = [_reconciliation(), _reconciliation(**{category: 1})]
+    assert _failing(mix.rows(_db(), _load().created)) == {"the reconciliation of the day has no unexplained item"}
+
+
+def test_the_reconciliation_row_fails_when_no_run_completed():
+    failed = _sandbox()
+    failed.reconciliations = [{"date": "2024-03-01", "error": "reconcile: settlement file not available: http_503"}]
+    none = _sandbox()
+    none.reconciliations = []
+    for mix in (failed, none):
+        assert "the reconciliation of the day has no unexplained item" in _failing(mix.rows(_db(), _load().created))
+
+
+def test_the_chain_row_fails_on_a_break_or_an_event_left_unsealed():
+    broken = _sandbox()
+    broken.chain = {"ok": False, "verified": 1, "first_break": {"seq": 2, "reason": "digest"}, "stale_unsealed": 0}
+    unsealed = _sandbox()
+    unsealed.chain = {"ok": False, "verified": 3, "first_break": None, "stale_unsealed": 4}
+    for mix in (broken, unsealed):
+        assert _failing(mix.rows(_db(), _load().created)) == {"ledger chain verifies"}
 
 
 def test_the_chaos_command_line_names_its_options():
