@@ -10,15 +10,15 @@ from payments.settings import Settings
 
 def build_providers(settings: Settings) -> dict[str, Provider]:
     """Every configured adapter, keyed by provider name."""
-    providers: dict[str, Provider] = {
-        "sandbox": SandboxProvider(
-            settings.sandbox_webhook_secret, settings.callback_tolerance_seconds, settings.sandbox_api_url
-        ),
+    sandbox = {
+        "webhook_secret": settings.sandbox_webhook_secret,
+        "tolerance_seconds": settings.callback_tolerance_seconds,
+        "api_url": settings.sandbox_api_url,
+        "api_key": settings.sandbox_api_key,
     }
+    providers: dict[str, Provider] = {"sandbox": SandboxProvider(**sandbox)}
     if settings.sandbox_legacy_enabled:
-        providers["sandbox_legacy"] = LegacySandboxProvider(
-            settings.sandbox_webhook_secret, settings.callback_tolerance_seconds, settings.sandbox_api_url
-        )
+        providers["sandbox_legacy"] = LegacySandboxProvider(**sandbox)
     return providers
 
 
