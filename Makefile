@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | 
 PORT ?= 8000
 SANDBOX_PORT ?= 8100
 
-.PHONY: run test lint format venv bench-ingest bench-drain bench-charges bench-events clean
+.PHONY: run test lint format venv import-graph bench-ingest bench-drain bench-charges bench-events clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "paysync needs Python 3.11 or newer")'
@@ -32,6 +32,10 @@ test: venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# Which of our packages imports which; fails on an edge the design does not allow (tests/import_graph.py).
+import-graph: venv
+	$(BIN)/python -m tests.import_graph
 
 format: venv
 	$(BIN)/ruff check --fix .

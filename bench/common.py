@@ -172,7 +172,7 @@ def delete_queue(amqp_url: str, queue: str) -> None:
     """Delete a bench queue and its dead-letter queue (best effort)."""
     import pika
 
-    from consumer.topology import dead_letter_queue
+    from broker.topology import dead_letter_queue
 
     try:
         conn = pika.BlockingConnection(pika.URLParameters(amqp_url))

@@ -1,8 +1,14 @@
-"""gunicorn settings for the gateway, taken from paysync's settings."""
+"""gunicorn settings for the gateway, taken from paysync's settings.
 
-from payments.settings import load_settings
+gunicorn reads this file in its master before any worker starts, so a bad
+setting stops ``web`` here: one line naming the variable on stderr and exit
+code 2, like every other process (gunicorn reports an exception in its config
+file with a traceback and exit 1; SystemExit passes through it).
+"""
 
-_settings = load_settings()
+from payments.runtime import settings_or_exit
+
+_settings = settings_or_exit("web")
 
 bind = f"0.0.0.0:{_settings.port}"
 workers = _settings.web_workers
