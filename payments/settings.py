@@ -71,7 +71,7 @@ class Settings:
     amqp_url: str = ""
     """RabbitMQ URL; empty means no broker (the compensator alone converges)."""
     amqp_queue: str = "payment_callbacks"
-    """Queue that carries {log_id} from the gateway to the consumer."""
+    """Queue that carries each stored callback delivery from the gateway to the consumer."""
     amqp_quorum_queue: bool = False
     """Declare the queue as a quorum queue (for a RabbitMQ cluster)."""
     port: int = 8000
