@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -161,6 +162,23 @@ def run_wrk(port: int, connections: int, duration: float, requests_file: Path) -
     raise RuntimeError(f"wrk printed no result (exit {out.returncode}):\n{out.stdout}\n{out.stderr}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) used so far by ``pid`` and its live children (a gunicorn master and workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry) == pid or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def check_clean(app: str, result: dict, connections: int) -> None:
     """Fail loudly if the gateway answered anything but 2xx, or sockets failed."""
     errors = {k: result[k] for k in ("non2xx", "connect", "read", "write", "timeout") if result[k]}
@@ -246,14 +264,21 @@ def main(argv: list[str] | None = None) -> int:
                     ids = write_requests(requests_file, int(args.bodies_per_second * args.duration), run)
                     if args.create_payments:
                         create_payments(engine, ids)
+                    cpu_before = cpu_seconds(servers[app].popen.pid)
                     result = run_wrk(ports[app], c, args.duration, requests_file)
                     check_clean(app, result, c)
+                    # CPU per request of the server's own processes: far steadier on a shared machine than
+                    # requests per second (a worker killed and replaced mid-run would make it undercount).
+                    result["cpu_us_per_request"] = (
+                        (cpu_seconds(servers[app].popen.pid) - cpu_before) / max(result["requests"], 1) * 1e6
+                    )
                     result["load"] = loadavg()
                     results.setdefault((app, c), []).append(result)
                     print(
                         f"  run {repeat + 1} c={c:<3} {app:<8} {result['rps']:8.0f}/s  "
                         f"p50 {result['p50_us'] / 1000:6.2f} ms  p99 {result['p99_us'] / 1000:6.2f} ms  "
-                        f"wraps {result['wraps']}  load {result['load']}",
+                        f"cpu {result['cpu_us_per_request']:5.0f} us/req  wraps {result['wraps']}  "
+                        f"load {result['load']}",
                         flush=True,
                     )
                     if not servers[app].alive():
@@ -331,6 +356,15 @@ def print_table(apps: list[str], concurrencies: list[int], results: dict) -> lis
             line += f" {row['gateway/before']:14.2f}"
         print(line)
         rows.append(row)
+    if versus_before:
+        print()
+        for c in concurrencies:
+            pairs = zip(results[("gateway", c)], results[("before", c)], strict=True)
+            cpu = median([a["cpu_us_per_request"] / b["cpu_us_per_request"] for a, b in pairs])
+            mine = median([r["cpu_us_per_request"] for r in results[("gateway", c)]])
+            theirs = median([r["cpu_us_per_request"] for r in results[("before", c)]])
+            rows[concurrencies.index(c)]["cpu gateway/before"] = cpu
+            print(f"c={c:<3} gateway CPU per request {mine:.0f} us, before {theirs:.0f} us: gateway/before {cpu:.2f}")
     if "gateway" in compared:
         print()
         for row in rows:
