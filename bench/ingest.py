@@ -364,7 +364,10 @@ def print_table(apps: list[str], concurrencies: list[int], results: dict) -> lis
             mine = median([r["cpu_us_per_request"] for r in results[("gateway", c)]])
             theirs = median([r["cpu_us_per_request"] for r in results[("before", c)]])
             rows[concurrencies.index(c)]["cpu gateway/before"] = cpu
-            print(f"c={c:<3} gateway CPU per request {mine:.0f} us, before {theirs:.0f} us: gateway/before {cpu:.2f}")
+            print(
+                f"c={c:<3} CPU per request (medians): gateway {mine:.0f} us, before {theirs:.0f} us; "
+                f"gateway/before per repeat, median {cpu:.2f} (above 1: the gateway costs more)"
+            )
     if "gateway" in compared:
         print()
         for row in rows:
