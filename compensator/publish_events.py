@@ -27,10 +27,9 @@ import logging
 import time
 from collections.abc import Sequence
 
-import pika.exceptions
 import requests
 
-from compensator.events_amqp import CONNECT_TIMEOUT_SECONDS, BrokerUnavailable, EventPublisher
+from compensator.events_amqp import CONNECT_TIMEOUT_SECONDS, BrokerUnavailable, EventPublisher, MessageRefused
 from compensator.events_webhook import post_event
 from payments import events, failpoints
 from payments.backoff import RetryPolicy
@@ -115,7 +114,7 @@ class _Pass:
             return Attempt(AMQP, ok=False, error=f"broker unavailable: {self.broker_down}")
         try:
             self.publisher.publish(ev.event_id, ev.event_type, body, ev.created_at)
-        except pika.exceptions.NackError:
+        except MessageRefused:
             return Attempt(AMQP, ok=False, error="broker nacked the message")
         except BrokerUnavailable as exc:
             self.broker_down = str(exc)

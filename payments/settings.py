@@ -15,7 +15,6 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from payments.errors import ConfigError
@@ -76,7 +75,7 @@ class Settings:
     amqp_url: str = ""
     """RabbitMQ URL; empty means no broker (the compensator alone converges)."""
     amqp_queue: str = "payment_callbacks"
-    """Queue that carries {log_id} from the gateway to the consumer."""
+    """Queue that carries each stored callback delivery from the gateway to the consumer."""
     amqp_quorum_queue: bool = False
     """Declare the queue as a quorum queue (for a RabbitMQ cluster)."""
     paysync_env: str = "production"
@@ -105,33 +104,21 @@ class Settings:
     metrics_settled_cache_seconds: float = 60.0
     """/metrics reads the counts of settled rows (millions) at most this often per gateway worker."""
     sandbox_webhook_secret: tuple[str, ...] = ()
-    """Secret(s) of the sandbox platform's notifications; set: the sandbox provider is enabled. The first signs."""
+    """Secret(s) that verify the sandbox platform's notifications (rotation: every one is accepted); with
+    SANDBOX_API_KEY it enables the sandbox provider."""
     sandbox_api_url: str = "http://127.0.0.1:8100"
     """Where paysync calls the sandbox payment platform."""
-    sandbox_port: int = 8100
-    """Port the sandbox platform listens on."""
-    sandbox_callback_url: str = "http://127.0.0.1:8000/callbacks/sandbox"
-    """Where the sandbox platform sends its notifications."""
-    sandbox_host: str = "127.0.0.1"
-    """Address the sandbox platform binds (0.0.0.0 to reach it from other hosts)."""
-    sandbox_db_path: str = str(PROJECT_ROOT / "var" / "sandbox.db")
-    """The sandbox platform's own SQLite file (":memory:" keeps its state in memory)."""
-    sandbox_fee_rate: Decimal = Decimal("0.006")
-    """Fee the sandbox takes on a succeeded charge (settlement files), as a fraction."""
-    sandbox_seed: int | None = None
-    """Seed of the sandbox's fault dice for repeatable runs; empty draws from the OS."""
-    sandbox_faults: str = ""
-    """JSON object of sandbox fault knobs (sandbox/faults.py), e.g. {"decline_rate": 0.1}; validated at start."""
-    sandbox_webhook_max_attempts: int = 8
-    """Delivery attempts of one sandbox notification before the platform gives up."""
-    sandbox_webhook_backoff_seconds: float = 1.0
-    """First retry delay of a sandbox notification; doubles each attempt, with jitter."""
-    sandbox_threads: int = 256
-    """Request threads of the sandbox's one gunicorn gthread worker (hanging faults park threads)."""
+    sandbox_api_key: tuple[str, ...] = ()
+    """API key paysync presents to the sandbox platform (``Authorization: Bearer …``), like a provider's secret
+    key; comma-separated, the first is presented (the sandbox accepts every listed one: rotation)."""
     callback_max_body_bytes: int = 256 * 1024
     """Callback bodies larger than this are refused with 413 and not stored."""
     callback_tolerance_seconds: int = 300
     """How old a signed callback timestamp may be (replay protection)."""
+    callback_process_inline: bool | None = None
+    """The gateway processes each callback before acknowledging it; None (unset): true when there is no broker."""
+    callback_inline_budget_seconds: float = 2.0
+    """How long inline processing may hold the acknowledgement; past it the row is left to consumer and sweep."""
     publish_timeout_seconds: float = 0.5
     """Upper bound on any broker connect or publish attempt from the gateway."""
     consumer_prefetch: int = 50
@@ -269,6 +256,11 @@ class Settings:
         return bool(self.amqp_url)
 
     @property
+    def process_inline(self) -> bool:
+        """Whether the gateway processes callbacks in the request (CALLBACK_PROCESS_INLINE, default: no broker)."""
+        return (not self.has_broker) if self.callback_process_inline is None else self.callback_process_inline
+
+    @property
     def effective_grace_seconds(self) -> float:
         """The sweep's grace period: none without a broker, since nobody else will process."""
         return self.compensator_grace_seconds if self.has_broker else 0.0
@@ -308,18 +300,11 @@ _PARSERS = {
     "metrics_settled_cache_seconds": lambda n, v: _float(n, v, 0, 3600),
     "sandbox_webhook_secret": lambda n, v: _secrets(n, v),
     "sandbox_api_url": lambda n, v: _url(n, v, ("http://", "https://")),
-    "sandbox_port": lambda n, v: _int(n, v, 1, 65535),
-    "sandbox_callback_url": lambda n, v: _url(n, v, ("http://", "https://")),
-    "sandbox_host": lambda n, v: v.strip() or "127.0.0.1",
-    "sandbox_db_path": lambda n, v: v.strip() or str(PROJECT_ROOT / "var" / "sandbox.db"),
-    "sandbox_fee_rate": lambda n, v: _rate(n, v),
-    "sandbox_seed": lambda n, v: _int(n, v) if v.strip() else None,
-    "sandbox_faults": lambda n, v: _sandbox_faults(n, v),
-    "sandbox_webhook_max_attempts": lambda n, v: _int(n, v, 1, 100),
-    "sandbox_webhook_backoff_seconds": lambda n, v: _float(n, v, 0.001, 3600),
-    "sandbox_threads": lambda n, v: _int(n, v, 1, 2048),
+    "sandbox_api_key": lambda n, v: _secrets(n, v),
     "callback_max_body_bytes": lambda n, v: _int(n, v, 1024, 16 * 1024 * 1024),
     "callback_tolerance_seconds": lambda n, v: _int(n, v, 1, 86400),
+    "callback_process_inline": lambda n, v: _bool(n, v) if v.strip() else None,
+    "callback_inline_budget_seconds": lambda n, v: _float(n, v, 0.01, 25),
     "publish_timeout_seconds": lambda n, v: _float(n, v, 0.01, 30),
     "consumer_prefetch": lambda n, v: _int(n, v, 1, 10000),
     "compensator_interval_seconds": lambda n, v: _float(n, v, 0.1, 86400),
@@ -498,27 +483,6 @@ def _webhook_secrets(name: str, raw: str) -> tuple[str, ...]:
     return values
 
 
-def _rate(name: str, raw: str) -> Decimal:
-    # Decimal, not float: the rate multiplies money.
-    try:
-        value = Decimal(raw.strip())
-    except InvalidOperation:
-        raise ConfigError(f"{name} must be a decimal fraction such as 0.006, got {raw!r}") from None
-    if not value.is_finite() or not 0 <= value < 1:
-        raise ConfigError(f"{name} must be >= 0 and < 1, got {raw!r}")
-    return value
-
-
-def _sandbox_faults(name: str, raw: str) -> str:
-    from sandbox.faults import parse_faults  # the knobs are the sandbox's; it is standard library only
-
-    try:
-        parse_faults(raw.strip())
-    except ValueError as exc:
-        raise ConfigError(f"{name}: {exc}") from None
-    return raw.strip()
-
-
 def _list(raw: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in raw.split(",") if item.strip())
 
@@ -566,6 +530,7 @@ DEV_DEFAULTS: dict[str, tuple[str, ...]] = {
     "merchant_api_token": ("dev-merchant-token",),
     "ops_token": ("dev-ops-token",),
     "sandbox_webhook_secret": ("whsec_dev_sandbox",),
+    "sandbox_api_key": ("sk_sandbox_dev_key",),
 }
 """Secrets PAYSYNC_ENV=development fills in when they are not set; production refuses every one of them."""
 
@@ -596,8 +561,10 @@ class ProviderSettings:
 
 
 PROVIDERS: dict[str, ProviderSettings] = {
-    "sandbox": ProviderSettings(secrets=("sandbox_webhook_secret",)),
-    "sandbox_legacy": ProviderSettings(secrets=("sandbox_webhook_secret",), switch="sandbox_legacy_enabled"),
+    "sandbox": ProviderSettings(secrets=("sandbox_webhook_secret", "sandbox_api_key")),
+    "sandbox_legacy": ProviderSettings(
+        secrets=("sandbox_webhook_secret", "sandbox_api_key"), switch="sandbox_legacy_enabled"
+    ),
     "alipay": ProviderSettings(
         required=("alipay_app_id", "alipay_app_private_key_file", "alipay_public_key_files"),
         check=lambda s: check_alipay_settings(s),
@@ -674,7 +641,7 @@ def check_deployment(settings: Settings) -> str | None:
         if PROVIDERS[name].check is not None:
             PROVIDERS[name].check(settings)
     if settings.sandbox_legacy_enabled and "sandbox_legacy" not in enabled:
-        raise ConfigError("SANDBOX_LEGACY_ENABLED=true needs SANDBOX_WEBHOOK_SECRET")
+        raise ConfigError("SANDBOX_LEGACY_ENABLED=true needs SANDBOX_WEBHOOK_SECRET and SANDBOX_API_KEY")
     names = list(ALWAYS_REQUIRED_SECRETS)
     for name in enabled:
         names += [f for f in PROVIDERS[name].secrets if f not in names]

@@ -22,8 +22,9 @@ class NoPublisher:
     """The gateway's callback publisher is not used by the merchant API."""
 
     state = "disabled"
+    enabled = False
 
-    def publish(self, log_id):
+    def publish(self, log_id, body):
         return False
 
 
