@@ -44,7 +44,7 @@ from payments.backoff import RetryPolicy
 from payments.callbacks import CallbackResult, process_callback
 from payments.db import utcnow
 from payments.providers.base import Provider
-from payments.schema import payment_callback_log
+from payments.schema import SOURCE_WEBHOOK, payment_callback_log
 from payments.states import CallbackStatus
 
 log = logging.getLogger("paysync.delivery")
@@ -194,6 +194,7 @@ def restore_callback(engine: Engine, providers: Mapping[str, Provider], delivery
                 callback_data=delivery.body,
                 headers=json.dumps(delivery.headers, sort_keys=True, ensure_ascii=False),
                 remote_addr=(delivery.remote_addr or "")[:64] or None,
+                source=SOURCE_WEBHOOK,  # only the gateway publishes messages: every one is a webhook delivery
                 order_no=index.get("order_no"),
                 payment_order_no=index.get("payment_order_no"),
                 provider_event_id=index.get("provider_event_id"),

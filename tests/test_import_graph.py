@@ -24,6 +24,17 @@ def test_the_graph_is_the_intended_shape():
     }
 
 
+def test_the_fake_provider_platforms_are_read_too_and_import_nothing_of_ours():
+    # sandbox/fakes/ are outside parties like the sandbox: the check must walk into them.
+    found = [e for e in edges() if e.path.startswith("sandbox/fakes/")]
+    assert {e.path for e in found} >= {
+        "sandbox/fakes/alipay.py",
+        "sandbox/fakes/stripe.py",
+        "sandbox/fakes/wechatpay.py",
+    }
+    assert not {e.imported for e in found} & set(OURS) - {"sandbox"}
+
+
 def test_pika_is_imported_by_broker_alone():
     assert {e.package for e in edges() if e.imported == "pika"} == {"broker"}
 
@@ -32,6 +43,7 @@ def _tree(tmp_path, files: dict[str, str]):
     for package in OURS:
         (tmp_path / package).mkdir()
     for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     return edges(tmp_path)
 
@@ -45,6 +57,7 @@ def test_the_checker_names_each_forbidden_import_with_its_place(tmp_path):
             "gateway/x.py": "from consumer.handler import handle\nimport payments.db\nfrom broker import publisher\n",
             "compensator/y.py": "import pika.exceptions\n",
             "payments/z.py": "from flask import Flask\nfrom . import core\n",
+            "sandbox/fakes/f.py": "import flask\nfrom payments.providers import stripe_sign\n",
         },
     )
     assert sorted(violations(found)) == [
@@ -53,6 +66,7 @@ def test_the_checker_names_each_forbidden_import_with_its_place(tmp_path):
         "payments/core.py:2: payments must not import sandbox",
         "payments/z.py:1: flask belongs in gateway or sandbox, not payments",
         "sandbox/app.py:2: sandbox must not import payments",
+        "sandbox/fakes/f.py:2: sandbox must not import payments",
     ]
 
 

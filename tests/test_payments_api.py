@@ -34,6 +34,7 @@ def app(mariadb):
         database_url=mariadb.url.render_as_string(hide_password=False),
         merchant_api_token=(TOKEN,),
         merchant_max_amount=1_000_000,
+        callback_process_inline=False,  # the callback tests process stored rows themselves
     )
     return create_app(settings, engine=mariadb, publisher=NoPublisher())
 
