@@ -41,7 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--messages", type=int, default=20_000, help="messages per round and format")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per format, alternating (medians shown)")
     parser.add_argument("--amqp-url", default=DEFAULT_AMQP_URL)
-    parser.add_argument("--gateway-cpu-us", type=float, default=0.0, help="the gateway's CPU per callback, for the %% share")
+    parser.add_argument(
+        "--gateway-cpu-us", type=float, default=0.0, help="the gateway's CPU per callback, for the %% share"
+    )
     return parser.parse_args(argv)
 
 
