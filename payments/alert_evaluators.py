@@ -94,7 +94,9 @@ def callback_failure_rate(conn: Connection, rule: Rule, now: datetime) -> list[F
     rate = failed / total if total else 0.0
     if total < (rule.min_sample or 1) or rate <= rule.threshold:
         return []
-    message = f"{rate:.1%} of {total} callbacks failed in the last {rule.window_seconds} s (threshold {rule.threshold:.1%})"
+    message = (
+        f"{rate:.1%} of {total} callbacks failed in the last {rule.window_seconds} s (threshold {rule.threshold:.1%})"
+    )
     return [Finding(rule.name, message, {"failed": failed, "total": total, "rate": round(rate, 4)})]
 
 
@@ -152,7 +154,7 @@ def past_deadline(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
 
 
 def signature_failures(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
-    """More than ``threshold`` rejected callbacks (status 3) from one provider in the window: an attack, or a key mistake."""
+    """More than ``threshold`` rejected callbacks (status 3) from one provider in the window: attack or key mistake."""
     t = payment_callback_log
     since = now - timedelta(seconds=rule.window_seconds)
     rows = conn.execute(

@@ -460,7 +460,7 @@ def _phones(name: str, raw: str) -> tuple[str, ...]:
     phones = tuple(p.replace(" ", "").replace("-", "") for p in _list(raw))
     for phone in phones:
         if not _PHONE.fullmatch(phone):
-            raise ConfigError(f"{name} must be comma-separated phone numbers such as +8613800000000, got {phone[:24]!r}")
+            raise ConfigError(f"{name} must be comma-separated phone numbers (+8613800000000), got {phone[:24]!r}")
     return phones
 
 

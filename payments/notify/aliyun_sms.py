@@ -55,9 +55,7 @@ def percent_encode(value: str) -> str:
 
 def canonical_query(params: Mapping[str, str]) -> str:
     """The sorted, encoded ``name=value&…`` string the signature covers (``Signature`` itself left out)."""
-    return "&".join(
-        f"{percent_encode(k)}={percent_encode(v)}" for k, v in sorted(params.items()) if k != "Signature"
-    )
+    return "&".join(f"{percent_encode(k)}={percent_encode(v)}" for k, v in sorted(params.items()) if k != "Signature")
 
 
 def string_to_sign(method: str, params: Mapping[str, str]) -> str:

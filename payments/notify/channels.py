@@ -23,8 +23,8 @@ from payments.notify import (
     sms_http,
     smtp,
     template,
-    wecom,
     webhook,
+    wecom,
 )
 from payments.notify.http import HttpChannel
 from payments.notify.sms_http import SmsGatewayChannel
@@ -121,7 +121,9 @@ def validate(settings: object) -> None:
         if missing:
             given = ", ".join(_env(f) for f in spec.enabled_by if getattr(settings, f))
             verb = "is" if len(missing) == 1 else "are"
-            raise ConfigError(f"{', '.join(missing)} {verb} required: alert channel {name} is partly configured ({given} set)")
+            raise ConfigError(
+                f"{', '.join(missing)} {verb} required: alert channel {name} is partly configured ({given} set)"
+            )
         if getattr(settings, "paysync_env", "production") == "production":
             for field_name in spec.token_urls:
                 url = getattr(settings, field_name)
