@@ -17,6 +17,7 @@ retried. A message some recipients refused but others took counts as sent.
 
 from __future__ import annotations
 
+import email.policy
 import smtplib
 import ssl
 from collections.abc import Sequence
@@ -32,6 +33,8 @@ STARTTLS = "starttls"
 IMPLICIT = "implicit"
 OFF = "off"
 TLS_MODES = (STARTTLS, IMPLICIT, OFF)
+POLICY = email.policy.SMTP.clone(max_line_length=998)
+"""RFC 5322's hard line limit: the default 78 folds a subject that fits in 78 onto its own line after "Subject:"."""
 
 
 def _domain(address: str) -> str:
@@ -47,7 +50,7 @@ def message_id(notice: Notice, domain: str, kind: str | None = None) -> str:
 
 def build_message(notice: Notice, sender: str, recipients: Sequence[str]) -> EmailMessage:
     """The mail for ``notice``."""
-    msg = EmailMessage()
+    msg = EmailMessage(policy=POLICY)
     msg["Subject"] = render.summary(notice, 200)
     msg["From"] = sender
     msg["To"] = ", ".join(recipients)
