@@ -19,18 +19,21 @@ registry's business (``payments/alert_evaluators.py``: ``validate``).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
+import threading
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from payments.errors import ConfigError
 from payments.notify import CHANNEL_NAMES
+
+log = logging.getLogger("paysync.alerts.rules")
 
 DEFAULT_RULES_FILE = Path(__file__).resolve().parent.parent / "ops" / "alert_rules.toml"
 """The commented default shipped in the repository, used when ALERT_RULES_FILE is empty."""
@@ -170,22 +173,55 @@ def rules_path(settings: Any) -> str:
 
 
 def load_rules(path: str) -> RuleSet:
-    """Read and parse the rules file at ``path``; ConfigError if it cannot be read or is invalid."""
+    """Read, parse and check (against the evaluator registry) the rules file at ``path``.
+
+    Read again only when the file changes (mtime or size), so thresholds can
+    be tuned without a restart. A file that cannot be read or is invalid
+    raises ConfigError the first time; once a good version was loaded, a bad
+    edit is logged once and the last good rules stay in force, so a typo made
+    while running does not switch alerting off.
+    """
     try:
         stat = os.stat(path)
+        version = (stat.st_mtime_ns, stat.st_size)
     except OSError as exc:
-        raise ConfigError(f"ALERT_RULES_FILE {path}: cannot read it ({exc.strerror})") from None
-    return _load(path, stat.st_mtime_ns, stat.st_size)
+        version, error = None, ConfigError(f"ALERT_RULES_FILE {path}: cannot read it ({exc.strerror})")
+    with _lock:
+        seen = _seen.get(path)
+        if seen is not None and seen[0] == version:
+            result = seen[1]
+        else:
+            result = _read(path) if version is not None else error
+            _seen[path] = (version, result)
+            if isinstance(result, RuleSet):
+                _good[path] = result
+            elif path in _good:
+                log.error("%s; keeping the rules loaded before", result)
+    if isinstance(result, RuleSet):
+        return result
+    if path in _good:
+        return _good[path]
+    raise result
 
 
-@lru_cache(maxsize=16)
-def _load(path: str, _mtime_ns: int, _size: int) -> RuleSet:
-    # Keyed on the file's mtime and size: read once per process, again only if the file changed.
+_lock = threading.Lock()
+_seen: dict[str, tuple[tuple[int, int] | None, RuleSet | ConfigError]] = {}
+_good: dict[str, RuleSet] = {}
+
+
+def _read(path: str) -> RuleSet | ConfigError:
+    from payments import alert_evaluators  # the registry knows which rules exist and what each needs
+
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"ALERT_RULES_FILE {path}: cannot read it ({exc})") from None
-    return parse_rules(text, source=path)
+        return ConfigError(f"ALERT_RULES_FILE {path}: cannot read it ({exc})")
+    try:
+        rules = parse_rules(text, source=path)
+        alert_evaluators.validate(rules)
+    except ConfigError as exc:
+        return exc
+    return rules
 
 
 def for_settings(settings: Any) -> RuleSet:

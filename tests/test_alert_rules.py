@@ -126,8 +126,10 @@ def test_alert_rules_file_points_at_another_file(tmp_path):
     path.write_text(GOOD)
     settings = load_settings({"PAYSYNC_ENV": "development", "ALERT_RULES_FILE": str(path)})
     assert alert_rules.for_settings(settings).get("callback_backlog").threshold == 5
-    path.write_text(GOOD.replace("threshold = 5", "threshold = 7"))  # a changed file is read again
-    assert alert_rules.for_settings(settings).get("callback_backlog").threshold == 7
+    # A changed file is read again (a change is seen by mtime and size; the size changes here, so the test
+    # does not depend on the clock ticking between two writes).
+    path.write_text(GOOD.replace("threshold = 5", "threshold = 17"))
+    assert alert_rules.for_settings(settings).get("callback_backlog").threshold == 17
 
 
 @pytest.mark.parametrize(
@@ -161,3 +163,19 @@ def test_a_bad_rules_file_stops_the_compensator_with_one_line(tmp_path):
         f"compensator: bad configuration: alert rules {path}: rule callback_backlog: channels: "
         "unknown channel 'pager' (channels: email, sms, aliyun_sms, dingtalk, feishu, wecom, slack, webhook)"
     )
+
+
+def test_a_bad_edit_while_running_keeps_the_last_good_rules_and_says_so_once(tmp_path, caplog):
+    path = tmp_path / "rules.toml"
+    path.write_text(GOOD)
+    assert alert_rules.load_rules(str(path)).get("callback_backlog").threshold == 5
+    path.write_text(GOOD.replace("threshold = 5", 'threshold = "five"'))
+    for _ in range(3):
+        assert alert_rules.load_rules(str(path)).get("callback_backlog").threshold == 5
+    errors = [r.getMessage() for r in caplog.records if r.name == "paysync.alerts.rules"]
+    assert len(errors) == 1 and "rule callback_backlog: threshold: must be a number" in errors[0]
+    path.write_text(GOOD.replace("threshold = 5", "threshold = 19"))
+    assert alert_rules.load_rules(str(path)).get("callback_backlog").threshold == 19
+    # A file that names a rule nobody evaluates counts as bad too.
+    path.write_text(GOOD + "\n[rules.no_such_rule]\nthreshold = 1\n")
+    assert alert_rules.load_rules(str(path)).get("callback_backlog").threshold == 19
