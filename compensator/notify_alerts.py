@@ -80,6 +80,8 @@ def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
     settings = runtime.settings
     clock: Callable[[], datetime] = (lambda: now) if now is not None else utcnow
     channels = build_channels(settings)
+    if not channels:
+        return 0  # alerts are log lines only; once a channel is configured, the alerts firing then are told
     try:
         rules = alert_rules.for_settings(settings)
         notifications.plan(runtime.engine, rules, list(channels), clock())
