@@ -31,19 +31,8 @@ from sqlalchemy import Connection, and_, case, func, or_, select
 from payments import alerts
 from payments.alert_rules import Rule, RuleSet
 from payments.errors import ConfigError
-from payments.schema import (
-    CB_FAILED,
-    CB_GAVE_UP,
-    CB_PROCESSED,
-    CB_REJECTED,
-    CB_RETRYABLE,
-    alert,
-    payment,
-    payment_callback_log,
-    provider_breaker,
-    refund,
-)
-from payments.states import TERMINAL, PaymentStatus
+from payments.schema import alert, payment, payment_callback_log, provider_breaker, refund
+from payments.states import CALLBACK_RETRYABLE, TERMINAL, AlertStatus, BreakerState, CallbackStatus, PaymentStatus
 
 log = logging.getLogger("paysync.alerts.rules")
 
@@ -72,7 +61,7 @@ class Evaluator:
 def callback_backlog(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
     """More than ``threshold`` callback rows waiting (status 0 or 2)."""
     t = payment_callback_log
-    waiting = conn.execute(select(func.count()).select_from(t).where(t.c.status.in_(CB_RETRYABLE))).scalar_one()
+    waiting = conn.execute(select(func.count()).select_from(t).where(t.c.status.in_(CALLBACK_RETRYABLE))).scalar_one()
     if waiting <= rule.threshold:
         return []
     return [Finding(rule.name, f"{waiting} callbacks waiting (threshold {rule.threshold:g})", {"backlog": waiting})]
@@ -81,7 +70,9 @@ def callback_backlog(conn: Connection, rule: Rule, now: datetime) -> list[Findin
 def callback_failure_counts(conn: Connection, since: datetime) -> tuple[int, int]:
     """(failed, total) callbacks received since ``since``: failed = rejected, retried or given up."""
     t = payment_callback_log
-    failed = or_(t.c.status.in_((CB_FAILED, CB_REJECTED, CB_GAVE_UP)), t.c.retry_count > 0)
+    failed = or_(
+        t.c.status.in_((CallbackStatus.FAILED, CallbackStatus.REJECTED, CallbackStatus.GAVE_UP)), t.c.retry_count > 0
+    )
     row = conn.execute(
         select(func.count(), func.coalesce(func.sum(case((failed, 1), else_=0)), 0)).where(t.c.create_time >= since)
     ).one()
@@ -111,8 +102,10 @@ def compensation_success_rate(conn: Connection, rule: Rule, now: datetime) -> li
     since = now - timedelta(seconds=rule.window_seconds)
     row = conn.execute(
         select(
-            func.coalesce(func.sum(case((t.c.status == CB_PROCESSED, 1), else_=0)), 0),
-            func.coalesce(func.sum(case((t.c.status.in_((CB_FAILED, CB_GAVE_UP)), 1), else_=0)), 0),
+            func.coalesce(func.sum(case((t.c.status == CallbackStatus.PROCESSED, 1), else_=0)), 0),
+            func.coalesce(
+                func.sum(case((t.c.status.in_((CallbackStatus.FAILED, CallbackStatus.GAVE_UP)), 1), else_=0)), 0
+            ),
         ).where(t.c.create_time >= since, t.c.retry_count > 0)
     ).one()
     succeeded, failing = int(row[0]), int(row[1])
@@ -159,7 +152,7 @@ def signature_failures(conn: Connection, rule: Rule, now: datetime) -> list[Find
     since = now - timedelta(seconds=rule.window_seconds)
     rows = conn.execute(
         select(t.c.provider, func.count())
-        .where(t.c.create_time >= since, t.c.status == CB_REJECTED)
+        .where(t.c.create_time >= since, t.c.status == CallbackStatus.REJECTED)
         .group_by(t.c.provider)
         .having(func.count() > rule.threshold)
         .order_by(t.c.provider)
@@ -176,12 +169,12 @@ def signature_failures(conn: Connection, rule: Rule, now: datetime) -> list[Find
 
 def provider_circuit_open(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
     """A provider's circuit breaker is open (payments/breaker.py also raises this the moment it opens)."""
-    from payments.breaker import OPEN, alert_key
+    from payments.breaker import alert_key
 
     t = provider_breaker
     rows = conn.execute(
         select(t.c.provider, t.c.opened_at, t.c.consecutive_failures, t.c.retry_at)
-        .where(t.c.state == OPEN)
+        .where(t.c.state == BreakerState.OPEN)
         .order_by(t.c.provider)
     ).all()
     return [
@@ -208,10 +201,15 @@ EVALUATED_ELSEWHERE: dict[str, str] = {
     "broker_unreachable": "the processes that talk to RabbitMQ (broker/), once they report reachability",
     "reconciliation_unexplained": "the reconciliation job, for items it could not explain",
     "ledger_chain_stale": "the ledger seal job, when the chain check has not run in time",
-    "callback_gave_up": "payments/callbacks.py, one alert per callback that exhausted its retries",
-    "conflicting_report": "payments/callbacks.py and payments/outbound.py, one per subject",
-    "unresolved_payment": "payments/outbound.py, one per payment handed to manual review at its deadline",
-    "event_delivery_gave_up": "payments/events.py, when a domain event gives up at a destination",
+    "callback_gave_up": "payments/callbacks.py (review.escalate), one per callback that exhausted its retries",
+    "conflicting_report": "payments/callbacks.py and payments/calls.py (review.escalate), one per subject",
+    "unresolved_payment": "payments/relay.py and payments/query.py (review.escalate), one per payment at its deadline",
+    "unresolved_not_resendable": "payments/calls.py (review.escalate), one per payment that may be neither "
+    "re-sent nor queried",
+    "provider_answer_needs_review": "payments/calls.py (review.escalate), one per payment whose provider answer "
+    "needs a person",
+    "unknown_provider": "payments/relay.py (review.escalate), one per payment whose provider has no adapter",
+    "event_delivery_gave_up": "payments/events.py (review.escalate), one per event and destination that gave up",
     "event_delivery_failing": "payments/events.py (publish_events), while a destination keeps failing",
     "alert_channel_failing": "compensator/notify_alerts.py, when a notification gives up on a channel",
 }
@@ -247,7 +245,7 @@ def evaluate(conn: Connection, rules: RuleSet, now: datetime) -> int:
                 details=finding.details,
                 severity=rule.severity,
             )
-            firing += status == alerts.FIRING
+            firing += status == AlertStatus.FIRING
         found = {f.key for f in findings}
         still_open = conn.execute(
             select(alert.c.open_key).where(and_(alert.c.rule == name, alert.c.open_key.is_not(None)))

@@ -42,14 +42,10 @@ from payments.db import claim_rows, insert_ignore, is_sqlite
 from payments.errors import NotificationFailed
 from payments.notify import FIRING, REPEAT, RESOLVED, Notice
 from payments.schema import alert, alert_notification
+from payments.states import AlertStatus, NotificationStatus
 
 log = logging.getLogger("paysync.notifications")
 
-HELD = "held"
-PENDING = "pending"
-SENT = "sent"
-GAVE_UP = "gave_up"
-CANCELLED = "cancelled"
 TOLD = (FIRING, REPEAT)
 """Kinds that tell people an alert fires."""
 
@@ -58,6 +54,7 @@ LEASE_SECONDS = 120
 CHANNEL_FAILING = "alert_channel_failing"
 """The rule of the alert raised when a notification gives up on a channel."""
 PLAN_LOCK = "paysync.notify_alerts.plan"
+"""Named database lock: one planner at a time across every compensator (see ``plan_lock_name``)."""
 _CHUNK = 500
 
 n = alert_notification
@@ -83,6 +80,11 @@ def channel_failing_key(channel: str) -> str:
 # --- planning -----------------------------------------------------------------
 
 
+def plan_lock_name(conn: Connection) -> str:
+    """PLAN_LOCK for this database: GET_LOCK names are server-wide, and one server may hold several paysyncs."""
+    return f"{PLAN_LOCK}:{conn.engine.url.database}"[:64]
+
+
 @contextlib.contextmanager
 def _plan_lock(engine: Engine) -> Iterator[Connection | None]:
     """A connection holding the planning lock, or None if another planner has it (MariaDB GET_LOCK)."""
@@ -90,7 +92,7 @@ def _plan_lock(engine: Engine) -> Iterator[Connection | None]:
         if is_sqlite(engine):  # BEGIN IMMEDIATE already makes planners take turns
             yield conn
             return
-        got = conn.execute(text("SELECT GET_LOCK(:name, 0)"), {"name": PLAN_LOCK}).scalar()
+        got = conn.execute(text("SELECT GET_LOCK(:name, 0)"), {"name": plan_lock_name(conn)}).scalar()
         conn.commit()
         if got != 1:
             yield None
@@ -100,11 +102,11 @@ def _plan_lock(engine: Engine) -> Iterator[Connection | None]:
         finally:
             with contextlib.suppress(SQLAlchemyError):  # a dead connection took its lock with it
                 conn.rollback()
-                conn.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": PLAN_LOCK})
+                conn.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": plan_lock_name(conn)})
                 conn.commit()
 
 
-def _row(alert_id: int, channel: str, kind: str, seq: int, status: str, now: datetime) -> dict[str, Any]:
+def _row(alert_id: int, channel: str, kind: str, seq: int, status: NotificationStatus, now: datetime) -> dict[str, Any]:
     return {
         "alert_id": alert_id,
         "channel": channel,
@@ -143,7 +145,7 @@ def plan(engine: Engine, rules: RuleSet, configured: Collection[str], now: datet
 
 def _plan_firing(conn: Connection, rules: RuleSet, configured: Collection[str], now: datetime) -> int:
     firing = conn.execute(
-        select(alert.c.id, alert.c.rule, alert.c.details).where(alert.c.status == alerts.FIRING)
+        select(alert.c.id, alert.c.rule, alert.c.details).where(alert.c.status == AlertStatus.FIRING)
     ).all()
     made = 0
     for start in range(0, len(firing), _CHUNK):
@@ -157,7 +159,9 @@ def _plan_firing(conn: Connection, rules: RuleSet, configured: Collection[str], 
                     n.c.channel,
                     func.max(case((n.c.kind.in_(TOLD), n.c.seq))).label("last_seq"),
                     func.max(case((n.c.kind.in_(TOLD), n.c.created_at))).label("last_at"),
-                    func.sum(case((and_(n.c.kind.in_(TOLD), n.c.status == PENDING), 1), else_=0)).label("in_flight"),
+                    func.sum(
+                        case((and_(n.c.kind.in_(TOLD), n.c.status == NotificationStatus.PENDING), 1), else_=0)
+                    ).label("in_flight"),
                     func.sum(told).label("told"),
                 )
                 .where(n.c.alert_id.in_([a.id for a in chunk]))
@@ -170,14 +174,16 @@ def _plan_firing(conn: Connection, rules: RuleSet, configured: Collection[str], 
             for channel in _targets(rules, a.rule, a.details, configured):
                 seen = state.get((a.id, channel))
                 if seen is None or not seen.told:
-                    new_rows.append(_row(a.id, channel, FIRING, 0, PENDING, now))
-                    new_rows.append(_row(a.id, channel, RESOLVED, 0, HELD, now))
+                    new_rows.append(_row(a.id, channel, FIRING, 0, NotificationStatus.PENDING, now))
+                    new_rows.append(_row(a.id, channel, RESOLVED, 0, NotificationStatus.HELD, now))
                 elif cooldown and not seen.in_flight and seen.last_at <= now - timedelta(seconds=cooldown):
-                    new_rows.append(_row(a.id, channel, REPEAT, (seen.last_seq or 0) + 1, PENDING, now))
+                    new_rows.append(
+                        _row(a.id, channel, REPEAT, (seen.last_seq or 0) + 1, NotificationStatus.PENDING, now)
+                    )
         for row in new_rows:
             # IGNORE: the unique key is what keeps "once per incident" true if two planners ever overlap.
             inserted = conn.execute(insert_ignore(n).values(**row)).rowcount
-            made += inserted if row["status"] == PENDING else 0
+            made += inserted if row["status"] == NotificationStatus.PENDING else 0
     return made
 
 
@@ -185,30 +191,44 @@ def _plan_resolved(conn: Connection, now: datetime) -> int:
     held = conn.execute(
         select(n.c.id, n.c.alert_id, n.c.channel)
         .select_from(n.join(alert, alert.c.id == n.c.alert_id))
-        .where(n.c.status == HELD, alert.c.status == alerts.RESOLVED)
+        .where(n.c.status == NotificationStatus.HELD, alert.c.status == AlertStatus.RESOLVED)
     ).all()
     made = 0
     for h in held:
         siblings = and_(n.c.alert_id == h.alert_id, n.c.channel == h.channel, n.c.kind.in_(TOLD))
         conn.execute(
             update(n)
-            .where(siblings, n.c.status == PENDING, or_(n.c.lease_until.is_(None), n.c.lease_until <= now))
-            .values(status=CANCELLED, last_error="the alert resolved before this was sent", updated_at=now)
+            .where(
+                siblings,
+                n.c.status == NotificationStatus.PENDING,
+                or_(n.c.lease_until.is_(None), n.c.lease_until <= now),
+            )
+            .values(
+                status=NotificationStatus.CANCELLED,
+                last_error="the alert resolved before this was sent",
+                updated_at=now,
+            )
         )
         in_flight, sent = conn.execute(
             select(
-                func.coalesce(func.sum(case((n.c.status == PENDING, 1), else_=0)), 0),
-                func.coalesce(func.sum(case((n.c.status == SENT, 1), else_=0)), 0),
+                func.coalesce(func.sum(case((n.c.status == NotificationStatus.PENDING, 1), else_=0)), 0),
+                func.coalesce(func.sum(case((n.c.status == NotificationStatus.SENT, 1), else_=0)), 0),
             ).where(siblings)
         ).one()
         if in_flight:
             continue  # being sent right now: settle once its outcome is written
-        settle = update(n).where(n.c.id == h.id, n.c.status == HELD)
+        settle = update(n).where(n.c.id == h.id, n.c.status == NotificationStatus.HELD)
         if sent:
-            made += conn.execute(settle.values(status=PENDING, next_attempt_at=now, updated_at=now)).rowcount
+            made += conn.execute(
+                settle.values(status=NotificationStatus.PENDING, next_attempt_at=now, updated_at=now)
+            ).rowcount
         else:
             conn.execute(
-                settle.values(status=CANCELLED, last_error="this channel was never told it fired", updated_at=now)
+                settle.values(
+                    status=NotificationStatus.CANCELLED,
+                    last_error="this channel was never told it fired",
+                    updated_at=now,
+                )
             )
     return made
 
@@ -239,7 +259,7 @@ def claim(engine: Engine, now: datetime, limit: int, channels: Collection[str]) 
     due = (
         select(n.c.id)
         .where(
-            n.c.status == PENDING,
+            n.c.status == NotificationStatus.PENDING,
             n.c.next_attempt_at <= now,
             or_(n.c.lease_until.is_(None), n.c.lease_until <= now),
             n.c.channel.in_(list(channels)),
@@ -277,14 +297,16 @@ def claim(engine: Engine, now: datetime, limit: int, channels: Collection[str]) 
 
 
 def _guard(item: Claimed) -> Any:
-    return and_(n.c.id == item.id, n.c.status == PENDING, n.c.lease_until == item.lease_until)
+    return and_(n.c.id == item.id, n.c.status == NotificationStatus.PENDING, n.c.lease_until == item.lease_until)
 
 
 def record_sent(engine: Engine, item: Claimed, now: datetime) -> bool:
     """Mark ``item`` sent, and resolve its channel's failing alert; False if our lease was lost meanwhile."""
     with engine.begin() as conn:
         done = conn.execute(
-            update(n).where(_guard(item)).values(status=SENT, sent_at=now, lease_until=None, updated_at=now)
+            update(n)
+            .where(_guard(item))
+            .values(status=NotificationStatus.SENT, sent_at=now, lease_until=None, updated_at=now)
         ).rowcount
         if alerts.clear(conn, key=channel_failing_key(item.channel), now=now):
             log.info("alert channel %s delivers again", item.channel)
@@ -300,7 +322,7 @@ def record_failure(
     policy: RetryPolicy,
     now: datetime,
     severity: str = "critical",
-) -> str:
+) -> NotificationStatus:
     """Count a failed attempt: back off, or give up (and fire ``alert_channel_failing``); return the new status."""
     attempts = item.attempts + 1
     reason = str(error)[:500]
@@ -309,7 +331,13 @@ def record_failure(
             done = conn.execute(
                 update(n)
                 .where(_guard(item))
-                .values(status=GAVE_UP, attempts=attempts, last_error=reason, lease_until=None, updated_at=now)
+                .values(
+                    status=NotificationStatus.GAVE_UP,
+                    attempts=attempts,
+                    last_error=reason,
+                    lease_until=None,
+                    updated_at=now,
+                )
             ).rowcount
             if done:
                 alerts.observe(
@@ -321,7 +349,7 @@ def record_failure(
                     severity=severity,
                     details={"channel": item.channel, "notification_id": item.id, "attempts": attempts},
                 )
-            status = GAVE_UP
+            status = NotificationStatus.GAVE_UP
         else:
             delay = max(policy.delay(attempts), error.retry_after or 0.0)
             done = conn.execute(
@@ -335,7 +363,7 @@ def record_failure(
                     updated_at=now,
                 )
             ).rowcount
-            status = PENDING
+            status = NotificationStatus.PENDING
     if not done:
         log.info("notification %s was taken over by another notifier after its lease ran out", item.id)
     return status

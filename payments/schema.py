@@ -30,7 +30,15 @@ from sqlalchemy import (
 from sqlalchemy.dialects import mysql
 from sqlalchemy.types import TypeDecorator
 
-from payments.states import BreakerState, CallbackStatus, DeliveryStatus, OutboxStatus, PaymentStatus, ReviewStatus
+from payments.states import (
+    BreakerState,
+    CallbackStatus,
+    DeliveryStatus,
+    NotificationStatus,
+    OutboxStatus,
+    PaymentStatus,
+    ReviewStatus,
+)
 
 metadata = MetaData()
 
@@ -449,9 +457,7 @@ alert_notification = Table(
     Column("updated_at", TS, nullable=False),
     UniqueConstraint("alert_id", "channel", "kind", "seq", name="uq_alert_notification"),
     CheckConstraint("kind IN ('firing', 'repeat', 'resolved')", name="ck_alert_notification_kind"),
-    CheckConstraint(
-        "status IN ('held', 'pending', 'sent', 'gave_up', 'cancelled')", name="ck_alert_notification_status"
-    ),
+    CheckConstraint(_in("status", NotificationStatus), name="ck_alert_notification_status"),
     Index("idx_alert_notification_due", "status", "next_attempt_at"),
     comment="Per alert, channel and kind: the delivery state of notifications, so one dead channel never holds up "
     "another.",

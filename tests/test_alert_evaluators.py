@@ -13,17 +13,8 @@ from compensator import evaluate_alerts
 from payments.breaker import alert_key
 from payments.db import utcnow
 from payments.runtime import build_runtime
-from payments.schema import (
-    CB_FAILED,
-    CB_PENDING,
-    CB_PROCESSED,
-    CB_REJECTED,
-    alert,
-    payment,
-    payment_callback_log,
-    provider_breaker,
-    refund,
-)
+from payments.schema import alert, payment, payment_callback_log, provider_breaker, refund
+from payments.states import BreakerState, CallbackStatus
 from tests.stack import db_url
 from tests.support import create_payment, make_settings
 
@@ -64,9 +55,9 @@ def _states(engine, rule: str) -> list[tuple[str, str]]:
 def test_compensation_success_rate_fires_after_5_minutes_below_80_percent_and_resolves(engine):
     runtime = _runtime(engine)
     t0 = utcnow()
-    _callbacks(engine, [CB_PROCESSED] * 7, t0, retry_count=1)
-    _callbacks(engine, [CB_FAILED] * 3, t0, retry_count=2)  # 70 % of 10 retried rows applied
-    _callbacks(engine, [CB_PROCESSED] * 50, t0)  # rows that never needed the compensator do not count
+    _callbacks(engine, [CallbackStatus.PROCESSED] * 7, t0, retry_count=1)
+    _callbacks(engine, [CallbackStatus.FAILED] * 3, t0, retry_count=2)  # 70 % of 10 retried rows applied
+    _callbacks(engine, [CallbackStatus.PROCESSED] * 50, t0)  # rows that never needed the compensator do not count
 
     evaluate_alerts.run_once(runtime, now=t0)
     assert _states(engine, "compensation_success_rate") == [("compensation_success_rate", "pending")]
@@ -75,14 +66,18 @@ def test_compensation_success_rate_fires_after_5_minutes_below_80_percent_and_re
     assert fired.status == "firing" and "70.0% of 10 retried callbacks" in fired.message
 
     with engine.begin() as conn:
-        conn.execute(update(payment_callback_log).where(payment_callback_log.c.status == CB_FAILED).values(status=1))
+        conn.execute(
+            update(payment_callback_log)
+            .where(payment_callback_log.c.status == CallbackStatus.FAILED)
+            .values(status=CallbackStatus.PROCESSED)
+        )
     evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=310))
     assert _states(engine, "compensation_success_rate") == [("compensation_success_rate", "resolved")]
 
 
 def test_compensation_success_rate_needs_its_minimum_sample(engine):
     t0 = utcnow()
-    _callbacks(engine, [CB_FAILED] * 9, t0, retry_count=1)
+    _callbacks(engine, [CallbackStatus.FAILED] * 9, t0, retry_count=1)
     evaluate_alerts.run_once(_runtime(engine), now=t0)
     assert _alerts(engine, "compensation_success_rate") == []
 
@@ -138,15 +133,15 @@ def test_payments_and_refunds_past_their_deadline_fire_one_alert_each_and_resolv
 def test_signature_failures_fire_per_provider_over_the_threshold_and_resolve_out_of_the_window(engine):
     runtime = _runtime(engine)
     t0 = utcnow()
-    _callbacks(engine, [CB_REJECTED] * 21, t0, provider="alipay")
-    _callbacks(engine, [CB_REJECTED] * 20, t0, provider="wechatpay")  # 20 is not more than 20
-    _callbacks(engine, [CB_PROCESSED] * 500, t0, provider="sandbox")  # keeps the failure rate out of it
+    _callbacks(engine, [CallbackStatus.REJECTED] * 21, t0, provider="alipay")
+    _callbacks(engine, [CallbackStatus.REJECTED] * 20, t0, provider="wechatpay")  # 20 is not more than 20
+    _callbacks(engine, [CallbackStatus.PROCESSED] * 500, t0, provider="sandbox")  # keeps the failure rate out of it
 
     evaluate_alerts.run_once(runtime, now=t0)
     (one,) = _alerts(engine, "signature_failures")
     assert (one.dedupe_key, one.status, one.severity) == ("signature_failures:alipay", "firing", "critical")
     assert "21 callbacks from alipay rejected" in one.message
-    _callbacks(engine, [CB_REJECTED] * 5, t0 + timedelta(seconds=60), provider="wechatpay")
+    _callbacks(engine, [CallbackStatus.REJECTED] * 5, t0 + timedelta(seconds=60), provider="wechatpay")
     evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=60))
     assert _states(engine, "signature_failures") == [
         ("signature_failures:alipay", "firing"),
@@ -166,7 +161,7 @@ def test_an_open_breaker_fires_under_the_breakers_own_key_and_resolves_when_it_c
         conn.execute(
             insert(provider_breaker).values(
                 provider="alipay",
-                state="open",
+                state=BreakerState.OPEN,
                 consecutive_failures=7,
                 open_count=1,
                 opened_at=now,
@@ -177,7 +172,7 @@ def test_an_open_breaker_fires_under_the_breakers_own_key_and_resolves_when_it_c
     evaluate_alerts.run_once(runtime, now=now)
     assert _states(engine, "provider_circuit_open") == [(alert_key("alipay"), "firing")]
     with engine.begin() as conn:
-        conn.execute(update(provider_breaker).values(state="closed"))
+        conn.execute(update(provider_breaker).values(state=BreakerState.CLOSED))
     evaluate_alerts.run_once(runtime, now=now + timedelta(seconds=1))
     assert _states(engine, "provider_circuit_open") == [(alert_key("alipay"), "resolved")]
 
@@ -187,7 +182,7 @@ def test_thresholds_and_sustain_come_from_the_rules_file_and_a_disabled_rule_res
     rules.write_text("[rules.callback_backlog]\nthreshold = 5\nsustain_seconds = 0\n")
     runtime = _runtime(engine, alert_rules_file=str(rules))
     t0 = utcnow()
-    _callbacks(engine, [CB_PENDING] * 6, t0)
+    _callbacks(engine, [CallbackStatus.PENDING] * 6, t0)
     assert evaluate_alerts.run_once(runtime, now=t0) == 1  # 6 > 5, at once: not the default 100 for 5 minutes
     assert _states(engine, "callback_backlog") == [("callback_backlog", "firing")]
 

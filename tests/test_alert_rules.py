@@ -179,3 +179,49 @@ def test_a_bad_edit_while_running_keeps_the_last_good_rules_and_says_so_once(tmp
     # A file that names a rule nobody evaluates counts as bad too.
     path.write_text(GOOD + "\n[rules.no_such_rule]\nthreshold = 1\n")
     assert alert_rules.load_rules(str(path)).get("callback_backlog").threshold == 19
+
+
+def _rules_raised_in_code() -> dict[str, str]:
+    """Rule name -> where, for every alert the code raises with a literal rule.
+
+    Read from the source: ``alerts.observe(rule="…")``, ``escalate(kind="…")``
+    (a review's kind is its alert's rule) and ``calls.review(conn, current, "…", …)``.
+    """
+    import ast
+
+    found: dict[str, str] = {}
+    for path in sorted([*(ROOT / "payments").rglob("*.py"), *(ROOT / "compensator").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            literal = None
+            if name in ("observe", "escalate"):
+                keyword = "rule" if name == "observe" else "kind"
+                literal = next((k.value for k in node.keywords if k.arg == keyword), None)
+            elif name == "review" and len(node.args) >= 3:
+                literal = node.args[2]
+            if isinstance(literal, ast.Constant) and isinstance(literal.value, str):
+                found.setdefault(literal.value, f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_every_alert_the_code_raises_has_a_routing_entry_in_the_default_file():
+    raised = _rules_raised_in_code()
+    # The scan sees the raisers core's modules have (a scan that finds nothing would pass for nothing).
+    assert {
+        "callback_gave_up",
+        "conflicting_report",
+        "unresolved_payment",
+        "provider_answer_needs_review",
+        "unresolved_not_resendable",
+        "provider_circuit_open",
+        "event_delivery_gave_up",
+        "event_delivery_failing",
+    } <= set(raised)
+    rules = alert_rules.load_rules(str(DEFAULT_RULES_FILE))
+    known = set(alert_evaluators.EVALUATORS) | set(alert_evaluators.EVALUATED_ELSEWHERE)
+    for rule, where in raised.items():
+        assert rule in known, f"{where} raises {rule}, which the evaluator registry does not know"
+        assert rule in rules.rules, f"{where} raises {rule}, which the default rules file does not route"
+        assert rules.rules[rule].channels, rule

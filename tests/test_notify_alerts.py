@@ -12,10 +12,11 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from compensator import evaluate_alerts, notify_alerts
-from payments import alerts
+from payments import alerts, review
 from payments.db import utcnow
 from payments.runtime import build_runtime
-from payments.schema import CB_PENDING, CB_PROCESSED, alert, alert_notification, payment_callback_log
+from payments.schema import alert, alert_notification, payment_callback_log
+from payments.states import CallbackStatus
 from tests.notify_fakes import TOKEN, FakeService
 from tests.stack import db_url
 from tests.support import free_port, make_settings, wait_until
@@ -63,7 +64,7 @@ def _backlog(engine, count: int, at: datetime) -> list[int]:
                     "provider": "sandbox",
                     "callback_data": b"{}",
                     "headers": "{}",
-                    "status": CB_PENDING,
+                    "status": CallbackStatus.PENDING,
                     "next_retry_at": at,
                     "create_time": at,
                     "update_time": at,
@@ -76,7 +77,7 @@ def _backlog(engine, count: int, at: datetime) -> list[int]:
 
 def _drain(engine) -> None:
     with engine.begin() as conn:
-        conn.execute(update(payment_callback_log).values(status=CB_PROCESSED))
+        conn.execute(update(payment_callback_log).values(status=CallbackStatus.PROCESSED))
 
 
 def _rows(engine, channel: str | None = None) -> list:
@@ -263,9 +264,14 @@ def test_only_configured_channels_get_notifications_and_alerts_raised_elsewhere_
     with FakeService("slack") as slack:
         runtime = _runtime(engine, tmp_path, ["email", "sms", "slack"], slack_webhook_url=slack.url)
         t0 = utcnow()
-        with engine.begin() as conn:  # as payments/callbacks.py raises it when a callback gives up
-            alerts.observe(
-                conn, rule="callback_gave_up", key="callback_gave_up:7", message="callback 7 gave up", now=t0
+        with engine.begin() as conn:  # as payments/callbacks.py hands a callback that gave up to a person
+            review.escalate(
+                conn,
+                kind="callback_gave_up",
+                subject="callback:7",
+                alert_key="callback_gave_up:7",
+                reason="callback 7 gave up",
+                now=t0,
             )
         notify_alerts.run_once(runtime, now=t0)
         notify_alerts.run_once(runtime, now=t0 + timedelta(days=2))  # [defaults] cooldown 0: no reminder
@@ -274,6 +280,33 @@ def test_only_configured_channels_get_notifications_and_alerts_raised_elsewhere_
         notify_alerts.run_once(runtime, now=t0)
     assert _titles(slack) == ["[WARNING] callback_gave_up firing", "[CRITICAL] callback_backlog firing"]
     assert {r.channel for r in _rows(engine)} == {"slack"}
+
+
+def test_the_manual_queue_notifies_through_the_shipped_rules_once_per_subject(engine):
+    # The default ops/alert_rules.toml: conflicting_report and unknown_provider reach chat, the rest email only.
+    with FakeService("slack") as slack:
+        runtime = build_runtime(make_settings(database_url=db_url(engine), slack_webhook_url=slack.url), engine=engine)
+        t0 = utcnow()
+        with engine.begin() as conn:
+            for _ in range(3):  # the same conflict seen again and again is one review and one alert
+                review.escalate(
+                    conn,
+                    kind="conflicting_report",
+                    subject="payment:pay_1",
+                    reason="conflicting report for payment pay_1",
+                    now=t0,
+                    severity="critical",
+                )
+            for kind in ("callback_gave_up", "unresolved_payment", "event_delivery_gave_up"):
+                review.escalate(conn, kind=kind, subject="payment:pay_2", reason=f"{kind} pay_2", now=t0)
+            review.escalate(conn, kind="unknown_provider", subject="payment:pay_3", reason="no adapter", now=t0)
+        assert notify_alerts.run_once(runtime, now=t0) == 2
+        assert notify_alerts.run_once(runtime, now=t0 + timedelta(days=2)) == 0  # cooldown 0: the queue reminds
+    assert sorted(_titles(slack)) == ["[CRITICAL] conflicting_report firing", "[WARNING] unknown_provider firing"]
+    assert {(r.channel, r.kind, r.status) for r in _rows(engine)} == {
+        ("slack", "firing", "sent"),
+        ("slack", "resolved", "held"),
+    }
 
 
 @pytest.mark.mariadb
@@ -310,3 +343,25 @@ def test_notifiers_running_at_once_send_each_notification_once(mariadb, tmp_path
     )
     assert len(feishu.received) == 30
     assert [r.status for r in _rows(mariadb) if r.kind == "firing"] == ["sent"] * 60
+
+
+@pytest.mark.mariadb
+def test_a_planner_of_another_database_on_the_same_server_does_not_stop_ours(mariadb, tmp_path):
+    from payments import notifications
+    from payments.db import make_engine
+    from tests.conftest import _create_database
+
+    other = make_engine(mariadb.url.set(database=f"{mariadb.url.database}_other").render_as_string(hide_password=False))
+    try:
+        _create_database(other)
+        with FakeService("slack") as slack:
+            runtime = _runtime(mariadb, tmp_path, ["slack"], slack_webhook_url=slack.url)
+            t0 = utcnow()
+            _backlog(mariadb, 3, t0)
+            evaluate_alerts.run_once(runtime, now=t0)
+            with notifications._plan_lock(other) as held:
+                assert held is not None, "the other database's planner is running"
+                assert notify_alerts.run_once(runtime, now=t0) == 1
+        assert _titles(slack) == ["[CRITICAL] callback_backlog firing"]
+    finally:
+        other.dispose()
