@@ -1,14 +1,17 @@
 """``python -m compensator`` runs the scheduler; ``python -m compensator JOB --once`` runs one job once.
 
 Jobs: compensate_callbacks (alias compensate), relay_outbox, query_unresolved,
-evaluate_alerts, publish_events (domain events to RabbitMQ and the merchant's
-webhook) and catch_up (missed Stripe events; a no-op without Stripe settings),
-each on its interval setting. Each is registered with
+evaluate_alerts, notify_alerts (alerts to email, SMS and chat channels),
+publish_events (domain events to RabbitMQ and the merchant's webhook) and
+catch_up (missed Stripe events; a no-op without Stripe settings), each on its
+interval setting (notify_alerts every 5 s). Each is registered with
 ``max_instances=1`` and coalescing, so a slow sweep is never run twice at
 once in one process and missed runs collapse into one.
 
 ``python -m compensator reverify --provider P [--since ISO-TIME]`` re-verifies
 rejected callbacks against today's keys after a key fix (compensator/reverify.py).
+``python -m compensator alerts test --channel NAME`` sends a test notification
+through one alert channel (compensator/alerts_cli.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], flo
         catch_up,
         compensate_callbacks,
         evaluate_alerts,
+        notify_alerts,
         publish_events,
         query_unresolved,
         relay_outbox,
@@ -41,6 +45,7 @@ def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], flo
     return {
         "compensate_callbacks": (compensate_callbacks.run_once, lambda rt: rt.settings.effective_interval_seconds),
         "evaluate_alerts": (evaluate_alerts.run_once, lambda rt: rt.settings.evaluate_alerts_interval_seconds),
+        "notify_alerts": (notify_alerts.run_once, lambda rt: notify_alerts.INTERVAL_SECONDS),
         "publish_events": (publish_events.run_once, lambda rt: rt.settings.publish_events_interval_seconds),
         "relay_outbox": (relay_outbox.run_once, lambda rt: rt.settings.relay_interval_seconds),
         "query_unresolved": (query_unresolved.run_once, lambda rt: rt.settings.query_interval_seconds),
@@ -86,6 +91,9 @@ def serve(runtime: Runtime) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     log.info("compensator started", extra={"jobs": sorted(_jobs()), "broker": runtime.settings.has_broker})
+    from compensator import notify_alerts
+
+    notify_alerts.log_routing(runtime.settings)
     scheduler.start()
 
 
@@ -94,9 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["reverify"]:
         return reverify_main(argv[1:])
+    if argv[:1] == ["alerts"]:
+        from compensator import alerts_cli
+
+        return alerts_cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m compensator")
     parser.add_argument(
-        "job", nargs="?", help="one job to run: " + ", ".join(sorted([*_jobs(), *ALIASES])) + "; or reverify"
+        "job", nargs="?", help="one job to run: " + ", ".join(sorted([*_jobs(), *ALIASES])) + "; or reverify, alerts"
     )
     parser.add_argument("--once", action="store_true", help="run the job once and exit (for cron)")
     args = parser.parse_args(argv)

@@ -4,9 +4,9 @@ One enum per status column: ``PaymentStatus`` (payment.status and
 refund.status, with the state machine below), ``CallbackStatus``
 (payment_callback_log.status), ``OutboxStatus`` (outbox.status),
 ``DeliveryStatus`` (event_delivery.status), ``ReviewStatus``
-(manual_review.status), ``AlertStatus`` (alert.status) and ``BreakerState``
-(provider_breaker.state). Nothing else
-spells those values out.
+(manual_review.status), ``AlertStatus`` (alert.status),
+``NotificationStatus`` (alert_notification.status) and ``BreakerState``
+(provider_breaker.state). Nothing else spells those values out.
 
 The state machine, one transition table and pure functions:
 
@@ -97,6 +97,21 @@ class AlertStatus(StrEnum):
     """Condition seen, not for long enough yet."""
     FIRING = "firing"
     RESOLVED = "resolved"
+
+
+class NotificationStatus(StrEnum):
+    """Status of one notification of one alert on one channel (alert_notification.status)."""
+
+    HELD = "held"
+    """A resolved notice waiting for its alert to clear."""
+    PENDING = "pending"
+    """Due at next_attempt_at."""
+    SENT = "sent"
+    """The channel took it."""
+    GAVE_UP = "gave_up"
+    """Retries exhausted, or the channel said the request itself is wrong (alert_channel_failing fired)."""
+    CANCELLED = "cancelled"
+    """Nobody needs to hear it now (the alert resolved first, or this channel was never told it fired)."""
 
 
 class BreakerState(StrEnum):
