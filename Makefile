@@ -8,7 +8,7 @@ SANDBOX_PORT ?= 8100
 # `make run` is for a developer's machine: development fills in dev tokens and secrets, and says so once.
 PAYSYNC_ENV ?= development
 
-.PHONY: run test lint format venv chaos bench-ingest bench-drain bench-charges bench-events bench-reconcile clean
+.PHONY: run test lint format venv import-graph chaos bench-ingest bench-drain bench-charges bench-events bench-reconcile clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "paysync needs Python 3.11 or newer")'
@@ -34,6 +34,10 @@ test: venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# Which of our packages imports which; fails on an edge the design does not allow (tests/import_graph.py).
+import-graph: venv
+	$(BIN)/python -m tests.import_graph
 
 format: venv
 	$(BIN)/ruff check --fix .

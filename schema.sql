@@ -22,6 +22,28 @@ CREATE TABLE alert (
 
 CREATE INDEX idx_alert_status ON alert (status);
 
+CREATE TABLE alert_notification (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	alert_id BIGINT NOT NULL COMMENT 'alert.id this notification is about',
+	channel VARCHAR(16) NOT NULL COMMENT 'email, sms, aliyun_sms, dingtalk, feishu, wecom, slack, webhook',
+	kind VARCHAR(16) NOT NULL COMMENT 'firing (once per incident), repeat (each cooldown), resolved',
+	seq INTEGER NOT NULL COMMENT 'repeat number (1, 2, …); 0 for firing and resolved',
+	status VARCHAR(16) NOT NULL COMMENT 'held (resolved notice waiting for the alert to clear), pending, sent, gave_up, cancelled',
+	attempts INTEGER NOT NULL COMMENT 'failed attempts so far',
+	next_attempt_at DATETIME(6) NOT NULL COMMENT 'earliest time a notifier may try (backoff after a failure)',
+	lease_until DATETIME(6) COMMENT 'a notifier is sending it until then (claimed, SKIP LOCKED)',
+	last_error VARCHAR(500) COMMENT 'why the last attempt failed (no URL, no secret)',
+	sent_at DATETIME(6),
+	created_at DATETIME(6) NOT NULL,
+	updated_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (id),
+	CONSTRAINT uq_alert_notification UNIQUE (alert_id, channel, kind, seq),
+	CONSTRAINT ck_alert_notification_kind CHECK (kind IN ('firing', 'repeat', 'resolved')),
+	CONSTRAINT ck_alert_notification_status CHECK (status IN ('held', 'pending', 'sent', 'gave_up', 'cancelled'))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Per alert, channel and kind: the delivery state of notifications, so one dead channel never holds up another.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_alert_notification_due ON alert_notification (status, next_attempt_at);
+
 CREATE TABLE event_delivery (
 	id BIGINT NOT NULL AUTO_INCREMENT,
 	event_id VARCHAR(40) NOT NULL COMMENT 'outbox.event_id of a domain event',

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import requests
 from common import (  # the bench directory is on sys.path when run as a script
+    API_KEY,
     RESULTS,
     SECRET,
     Process,
@@ -78,7 +79,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_direct(sandbox_url: str, count: int, concurrency: int) -> dict:
     """The baseline: call the sandbox in a loop from ``concurrency`` threads, no database, no outbox."""
-    adapter = SandboxProvider(SECRET, api_url=sandbox_url)
+    adapter = SandboxProvider(SECRET, api_url=sandbox_url, api_key=API_KEY)
     latencies: list[float] = []
     lock = threading.Lock()
     prefix = f"direct_{uuid.uuid4().hex[:8]}"

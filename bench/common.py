@@ -38,6 +38,8 @@ DEFAULT_DATABASE_URL = "mysql+pymysql://root@127.0.0.1:3306/paysync_bench"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 SECRET = "whsec_bench_fixed_secret"
 """The fixed SANDBOX_WEBHOOK_SECRET every bench process signs and verifies with."""
+API_KEY = "sk_bench_sandbox_key"
+"""The SANDBOX_API_KEY every bench process shares (the sandbox accepts it, paysync presents it)."""
 INSERT_ONLY_DDL = (
     "CREATE TABLE IF NOT EXISTS bench_insert_only ("
     " id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,"
@@ -128,6 +130,7 @@ def process_env(**settings: str) -> dict[str, str]:
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     env["PYTHONPATH"] = str(ROOT)
     env["SANDBOX_WEBHOOK_SECRET"] = SECRET
+    env["SANDBOX_API_KEY"] = API_KEY
     env["PAYSYNC_ENV"] = "development"  # the benches use development tokens and secrets
     env.setdefault("LOG_LEVEL", "WARNING")
     env.update(settings)
@@ -171,7 +174,7 @@ def delete_queue(amqp_url: str, queue: str) -> None:
     """Delete a bench queue and its dead-letter queue (best effort)."""
     import pika
 
-    from consumer.topology import dead_letter_queue
+    from broker.topology import dead_letter_queue
 
     try:
         conn = pika.BlockingConnection(pika.URLParameters(amqp_url))

@@ -7,9 +7,11 @@ For each phase the bench database (``paysync_bench``) is rebuilt with
 callback row (status 0, a valid signed body, as the gateway stores it). Then:
 
 - consumer path, with 1 and 2 ``python -m consumer`` processes (the Procfile
-  line) on a queue of the bench's own: once they are consuming, one
-  ``{log_id}`` message per row is published and the clock runs from the first
-  publish to the last row's commit (its ``update_time``);
+  line) on a queue of the bench's own: once they are consuming, one message
+  per row is published, as that tree's gateway would publish it (the delivery
+  itself, ``payments.delivery``; ``{log_id}`` for a tree from before that
+  format), and the clock runs from the first publish to the last row's commit
+  (its ``update_time``);
 - compensator path: one ``python -m compensator compensate --once`` with
   COMPENSATOR_GRACE_SECONDS=0 and a rate limit far above what it can do; the
   clock runs from launching the process (Python start-up included) to the
@@ -58,6 +60,7 @@ from common import (  # the bench directory is on sys.path when run as a script
 from sqlalchemy import Engine, func, insert, select, text
 
 from payments.db import utcnow
+from payments.delivery import encode_message
 from payments.schema import outbox, payment, payment_callback_log, processed_event
 from payments.states import CallbackStatus
 from sandbox import signing
@@ -235,6 +238,18 @@ def check_effects(engine: Engine, rows: int) -> None:
         raise SystemExit(f"FAIL: expected {rows} of each effect, got {got}")
 
 
+def messages(engine: Engine, tree: Path) -> list[bytes]:
+    """One message per backlog row, in id order, in the format the gateway of ``tree`` publishes."""
+    with engine.connect() as conn:
+        rows = conn.execute(select(payment_callback_log).order_by(payment_callback_log.c.id)).all()
+    if not (tree / "payments" / "delivery.py").exists():
+        return [json.dumps({"log_id": r.id}).encode() for r in rows]  # the format before the delivery message
+    return [
+        encode_message(r.id, r.provider, r.create_time, bytes(r.callback_data), json.loads(r.headers), r.remote_addr)
+        for r in rows
+    ]
+
+
 def code_env(tree: Path, **settings: str) -> dict[str, str]:
     """The environment of a process that runs the code of ``tree`` (this checkout, or ``--before-tree``)."""
     env = process_env(**settings)
@@ -246,10 +261,11 @@ def consumer_phase(args: argparse.Namespace, consumers: int, tree: Path = ROOT, 
     """Drain the backlog through ``consumers`` consumer processes fed one message per row."""
     import pika
 
-    from consumer.topology import declare
+    from broker.topology import declare_callback_queue
 
     engine = prepare_database(args.database_url)
-    ids = build_backlog(engine, args.rows)
+    build_backlog(engine, args.rows)
+    bodies = messages(engine, tree)
     sealer = start_sealer(args) if seal else None
     lag = None
     queue = f"bench_drain_{uuid.uuid4().hex[:8]}"
@@ -258,7 +274,7 @@ def consumer_phase(args: argparse.Namespace, consumers: int, tree: Path = ROOT, 
     procs: list[Process] = []
     try:
         channel = conn.channel()
-        declare(channel, queue)
+        declare_callback_queue(channel, queue)
         procs = [Process(procfile_command("consumer"), env, f"drain_consumer{i}", cwd=tree) for i in range(consumers)]
         deadline = time.monotonic() + 30
         while channel.queue_declare(queue, passive=True).method.consumer_count < consumers:
@@ -267,8 +283,8 @@ def consumer_phase(args: argparse.Namespace, consumers: int, tree: Path = ROOT, 
             time.sleep(0.1)
         props = pika.BasicProperties(delivery_mode=2, content_type="application/json")
         started = utcnow()
-        for log_id in ids:
-            channel.basic_publish("", queue, json.dumps({"log_id": log_id}).encode(), props)
+        for body in bodies:
+            channel.basic_publish("", queue, body, props)
         conn.close()  # an idle connection would miss heartbeats while we wait
         published = (utcnow() - started).total_seconds()
         wait_drained(engine, args.rows, args.timeout, procs)

@@ -14,9 +14,14 @@ Starts three gunicorn servers with the Procfile's ``web`` settings
 and drives each with wrk (``apt-get install -y wrk``) and ``bench/replay.lua``,
 which replays distinct ``charge.succeeded`` events signed just before each run
 with the bench's fixed secret (signatures stay inside the 300 s tolerance).
+With ``--create-payments`` every run's events name Pending payments created
+for it just before, so a gateway that processes callbacks inline
+(``--gateway-env CALLBACK_PROCESS_INLINE=true``) applies each one instead of
+recording "no such payment" for a retry.
 Runs are interleaved (for each repeat, each concurrency, each app) so machine
 noise hits all three alike; the table shows medians of the repeats and the
-ratio gateway / insert-only at each concurrency. Any non-2xx answer or socket
+ratio gateway / insert-only at each concurrency (and gateway / before with
+``--before-tree``). Any non-2xx answer or socket
 error from the gateway fails the run. Results also go to ``bench/results/``.
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -38,6 +44,7 @@ from common import (  # the bench directory is on sys.path when run as a script
     RESULTS,
     ROOT,
     Process,
+    chunks,
     delete_queue,
     free_port,
     loadavg,
@@ -49,7 +56,7 @@ from common import (  # the bench directory is on sys.path when run as a script
     signed_body,
     wait_for_http,
 )
-from sqlalchemy import text
+from sqlalchemy import insert, text
 
 APPS = ("bare", "insert", "gateway")
 GATEWAYS = ("gateway", "before")
@@ -76,6 +83,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also run the gateway of this checkout (e.g. `git archive <rev> | tar -x -C /tmp/x`) as app 'before'",
     )
     parser.add_argument(
+        "--create-payments",
+        action="store_true",
+        help="create the Pending payment each event names before every run (for inline processing)",
+    )
+    parser.add_argument(
         "--gateway-env",
         action="append",
         default=[],
@@ -85,13 +97,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def write_requests(path: Path, count: int) -> None:
-    """``count`` distinct signed events, one "<signature>\\t<body>" line each, signed now."""
+def write_requests(path: Path, count: int, run: int = 0) -> list[str]:
+    """``count`` distinct signed events, one "<signature>\\t<body>" line each, signed now; return their payment ids."""
     now = int(time.time())
+    payment_ids = []
     with path.open("w") as out:
         for n in range(count):
-            body, signature = signed_body(sandbox_event(f"pay_bench{n:012d}", amount=1000 + n % 5000, created=now), now)
+            payment_id = f"pay_bench{run:04d}_{n:010d}"
+            body, signature = signed_body(sandbox_event(payment_id, amount=1000 + n % 5000, created=now), now)
             out.write(f"{signature}\t{body.decode()}\n")
+            payment_ids.append(payment_id)
+    return payment_ids
+
+
+def create_payments(engine, payment_ids: list[str]) -> None:  # noqa: ANN001
+    """One Pending sandbox payment per id, with the amount the bench's event for it reports."""
+    from payments.db import utcnow
+    from payments.schema import payment
+
+    now = utcnow()
+    rows = [
+        {
+            "payment_id": payment_id,
+            "order_no": f"order-{payment_id[4:]}",
+            "amount_minor": 1000 + n % 5000,
+            "currency": "CNY",
+            "provider": "sandbox",
+            "status": "Pending",
+            "idempotency_key": f"key-{payment_id}",
+            "query_attempts": 0,
+            "created_at": now,
+            "updated_at": now,
+        }
+        for n, payment_id in enumerate(payment_ids)
+    ]
+    with engine.begin() as conn:
+        for part in chunks(rows, 2000):
+            conn.execute(insert(payment), part)
 
 
 def run_wrk(port: int, connections: int, duration: float, requests_file: Path) -> dict:
@@ -118,6 +160,23 @@ def run_wrk(port: int, connections: int, duration: float, requests_file: Path) -
             result["rps"] = result["requests"] / (result["duration_us"] / 1e6)
             return result
     raise RuntimeError(f"wrk printed no result (exit {out.returncode}):\n{out.stdout}\n{out.stderr}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) used so far by ``pid`` and its live children (a gunicorn master and workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry) == pid or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def check_clean(app: str, result: dict, connections: int) -> None:
@@ -189,24 +248,38 @@ def main(argv: list[str] | None = None) -> int:
             f"concurrency {concurrencies}; load before: {loadavg()}",
             flush=True,
         )
+        run = 0
         if args.warmup > 0:
-            write_requests(requests_file, int(args.bodies_per_second * args.warmup) + 100)
             for app in apps:
+                run += 1
+                ids = write_requests(requests_file, int(args.bodies_per_second * args.warmup) + 100, run)
+                if args.create_payments:
+                    create_payments(engine, ids)
                 check_clean(app, run_wrk(ports[app], 8, args.warmup, requests_file), 8)
 
         for repeat in range(args.repeats):
             for c in concurrencies:
                 for app in apps:
                     # Signed right before each run: always well inside the 300 s tolerance.
-                    write_requests(requests_file, int(args.bodies_per_second * args.duration))
+                    run += 1
+                    ids = write_requests(requests_file, int(args.bodies_per_second * args.duration), run)
+                    if args.create_payments:
+                        create_payments(engine, ids)
+                    cpu_before = cpu_seconds(servers[app].popen.pid)
                     result = run_wrk(ports[app], c, args.duration, requests_file)
                     check_clean(app, result, c)
+                    # CPU per request of the server's own processes: far steadier on a shared machine than
+                    # requests per second (a worker killed and replaced mid-run would make it undercount).
+                    result["cpu_us_per_request"] = (
+                        (cpu_seconds(servers[app].popen.pid) - cpu_before) / max(result["requests"], 1) * 1e6
+                    )
                     result["load"] = loadavg()
                     results.setdefault((app, c), []).append(result)
                     print(
                         f"  run {repeat + 1} c={c:<3} {app:<8} {result['rps']:8.0f}/s  "
                         f"p50 {result['p50_us'] / 1000:6.2f} ms  p99 {result['p99_us'] / 1000:6.2f} ms  "
-                        f"wraps {result['wraps']}  load {result['load']}",
+                        f"cpu {result['cpu_us_per_request']:5.0f} us/req  wraps {result['wraps']}  "
+                        f"load {result['load']}",
                         flush=True,
                     )
                     if not servers[app].alive():
@@ -217,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             with engine.connect() as conn:
                 stored = conn.execute(text("SELECT COUNT(*) FROM payment_callback_log")).scalar()
                 rejected = conn.execute(text("SELECT COUNT(*) FROM payment_callback_log WHERE status = 3")).scalar()
+                processed = conn.execute(text("SELECT COUNT(*) FROM payment_callback_log WHERE status = 1")).scalar()
             broker = dict(item.split("=", 1) for item in args.gateway_env).get("AMQP_URL", args.amqp_url)
             published = sum(queue_depth(args.amqp_url, f"{queue}_{a}") for a in apps if a in GATEWAYS) if broker else 0
             if rejected:
@@ -233,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = print_table(apps, concurrencies, results)
     if published is not None:
         print(
-            f"gateway(s): {stored} rows stored, {published} ids published to RabbitMQ "
-            f"({published / max(stored, 1):.1%}), 0 rejected"
+            f"gateway(s): {stored} rows stored, {published} messages published to RabbitMQ "
+            f"({published / max(stored, 1):.1%}), {processed} processed inline, 0 rejected"
         )
     print(f"load after: {loadavg()}")
     out = RESULTS / f"ingest-{stamp}.json"
@@ -256,9 +330,11 @@ def print_table(apps: list[str], concurrencies: list[int], results: dict) -> lis
     """
     rows = []
     compared = [app for app in apps if app in GATEWAYS] if "insert" in apps else []
+    versus_before = "gateway" in apps and "before" in apps
     print()
     header = f"{'conn':>4} |" + "".join(f" {app + ' req/s':>14} {'p50 ms':>7} {'p99 ms':>7} |" for app in apps)
     header += "".join(f" {app + '/insert':>14}" for app in compared)
+    header += f" {'gateway/before':>14}" if versus_before else ""
     print(header)
     print("-" * len(header))
     for c in concurrencies:
@@ -275,8 +351,24 @@ def print_table(apps: list[str], concurrencies: list[int], results: dict) -> lis
             pairs = zip(results[(app, c)], results[("insert", c)], strict=True)
             row[f"{app}/insert"] = median([a["rps"] / b["rps"] for a, b in pairs])
             line += f" {row[f'{app}/insert']:14.2f}"
+        if versus_before:
+            pairs = zip(results[("gateway", c)], results[("before", c)], strict=True)
+            row["gateway/before"] = median([a["rps"] / b["rps"] for a, b in pairs])
+            line += f" {row['gateway/before']:14.2f}"
         print(line)
         rows.append(row)
+    if versus_before:
+        print()
+        for c in concurrencies:
+            pairs = zip(results[("gateway", c)], results[("before", c)], strict=True)
+            cpu = median([a["cpu_us_per_request"] / b["cpu_us_per_request"] for a, b in pairs])
+            mine = median([r["cpu_us_per_request"] for r in results[("gateway", c)]])
+            theirs = median([r["cpu_us_per_request"] for r in results[("before", c)]])
+            rows[concurrencies.index(c)]["cpu gateway/before"] = cpu
+            print(
+                f"c={c:<3} CPU per request (medians): gateway {mine:.0f} us, before {theirs:.0f} us; "
+                f"gateway/before per repeat, median {cpu:.2f} (above 1: the gateway costs more)"
+            )
     if "gateway" in compared:
         print()
         for row in rows:

@@ -1,12 +1,12 @@
 """``python -m compensator`` runs the scheduler; ``python -m compensator JOB --once`` runs one job once.
 
 Jobs: compensate_callbacks (alias compensate), relay_outbox, query_unresolved,
-evaluate_alerts, publish_events (domain events to RabbitMQ and the merchant's
-webhook), catch_up (missed Stripe events; a no-op without Stripe settings) and
-seal_ledger, each on its interval setting, and reconcile (daily at
-RECONCILE_TIME). Each is registered with ``max_instances=1`` and coalescing,
-so a slow sweep is never run twice at once in one process and missed runs
-collapse into one.
+evaluate_alerts, notify_alerts (alerts to email, SMS and chat channels, every 5 s),
+publish_events (domain events to RabbitMQ and the merchant's webhook), catch_up
+(missed Stripe events; a no-op without Stripe settings) and seal_ledger, each on
+its interval setting, and reconcile (daily at RECONCILE_TIME). Each is registered
+with ``max_instances=1`` and coalescing, so a slow sweep is never run twice at
+once in one process and missed runs collapse into one.
 
 Commands for operators (each exits 0 when all is well, 1 when not, 2 on bad usage):
 
@@ -15,6 +15,8 @@ Commands for operators (each exits 0 when all is well, 1 when not, 2 on bad usag
 - ``reconcile --date YYYY-MM-DD [--provider P] [--file PATH] [--format text|json]``
 - ``verify-ledger [--format text|json]``: walk the seal chain
 - ``aging [--format text|json]``: callback log vs local status vs settlement, by age
+- ``alerts test --channel NAME``: send a test notification through one alert channel
+  (compensator/alerts_cli.py)
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], flo
         catch_up,
         compensate_callbacks,
         evaluate_alerts,
+        notify_alerts,
         publish_events,
         query_unresolved,
         relay_outbox,
@@ -50,6 +53,7 @@ def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], flo
     return {
         "compensate_callbacks": (compensate_callbacks.run_once, lambda rt: rt.settings.effective_interval_seconds),
         "evaluate_alerts": (evaluate_alerts.run_once, lambda rt: rt.settings.evaluate_alerts_interval_seconds),
+        "notify_alerts": (notify_alerts.run_once, lambda rt: notify_alerts.INTERVAL_SECONDS),
         "publish_events": (publish_events.run_once, lambda rt: rt.settings.publish_events_interval_seconds),
         "relay_outbox": (relay_outbox.run_once, lambda rt: rt.settings.relay_interval_seconds),
         "query_unresolved": (query_unresolved.run_once, lambda rt: rt.settings.query_interval_seconds),
@@ -117,6 +121,9 @@ def serve(runtime: Runtime) -> None:
     signal.signal(signal.SIGINT, stop)
     jobs = sorted([*_jobs(), *_daily_jobs()])
     log.info("compensator started", extra={"jobs": jobs, "broker": runtime.settings.has_broker})
+    from compensator import notify_alerts
+
+    notify_alerts.log_routing(runtime.settings)
     scheduler.start()
 
 
@@ -213,10 +220,16 @@ def main(argv: list[str] | None = None) -> int:
         return reverify_main(argv[1:])
     if argv and argv[0] in COMMANDS:
         return command(argv)
+    if argv[:1] == ["alerts"]:
+        from compensator import alerts_cli
+
+        return alerts_cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m compensator")
     jobs = sorted([*_jobs(), *_daily_jobs(), *ALIASES])
     parser.add_argument(
-        "job", nargs="?", help="one job to run: " + ", ".join(jobs) + "; or " + ", ".join(["reverify", *COMMANDS])
+        "job",
+        nargs="?",
+        help="one job to run: " + ", ".join(jobs) + "; or " + ", ".join(["reverify", *COMMANDS, "alerts"]),
     )
     parser.add_argument("--once", action="store_true", help="run the job once and exit (for cron)")
     args = parser.parse_args(argv)

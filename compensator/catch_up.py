@@ -14,6 +14,15 @@ webhook of the same event (a key problem, say) is exactly what this repairs.
 A genuine event that is not ours (another integration's PaymentIntent) is
 not stored. The cursor moves only after a complete listing, so a run that
 breaks off is repeated, and repeats are deduplicated.
+
+Unlike the gateway, this job publishes no delivery message (``payments.delivery``):
+the backup of what it stores is Stripe itself. Nothing was acknowledged to
+anyone, the event stays listable for 30 days, and the cursor is committed after
+the rows it covers, so a database that lost those rows (a failover to a replica
+that missed the last transactions, a restore from backup) lost the cursor's
+advance too, and the next run fetches and stores the events again. A message
+would also have to mark its row as needing no signature (``source`` api), a
+trust the broker's copies of webhooks do not need.
 """
 
 from __future__ import annotations

@@ -1,49 +1,31 @@
-"""Job ``evaluate_alerts``: the original design's two rules, plus telling the channels.
+"""Job ``evaluate_alerts``: every rule of the rules file that has an evaluator, plus telling the log channel.
 
-- ``callback_backlog``: more than ALERT_BACKLOG_THRESHOLD rows with status 0/2,
-  continuously for ALERT_BACKLOG_SECONDS.
-- ``callback_failure_rate``: more than ALERT_FAILURE_RATE of the callbacks
-  received in the last ALERT_FAILURE_WINDOW_SECONDS failed (rejected, retried
-  or given up), once there are at least ALERT_FAILURE_MIN_SAMPLE of them.
-Give-ups and conflicting reports fire their own alerts where they happen.
+The rules and their thresholds, windows and channels come from
+ALERT_RULES_FILE (default ``ops/alert_rules.toml``); the evaluators, keyed by
+rule name, are in ``payments/alert_evaluators.py`` (the seed's two rules:
+``callback_backlog``, more than 100 rows with status 0/2 for 5 minutes, and
+``callback_failure_rate``, more than 5 % of the callbacks of the last 10
+minutes failed, plus compensation success, deadlines, signature failures and
+open breakers). Give-ups and conflicting reports fire their own alerts where
+they happen. People are told by ``notify_alerts``.
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta
+from datetime import datetime
 
-from sqlalchemy import Connection, case, func, or_, select
+from sqlalchemy import Connection
 
-from payments import alerts
+from payments import alert_evaluators, alert_rules, alerts
 from payments.db import utcnow
 from payments.locks import lock_name, named_lock
 from payments.runtime import Runtime
-from payments.schema import payment_callback_log
-from payments.states import CALLBACK_RETRYABLE, AlertStatus, CallbackStatus
 
 log = logging.getLogger("paysync.compensator.alerts")
 
 BACKLOG_KEY = "callback_backlog"
 FAILURE_RATE_KEY = "callback_failure_rate"
-
-
-def backlog(conn: Connection) -> int:
-    """Rows waiting to be processed (status 0 or 2)."""
-    t = payment_callback_log
-    return conn.execute(select(func.count()).select_from(t).where(t.c.status.in_(CALLBACK_RETRYABLE))).scalar_one()
-
-
-def failure_counts(conn: Connection, since: datetime) -> tuple[int, int]:
-    """(failed, total) callbacks received since ``since``."""
-    t = payment_callback_log
-    failed = or_(
-        t.c.status.in_((CallbackStatus.FAILED, CallbackStatus.REJECTED, CallbackStatus.GAVE_UP)), t.c.retry_count > 0
-    )
-    row = conn.execute(
-        select(func.count(), func.coalesce(func.sum(case((failed, 1), else_=0)), 0)).where(t.c.create_time >= since)
-    ).one()
-    return int(row[1]), int(row[0])
 
 
 LOCK_NAME = "paysync.evaluate_alerts"
@@ -66,38 +48,9 @@ def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
 
 
 def _evaluate(conn: Connection, runtime: Runtime, now: datetime) -> int:
-    s = runtime.settings
-    firing = 0
+    rules = alert_rules.for_settings(runtime.settings)
     with conn.begin():
-        waiting = backlog(conn)
-        if waiting > s.alert_backlog_threshold:
-            status = alerts.observe(
-                conn,
-                rule=BACKLOG_KEY,
-                key=BACKLOG_KEY,
-                message=f"{waiting} callbacks waiting (threshold {s.alert_backlog_threshold})",
-                now=now,
-                sustain_seconds=s.alert_backlog_seconds,
-                details={"backlog": waiting},
-            )
-            firing += status == AlertStatus.FIRING
-        elif alerts.clear(conn, key=BACKLOG_KEY, now=now):
-            log.info("callback backlog alert resolved (%s waiting)", waiting)
-
-        failed, total = failure_counts(conn, now - timedelta(seconds=s.alert_failure_window_seconds))
-        rate = failed / total if total else 0.0
-        if total >= s.alert_failure_min_sample and rate > s.alert_failure_rate:
-            status = alerts.observe(
-                conn,
-                rule=FAILURE_RATE_KEY,
-                key=FAILURE_RATE_KEY,
-                message=f"{rate:.1%} of {total} callbacks failed in the last {s.alert_failure_window_seconds} s",
-                now=now,
-                details={"failed": failed, "total": total, "rate": round(rate, 4)},
-            )
-            firing += status == AlertStatus.FIRING
-        elif alerts.clear(conn, key=FAILURE_RATE_KEY, now=now):
-            log.info("callback failure-rate alert resolved (%.1f%%)", rate * 100)
+        firing = alert_evaluators.evaluate(conn, rules, now)
     with conn.begin():
         alerts.deliver(conn, now)
     return firing

@@ -27,12 +27,11 @@ import logging
 import time
 from collections.abc import Sequence
 
-import pika.exceptions
 import requests
 
-from compensator.events_amqp import CONNECT_TIMEOUT_SECONDS, BrokerUnavailable, EventPublisher
+from compensator.events_amqp import CONNECT_TIMEOUT_SECONDS, BrokerUnavailable, EventPublisher, MessageRefused
 from compensator.events_webhook import post_event
-from payments import events, failpoints
+from payments import alert_rules, events, failpoints
 from payments.backoff import RetryPolicy
 from payments.db import utcnow
 from payments.events import AMQP, WEBHOOK, Attempt, ClaimedEvent
@@ -115,7 +114,7 @@ class _Pass:
             return Attempt(AMQP, ok=False, error=f"broker unavailable: {self.broker_down}")
         try:
             self.publisher.publish(ev.event_id, ev.event_type, body, ev.created_at)
-        except pika.exceptions.NackError:
+        except MessageRefused:
             return Attempt(AMQP, ok=False, error="broker nacked the message")
         except BrokerUnavailable as exc:
             self.broker_down = str(exc)
@@ -172,9 +171,8 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
                 break
     finally:
         run.close()
-    events.note_health(
-        engine, {d: (ok, failed) for d, (ok, failed) in run.outcomes.items()}, utcnow(), settings.alert_backlog_seconds
-    )
+    sustain = alert_rules.for_settings(settings).route("event_delivery_failing").sustain_seconds
+    events.note_health(engine, {d: (ok, failed) for d, (ok, failed) in run.outcomes.items()}, utcnow(), sustain)
     if handled:
         log.info("handled %s domain events", handled, extra={"outcomes": run.outcomes})
     return handled

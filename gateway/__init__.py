@@ -1,4 +1,10 @@
-"""The HTTP gateway: a Flask app factory with one blueprint per surface."""
+"""The HTTP gateway: a Flask app factory with one blueprint per surface.
+
+``create_app`` builds the process's runtime the way the consumer and the
+compensator do (``payments.runtime``: engine, adapters, retry policy,
+failpoints armed), plus the gateway's own pieces: the callback publisher
+(``broker.publisher``) and, with CALLBACK_PROCESS_INLINE, the inline processor.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,7 @@ from typing import Any
 from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
-from payments.db import make_engine
-from payments.providers import build_providers
+from payments.runtime import Runtime, build_runtime
 from payments.settings import Settings, load_settings
 
 log = logging.getLogger("paysync.gateway")
@@ -24,17 +29,23 @@ def error_response(code: str, message: str, status: int, headers: dict[str, str]
     return response
 
 
-def create_app(settings: Settings | None = None, *, engine: Any = None, publisher: Any = None) -> Flask:
-    """Build the gateway. Tests pass their own engine or publisher; gunicorn uses the defaults."""
-    from gateway.publisher import CallbackPublisher
+def create_app(
+    settings: Settings | None = None, *, engine: Any = None, publisher: Any = None, runtime: Runtime | None = None
+) -> Flask:
+    """Build the gateway. ``gateway.wsgi`` passes the runtime; tests pass settings and their own engine or publisher."""
+    from broker.publisher import CallbackPublisher
+    from gateway.inline import InlineProcessor
 
-    settings = settings or load_settings()
+    if runtime is None:
+        runtime = build_runtime(settings or load_settings(), engine)
+    settings = runtime.settings
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.callback_max_body_bytes
     app.extensions["paysync"] = {
+        "runtime": runtime,
         "settings": settings,
-        "engine": engine or make_engine(settings.database_url),
-        "providers": build_providers(settings),
+        "engine": runtime.engine,
+        "providers": runtime.providers,
         "publisher": publisher
         or CallbackPublisher(
             settings.amqp_url,
@@ -42,6 +53,7 @@ def create_app(settings: Settings | None = None, *, engine: Any = None, publishe
             quorum=settings.amqp_quorum_queue,
             timeout=settings.publish_timeout_seconds,
         ),
+        "inline": InlineProcessor(runtime) if settings.process_inline else None,
     }
 
     from gateway.callbacks import bp as callbacks_bp

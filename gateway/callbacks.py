@@ -1,4 +1,9 @@
-"""``POST /callbacks/<provider>``: store first, verify second, publish third, acknowledge last."""
+"""``POST /callbacks/<provider>``: store first, verify second, publish third, acknowledge last.
+
+Between publishing and acknowledging, with CALLBACK_PROCESS_INLINE, the
+callback is processed here within CALLBACK_INLINE_BUDGET_SECONDS
+(``gateway.inline``); the answer never depends on how that went.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from werkzeug.exceptions import ClientDisconnected
 
 from gateway import error_response, ext
+from payments import failpoints
 from payments.callbacks import reject_callback, store_callback, verify_callback
+from payments.db import utcnow
+from payments.delivery import encode_message
 from payments.errors import BodyTooLarge, CallbackRejected, EventIgnored
 
 bp = Blueprint("callbacks", __name__)
@@ -29,6 +37,7 @@ def receive(provider_name: str) -> Any:
 
     # 1. The raw delivery is committed before anything else may fail.
     engine = ext("engine")
+    received_at = utcnow()
     try:
         log_id = store_callback(
             engine,
@@ -37,10 +46,12 @@ def receive(provider_name: str) -> Any:
             headers=headers,
             remote_addr=request.remote_addr,
             index={} if too_large else provider.peek_callback(body),
+            now=received_at,
         )
     except SQLAlchemyError as exc:
         log.error("callback not stored, answering 503: %s", type(exc).__name__)
         return error_response("storage_unavailable", "callback not stored; retry later", 503, {"Retry-After": "5"})
+    failpoints.hit("gateway.after_store")
 
     # 2. Verify. A rejected row stays for audit (status 3).
     try:
@@ -61,8 +72,16 @@ def receive(provider_name: str) -> Any:
     except EventIgnored:
         pass  # genuine but not ours to apply: acknowledged, and processing records it as ignored
 
-    # 3. Fast path to the consumer; never waits on the broker.
-    ext("publisher").publish(log_id)
+    # 3. The delivery itself to the broker: the consumer's fast path, and a copy that outlives a lost row.
+    publisher = ext("publisher")
+    if publisher.enabled:
+        message = encode_message(log_id, provider_name, received_at, body, headers, request.remote_addr)
+        publisher.publish(log_id, message)
+
+    # 3b. Processed here, within the budget; whatever happens, the row is already safe.
+    inline = ext("inline")
+    if inline is not None:
+        inline.process(log_id)
 
     # 4. Acknowledge in the provider's dialect.
     answer = provider.ack()

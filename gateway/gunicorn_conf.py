@@ -1,5 +1,10 @@
 """gunicorn settings for the gateway, taken from paysync's settings.
 
+gunicorn reads this file in its master before any worker starts, so a bad
+setting stops ``web`` here: one line naming the variable on stderr and exit
+code 2, like every other process (gunicorn reports an exception in its config
+file with a traceback and exit 1; SystemExit passes through it).
+
 Slow clients: ``gthread`` workers. A connection costs a thread only while it
 has bytes to read; one idle before its first byte waits in the worker's poller
 (gunicorn defers it), and one that stalls in the middle of a request (half the

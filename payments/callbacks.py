@@ -11,6 +11,7 @@ gives up into the manual queue.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Mapping
@@ -46,7 +47,7 @@ class CallbackResult(StrEnum):
     SKIPPED = "skipped"
     """Row already processed, rejected or given up (or taken by someone else)."""
     MISSING = "missing"
-    """No row with that id."""
+    """No row with that id (or, when a digest was expected, the row holds another delivery)."""
 
 
 # The statements every callback runs, built once. Building a Core statement and computing its
@@ -151,24 +152,36 @@ def process_callback(
     policy: RetryPolicy,
     *,
     now: datetime | None = None,
+    expect: tuple[str, datetime] | None = None,
 ) -> CallbackResult:
     """Process one stored callback in ONE transaction; on any error record a retry (or give up).
 
     Only rows with status 0 or 2 proceed; calling it again for a processed row
-    is a no-op, so redeliveries and concurrent workers are harmless. Raises
+    is a no-op, so redeliveries and concurrent workers are harmless. With
+    ``expect`` (the body digest and receipt time the broker's copy names), a
+    row holding another delivery is MISSING: this one was lost and its id
+    handed out again. Raises
     only when even recording the failure is impossible (database down).
     """
     now = now or utcnow()
     try:
         with engine.begin() as conn:
-            return _process_locked(conn, providers, log_id, now)
+            return _process_locked(conn, providers, log_id, now, expect)
     except Exception as exc:  # noqa: BLE001 - every failure is recorded on the row, then retried
         return _record_failure(engine, log_id, exc, policy, now)
 
 
-def _process_locked(conn: Connection, providers: dict[str, Provider], log_id: int, now: datetime) -> CallbackResult:
+def _process_locked(
+    conn: Connection,
+    providers: dict[str, Provider],
+    log_id: int,
+    now: datetime,
+    expect: tuple[str, datetime] | None,
+) -> CallbackResult:
     row = conn.execute(_LOCK_ROW, {"log_id": log_id}).first()
     if row is None:
+        return CallbackResult.MISSING
+    if expect is not None and (hashlib.sha256(row.callback_data).hexdigest(), row.create_time) != expect:
         return CallbackResult.MISSING
     if row.status not in CALLBACK_RETRYABLE:
         return CallbackResult.SKIPPED

@@ -90,3 +90,20 @@ class EventIgnored(PaysyncError):
 
     code = "event_ignored"
     permanent = True
+
+
+class NotificationFailed(PaysyncError):
+    """An alert channel did not take a notification; the message is safe to log (no URL, no secret).
+
+    ``permanent`` is set per failure: a channel that says the request itself is
+    wrong (bad signature, unknown webhook, archived channel) fails the same way
+    on every retry, so its notification gives up at once. ``retry_after`` is
+    the service's own wait (HTTP Retry-After), if it gave one.
+    """
+
+    code = "notification_failed"
+
+    def __init__(self, message: str, *, permanent: bool = False, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+        self.retry_after = retry_after

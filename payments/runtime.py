@@ -1,4 +1,9 @@
-"""What every long-running process needs, built once at start from the settings."""
+"""What every long-running process needs, built once at start from the settings.
+
+Every process starts the same way: ``payments.settings.start_process`` (a bad
+setting stops it with one line naming it and exit code 2, logging set up),
+then ``build_runtime`` (failpoints armed, the engine and adapters built).
+"""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from payments.states import (
     BreakerState,
     CallbackStatus,
     DeliveryStatus,
+    NotificationStatus,
     OutboxStatus,
     PaymentStatus,
     ReconciliationRunStatus,
@@ -597,6 +598,38 @@ alert = Table(
     UniqueConstraint("open_key", name="uq_alert_open_key"),
     Index("idx_alert_status", "status"),
     comment="Alerts: at most one open row per dedupe key; resolved rows stay as history.",
+    **MYSQL,
+)
+
+alert_notification = Table(
+    "alert_notification",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("alert_id", BigInteger, nullable=False, comment="alert.id this notification is about"),
+    Column(
+        "channel", String(16), nullable=False, comment="email, sms, aliyun_sms, dingtalk, feishu, wecom, slack, webhook"
+    ),
+    Column("kind", String(16), nullable=False, comment="firing (once per incident), repeat (each cooldown), resolved"),
+    Column("seq", Integer, nullable=False, default=0, comment="repeat number (1, 2, …); 0 for firing and resolved"),
+    Column(
+        "status",
+        String(16),
+        nullable=False,
+        comment="held (resolved notice waiting for the alert to clear), pending, sent, gave_up, cancelled",
+    ),
+    Column("attempts", Integer, nullable=False, default=0, comment="failed attempts so far"),
+    Column("next_attempt_at", TS, nullable=False, comment="earliest time a notifier may try (backoff after a failure)"),
+    Column("lease_until", TS, nullable=True, comment="a notifier is sending it until then (claimed, SKIP LOCKED)"),
+    Column("last_error", String(500), nullable=True, comment="why the last attempt failed (no URL, no secret)"),
+    Column("sent_at", TS, nullable=True),
+    Column("created_at", TS, nullable=False),
+    Column("updated_at", TS, nullable=False),
+    UniqueConstraint("alert_id", "channel", "kind", "seq", name="uq_alert_notification"),
+    CheckConstraint("kind IN ('firing', 'repeat', 'resolved')", name="ck_alert_notification_kind"),
+    CheckConstraint(_in("status", NotificationStatus), name="ck_alert_notification_status"),
+    Index("idx_alert_notification_due", "status", "next_attempt_at"),
+    comment="Per alert, channel and kind: the delivery state of notifications, so one dead channel never holds up "
+    "another.",
     **MYSQL,
 )
 

@@ -15,7 +15,6 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from payments.errors import ConfigError
@@ -76,7 +75,7 @@ class Settings:
     amqp_url: str = ""
     """RabbitMQ URL; empty means no broker (the compensator alone converges)."""
     amqp_queue: str = "payment_callbacks"
-    """Queue that carries {log_id} from the gateway to the consumer."""
+    """Queue that carries each stored callback delivery from the gateway to the consumer."""
     amqp_quorum_queue: bool = False
     """Declare the queue as a quorum queue (for a RabbitMQ cluster)."""
     paysync_env: str = "production"
@@ -105,33 +104,21 @@ class Settings:
     metrics_settled_cache_seconds: float = 60.0
     """/metrics reads the counts of settled rows (millions) at most this often per gateway worker."""
     sandbox_webhook_secret: tuple[str, ...] = ()
-    """Secret(s) of the sandbox platform's notifications; set: the sandbox provider is enabled. The first signs."""
+    """Secret(s) that verify the sandbox platform's notifications (rotation: every one is accepted); with
+    SANDBOX_API_KEY it enables the sandbox provider."""
     sandbox_api_url: str = "http://127.0.0.1:8100"
     """Where paysync calls the sandbox payment platform."""
-    sandbox_port: int = 8100
-    """Port the sandbox platform listens on."""
-    sandbox_callback_url: str = "http://127.0.0.1:8000/callbacks/sandbox"
-    """Where the sandbox platform sends its notifications."""
-    sandbox_host: str = "127.0.0.1"
-    """Address the sandbox platform binds (0.0.0.0 to reach it from other hosts)."""
-    sandbox_db_path: str = str(PROJECT_ROOT / "var" / "sandbox.db")
-    """The sandbox platform's own SQLite file (":memory:" keeps its state in memory)."""
-    sandbox_fee_rate: Decimal = Decimal("0.006")
-    """Fee the sandbox takes on a succeeded charge (settlement files), as a fraction."""
-    sandbox_seed: int | None = None
-    """Seed of the sandbox's fault dice for repeatable runs; empty draws from the OS."""
-    sandbox_faults: str = ""
-    """JSON object of sandbox fault knobs (sandbox/faults.py), e.g. {"decline_rate": 0.1}; validated at start."""
-    sandbox_webhook_max_attempts: int = 8
-    """Delivery attempts of one sandbox notification before the platform gives up."""
-    sandbox_webhook_backoff_seconds: float = 1.0
-    """First retry delay of a sandbox notification; doubles each attempt, with jitter."""
-    sandbox_threads: int = 256
-    """Request threads of the sandbox's one gunicorn gthread worker (hanging faults park threads)."""
+    sandbox_api_key: tuple[str, ...] = ()
+    """API key paysync presents to the sandbox platform (``Authorization: Bearer …``), like a provider's secret
+    key; comma-separated, the first is presented (the sandbox accepts every listed one: rotation)."""
     callback_max_body_bytes: int = 256 * 1024
     """Callback bodies larger than this are refused with 413 and not stored."""
     callback_tolerance_seconds: int = 300
     """How old a signed callback timestamp may be (replay protection)."""
+    callback_process_inline: bool | None = None
+    """The gateway processes each callback before acknowledging it; None (unset): true when there is no broker."""
+    callback_inline_budget_seconds: float = 2.0
+    """How long inline processing may hold the acknowledgement; past it the row is left to consumer and sweep."""
     publish_timeout_seconds: float = 0.5
     """Upper bound on any broker connect or publish attempt from the gateway."""
     consumer_prefetch: int = 50
@@ -160,16 +147,70 @@ class Settings:
     """First retry delay; doubles each attempt, with jitter."""
     retry_max_seconds: float = 3600.0
     """Cap on one retry delay."""
-    alert_backlog_threshold: int = 100
-    """Backlog alert: more than this many rows with status 0/2 …"""
-    alert_backlog_seconds: int = 300
-    """… continuously for this long."""
-    alert_failure_rate: float = 0.05
-    """Failure-rate alert: more than this share of recent callbacks failed …"""
-    alert_failure_window_seconds: int = 600
-    """… over this window."""
-    alert_failure_min_sample: int = 20
-    """No failure-rate alert on fewer callbacks than this in the window."""
+    alert_rules_file: str = ""
+    """TOML file of alert rules (threshold, window, cooldown, severity, channels); empty: ops/alert_rules.toml."""
+    alert_notify_max_attempts: int = 8
+    """Failed attempts at one notification on one channel before it gives up (alert_channel_failing fires)."""
+    alert_notify_retry_base_seconds: float = 15.0
+    """First retry delay of a failed notification; doubles each attempt, with jitter …"""
+    alert_notify_retry_max_seconds: float = 600.0
+    """… capped at this."""
+    alert_channel_timeout_seconds: float = 10.0
+    """Timeout of one send on one channel (connect and each read)."""
+    smtp_host: str = ""
+    """SMTP server for the email channel; with SMTP_FROM and SMTP_TO it enables the channel."""
+    smtp_port: int = 587
+    """SMTP port: 587 for STARTTLS, 465 for implicit TLS, 25 for none."""
+    smtp_tls: str = "starttls"
+    """starttls (upgrade after EHLO), implicit (TLS from the first byte) or off; certificates are always verified."""
+    smtp_username: str = ""
+    """SMTP AUTH user; with SMTP_PASSWORD (both or neither)."""
+    smtp_password: str = ""
+    """SMTP AUTH password: one value (commas are legal in passwords), never logged; needs TLS."""
+    smtp_from: str = ""
+    """Sender address of alert mails."""
+    smtp_to: tuple[str, ...] = ()
+    """Comma-separated recipient addresses."""
+    smtp_ca_file: str = ""
+    """PEM bundle to verify the SMTP server's certificate with instead of the system's CAs (a private CA)."""
+    sms_gateway_url: str = ""
+    """Generic HTTP SMS gateway; with SMS_RECIPIENTS it enables the sms channel."""
+    sms_gateway_template: str = '{"to": "{{phone}}", "text": "{{text}}"}'
+    """JSON body sent to the gateway: placeholders {{phone}} or {{phones}}, {{text}}, {{title}}, {{rule}}, …"""
+    sms_gateway_token: tuple[str, ...] = ()
+    """Bearer token(s) for the gateway, comma-separated (the first is sent); empty: no Authorization header."""
+    sms_recipients: tuple[str, ...] = ()
+    """Comma-separated phone numbers the sms channel texts."""
+    aliyun_sms_access_key_id: str = ""
+    """Aliyun AccessKey ID for dysmsapi SendSms; the five ALIYUN_SMS_* settings below enable aliyun_sms."""
+    aliyun_sms_access_key_secret: tuple[str, ...] = ()
+    """The AccessKey secret(s), comma-separated (the first signs)."""
+    aliyun_sms_sign_name: str = ""
+    """Approved SMS signature name (签名名称)."""
+    aliyun_sms_template_code: str = ""
+    """Approved template code (SMS_…)."""
+    aliyun_sms_template_param: str = '{"rule": "{{rule}}", "status": "{{kind}}"}'
+    """JSON object for the template's ${variables}: placeholders {{text}}, {{title}}, {{rule}}, {{severity}}, …"""
+    aliyun_sms_phone_numbers: tuple[str, ...] = ()
+    """Comma-separated phone numbers aliyun_sms texts (one SendSms call for all)."""
+    aliyun_sms_endpoint: str = "https://dysmsapi.aliyuncs.com"
+    """Where SendSms is called (a local fake in tests)."""
+    dingtalk_webhook_url: str = ""
+    """DingTalk group robot webhook (…/robot/send?access_token=…); enables the dingtalk channel."""
+    dingtalk_secret: tuple[str, ...] = ()
+    """The robot's signing secret(s) (SEC…), comma-separated (the first signs); empty: unsigned."""
+    feishu_webhook_url: str = ""
+    """Feishu/Lark custom bot webhook (…/open-apis/bot/v2/hook/…); enables the feishu channel."""
+    feishu_secret: tuple[str, ...] = ()
+    """The bot's signing secret(s), comma-separated (the first signs); empty: unsigned."""
+    wecom_webhook_url: str = ""
+    """WeCom group robot webhook (…/cgi-bin/webhook/send?key=…); enables the wecom channel."""
+    slack_webhook_url: str = ""
+    """Slack incoming webhook (https://hooks.slack.com/services/…); enables the slack channel."""
+    alert_webhook_url: str = ""
+    """Generic alert webhook (Standard Webhooks signed JSON); with ALERT_WEBHOOK_SECRET enables the webhook channel."""
+    alert_webhook_secret: tuple[str, ...] = ()
+    """whsec_<base64> secret(s) of the alert webhook, comma-separated (the first signs)."""
     merchant_max_amount: int = 100_000_000
     """Largest amount POST /payments accepts, in minor units."""
     idempotency_lock_seconds: float = 60.0
@@ -275,6 +316,11 @@ class Settings:
         return bool(self.amqp_url)
 
     @property
+    def process_inline(self) -> bool:
+        """Whether the gateway processes callbacks in the request (CALLBACK_PROCESS_INLINE, default: no broker)."""
+        return (not self.has_broker) if self.callback_process_inline is None else self.callback_process_inline
+
+    @property
     def effective_grace_seconds(self) -> float:
         """The sweep's grace period: none without a broker, since nobody else will process."""
         return self.compensator_grace_seconds if self.has_broker else 0.0
@@ -314,18 +360,11 @@ _PARSERS = {
     "metrics_settled_cache_seconds": lambda n, v: _float(n, v, 0, 3600),
     "sandbox_webhook_secret": lambda n, v: _secrets(n, v),
     "sandbox_api_url": lambda n, v: _url(n, v, ("http://", "https://")),
-    "sandbox_port": lambda n, v: _int(n, v, 1, 65535),
-    "sandbox_callback_url": lambda n, v: _url(n, v, ("http://", "https://")),
-    "sandbox_host": lambda n, v: v.strip() or "127.0.0.1",
-    "sandbox_db_path": lambda n, v: v.strip() or str(PROJECT_ROOT / "var" / "sandbox.db"),
-    "sandbox_fee_rate": lambda n, v: _rate(n, v),
-    "sandbox_seed": lambda n, v: _int(n, v) if v.strip() else None,
-    "sandbox_faults": lambda n, v: _sandbox_faults(n, v),
-    "sandbox_webhook_max_attempts": lambda n, v: _int(n, v, 1, 100),
-    "sandbox_webhook_backoff_seconds": lambda n, v: _float(n, v, 0.001, 3600),
-    "sandbox_threads": lambda n, v: _int(n, v, 1, 2048),
+    "sandbox_api_key": lambda n, v: _secrets(n, v),
     "callback_max_body_bytes": lambda n, v: _int(n, v, 1024, 16 * 1024 * 1024),
     "callback_tolerance_seconds": lambda n, v: _int(n, v, 1, 86400),
+    "callback_process_inline": lambda n, v: _bool(n, v) if v.strip() else None,
+    "callback_inline_budget_seconds": lambda n, v: _float(n, v, 0.01, 25),
     "publish_timeout_seconds": lambda n, v: _float(n, v, 0.01, 30),
     "consumer_prefetch": lambda n, v: _int(n, v, 1, 10000),
     "compensator_interval_seconds": lambda n, v: _float(n, v, 0.1, 86400),
@@ -340,11 +379,38 @@ _PARSERS = {
     "events_lease_seconds": lambda n, v: _float(n, v, 1, 86400),
     "retry_base_seconds": lambda n, v: _float(n, v, 0.001, 86400),
     "retry_max_seconds": lambda n, v: _float(n, v, 0.001, 7 * 86400),
-    "alert_backlog_threshold": lambda n, v: _int(n, v, 0),
-    "alert_backlog_seconds": lambda n, v: _int(n, v, 0),
-    "alert_failure_rate": lambda n, v: _float(n, v, 0, 1),
-    "alert_failure_window_seconds": lambda n, v: _int(n, v, 1),
-    "alert_failure_min_sample": lambda n, v: _int(n, v, 1),
+    "alert_rules_file": lambda n, v: v.strip(),
+    "alert_notify_max_attempts": lambda n, v: _int(n, v, 1, 100),
+    "alert_notify_retry_base_seconds": lambda n, v: _float(n, v, 0.001, 86400),
+    "alert_notify_retry_max_seconds": lambda n, v: _float(n, v, 0.001, 86400),
+    "alert_channel_timeout_seconds": lambda n, v: _float(n, v, 0.1, 120),
+    "smtp_host": lambda n, v: v.strip(),
+    "smtp_port": lambda n, v: _int(n, v, 1, 65535),
+    "smtp_tls": lambda n, v: _choice(n, v, ("starttls", "implicit", "off")),
+    "smtp_username": lambda n, v: v.strip(),
+    "smtp_password": lambda n, v: v,
+    "smtp_from": lambda n, v: _email(n, v),
+    "smtp_to": lambda n, v: tuple(_email(n, item) for item in _list(v)),
+    "smtp_ca_file": lambda n, v: v.strip(),
+    "sms_gateway_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "sms_gateway_template": lambda n, v: _json_template(n, v, "sms"),
+    "sms_gateway_token": lambda n, v: _secrets(n, v),
+    "sms_recipients": lambda n, v: _phones(n, v),
+    "aliyun_sms_access_key_id": lambda n, v: _matching(n, v, _ACCESS_KEY_ID, "an AccessKey ID (letters and digits)"),
+    "aliyun_sms_access_key_secret": lambda n, v: _secrets(n, v),
+    "aliyun_sms_sign_name": lambda n, v: v.strip(),
+    "aliyun_sms_template_code": lambda n, v: _matching(n, v, _TEMPLATE_CODE, "a template code such as SMS_123456"),
+    "aliyun_sms_template_param": lambda n, v: _json_template(n, v, "aliyun_sms"),
+    "aliyun_sms_phone_numbers": lambda n, v: _phones(n, v),
+    "aliyun_sms_endpoint": lambda n, v: _url(n, v, ("http://", "https://")) or "https://dysmsapi.aliyuncs.com",
+    "dingtalk_webhook_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "dingtalk_secret": lambda n, v: _secrets(n, v),
+    "feishu_webhook_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "feishu_secret": lambda n, v: _secrets(n, v),
+    "wecom_webhook_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "slack_webhook_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "alert_webhook_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "alert_webhook_secret": lambda n, v: _webhook_secrets(n, v),
     "merchant_max_amount": lambda n, v: _int(n, v, 1, 2**62),
     "idempotency_lock_seconds": lambda n, v: _float(n, v, 1, 86400),
     "provider_timeout_seconds": lambda n, v: _float(n, v, 0.05, 300),
@@ -402,6 +468,46 @@ _MCHID = re.compile(r"[0-9]{1,32}", re.ASCII)
 _APPID = re.compile(r"[0-9A-Za-z_]{1,32}", re.ASCII)
 _HEX_SERIAL = re.compile(r"[0-9A-Fa-f]{1,64}", re.ASCII)
 _PUB_KEY_ID = re.compile(r"PUB_KEY_ID_[0-9A-Za-z_]{1,64}", re.ASCII)
+_ACCESS_KEY_ID = re.compile(r"[0-9A-Za-z]{1,64}", re.ASCII)
+_TEMPLATE_CODE = re.compile(r"SMS_[0-9]{1,32}", re.ASCII)
+_PHONE = re.compile(r"\+?[0-9]{5,20}", re.ASCII)
+_EMAIL = re.compile(r"[^@\s,<>]+@[^@\s,<>]+\.[^@\s,<>]+")
+
+
+def _choice(name: str, raw: str, choices: tuple[str, ...]) -> str:
+    value = raw.strip().lower() or choices[0]
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {raw[:32]!r}")
+    return value
+
+
+def _email(name: str, raw: str) -> str:
+    value = raw.strip()
+    if value and not _EMAIL.fullmatch(value):
+        raise ConfigError(f"{name} must be plain addresses such as ops@example.com, got {value[:64]!r}")
+    return value
+
+
+def _phones(name: str, raw: str) -> tuple[str, ...]:
+    phones = tuple(p.replace(" ", "").replace("-", "") for p in _list(raw))
+    for phone in phones:
+        if not _PHONE.fullmatch(phone):
+            raise ConfigError(f"{name} must be comma-separated phone numbers (+8613800000000), got {phone[:24]!r}")
+    return phones
+
+
+def _json_template(name: str, raw: str, channel: str) -> str:
+    from payments.notify import aliyun_sms, sms_http, template
+
+    allowed = sms_http.ALLOWED if channel == "sms" else aliyun_sms.ALLOWED
+    if not raw.strip():
+        return getattr(Settings, name.lower())
+    try:
+        template.parse(raw, allowed)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    return raw.strip()
+
 
 _STRIPE_API_KEY = re.compile(r"(sk|rk)_(live|test)_[0-9A-Za-z]{16,247}", re.ASCII)
 _STRIPE_WEBHOOK_SECRET = re.compile(r"whsec_[0-9A-Za-z+/=_-]{16,250}", re.ASCII)
@@ -507,27 +613,6 @@ def _webhook_secrets(name: str, raw: str) -> tuple[str, ...]:
     return values
 
 
-def _rate(name: str, raw: str) -> Decimal:
-    # Decimal, not float: the rate multiplies money.
-    try:
-        value = Decimal(raw.strip())
-    except InvalidOperation:
-        raise ConfigError(f"{name} must be a decimal fraction such as 0.006, got {raw!r}") from None
-    if not value.is_finite() or not 0 <= value < 1:
-        raise ConfigError(f"{name} must be >= 0 and < 1, got {raw!r}")
-    return value
-
-
-def _sandbox_faults(name: str, raw: str) -> str:
-    from sandbox.faults import parse_faults  # the knobs are the sandbox's; it is standard library only
-
-    try:
-        parse_faults(raw.strip())
-    except ValueError as exc:
-        raise ConfigError(f"{name}: {exc}") from None
-    return raw.strip()
-
-
 def _list(raw: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in raw.split(",") if item.strip())
 
@@ -583,6 +668,7 @@ DEV_DEFAULTS: dict[str, tuple[str, ...]] = {
     "merchant_api_token": ("dev-merchant-token",),
     "ops_token": ("dev-ops-token",),
     "sandbox_webhook_secret": ("whsec_dev_sandbox",),
+    "sandbox_api_key": ("sk_sandbox_dev_key",),
 }
 """Secrets PAYSYNC_ENV=development fills in when they are not set; production refuses every one of them."""
 
@@ -613,8 +699,10 @@ class ProviderSettings:
 
 
 PROVIDERS: dict[str, ProviderSettings] = {
-    "sandbox": ProviderSettings(secrets=("sandbox_webhook_secret",)),
-    "sandbox_legacy": ProviderSettings(secrets=("sandbox_webhook_secret",), switch="sandbox_legacy_enabled"),
+    "sandbox": ProviderSettings(secrets=("sandbox_webhook_secret", "sandbox_api_key")),
+    "sandbox_legacy": ProviderSettings(
+        secrets=("sandbox_webhook_secret", "sandbox_api_key"), switch="sandbox_legacy_enabled"
+    ),
     "alipay": ProviderSettings(
         required=("alipay_app_id", "alipay_app_private_key_file", "alipay_public_key_files"),
         check=lambda s: check_alipay_settings(s),
@@ -691,7 +779,7 @@ def check_deployment(settings: Settings) -> str | None:
         if PROVIDERS[name].check is not None:
             PROVIDERS[name].check(settings)
     if settings.sandbox_legacy_enabled and "sandbox_legacy" not in enabled:
-        raise ConfigError("SANDBOX_LEGACY_ENABLED=true needs SANDBOX_WEBHOOK_SECRET")
+        raise ConfigError("SANDBOX_LEGACY_ENABLED=true needs SANDBOX_WEBHOOK_SECRET and SANDBOX_API_KEY")
     names = list(ALWAYS_REQUIRED_SECRETS)
     for name in enabled:
         names += [f for f in PROVIDERS[name].secrets if f not in names]
@@ -728,6 +816,17 @@ def start_process(process: str, environ: Mapping[str, str] | None = None, *, war
     return settings
 
 
+_RULES_HINT = "set it in ALERT_RULES_FILE (default ops/alert_rules.toml)"
+RETIRED_SETTINGS = {
+    "ALERT_BACKLOG_THRESHOLD": f"the backlog alert's threshold is rule callback_backlog's threshold; {_RULES_HINT}",
+    "ALERT_BACKLOG_SECONDS": f"the backlog alert's duration is rule callback_backlog's sustain_seconds; {_RULES_HINT}",
+    "ALERT_FAILURE_RATE": f"the failure-rate alert's threshold is rule callback_failure_rate's; {_RULES_HINT}",
+    "ALERT_FAILURE_WINDOW_SECONDS": f"rule callback_failure_rate's window_seconds replaces it; {_RULES_HINT}",
+    "ALERT_FAILURE_MIN_SAMPLE": f"rule callback_failure_rate's min_sample replaces it; {_RULES_HINT}",
+}
+"""Settings that existed once and are refused now, with where their value went (a silent ignore would change alerts)."""
+
+
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Build Settings from the environment; raise ConfigError naming the bad variable.
 
@@ -736,6 +835,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     empty (and a provider whose secret is empty is not enabled).
     """
     environ = os.environ if environ is None else environ
+    retired = sorted(RETIRED_SETTINGS.keys() & environ.keys())
+    if retired:
+        raise ConfigError(f"{retired[0]} is no longer read: {RETIRED_SETTINGS[retired[0]]}")
     values = {}
     for f in fields(Settings):
         name = env_name(f.name)
@@ -757,6 +859,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     _check_complete(settings)
     if settings.merchant_webhook_url and not settings.merchant_webhook_secret:
         raise ConfigError("MERCHANT_WEBHOOK_SECRET (whsec_…) is required when MERCHANT_WEBHOOK_URL is set")
+    if settings.alert_notify_retry_max_seconds < settings.alert_notify_retry_base_seconds:
+        raise ConfigError("ALERT_NOTIFY_RETRY_MAX_SECONDS must be >= ALERT_NOTIFY_RETRY_BASE_SECONDS")
+    check_alerting(settings)
     return settings
 
 
@@ -778,3 +883,12 @@ def validate_stripe(settings: Settings, *, production: bool) -> None:
         raise ConfigError("STRIPE_API_KEY is a test-mode key (…_test_…); production needs a live key")
     if not settings.stripe_api_base.startswith("https://"):
         raise ConfigError("STRIPE_API_BASE must be https:// in production")
+
+
+def check_alerting(settings: Settings) -> None:
+    """The alert channels' settings hold together and ALERT_RULES_FILE is a valid rules file (ConfigError if not)."""
+    from payments import alert_rules
+    from payments.notify import channels
+
+    channels.validate(settings)
+    alert_rules.for_settings(settings)

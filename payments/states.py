@@ -4,7 +4,8 @@ One enum per status column: ``PaymentStatus`` (payment.status and
 refund.status, with the state machine below), ``CallbackStatus``
 (payment_callback_log.status), ``OutboxStatus`` (outbox.status),
 ``DeliveryStatus`` (event_delivery.status), ``ReviewStatus``
-(manual_review.status), ``AlertStatus`` (alert.status), ``BreakerState``
+(manual_review.status), ``AlertStatus`` (alert.status),
+``NotificationStatus`` (alert_notification.status), ``BreakerState``
 (provider_breaker.state), ``SettlementFileStatus`` (settlement_file.status)
 and ``ReconciliationRunStatus`` (reconciliation_run.status). Nothing else
 spells those values out.
@@ -98,6 +99,21 @@ class AlertStatus(StrEnum):
     """Condition seen, not for long enough yet."""
     FIRING = "firing"
     RESOLVED = "resolved"
+
+
+class NotificationStatus(StrEnum):
+    """Status of one notification of one alert on one channel (alert_notification.status)."""
+
+    HELD = "held"
+    """A resolved notice waiting for its alert to clear."""
+    PENDING = "pending"
+    """Due at next_attempt_at."""
+    SENT = "sent"
+    """The channel took it."""
+    GAVE_UP = "gave_up"
+    """Retries exhausted, or the channel said the request itself is wrong (alert_channel_failing fired)."""
+    CANCELLED = "cancelled"
+    """Nobody needs to hear it now (the alert resolved first, or this channel was never told it fired)."""
 
 
 class BreakerState(StrEnum):

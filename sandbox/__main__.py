@@ -27,18 +27,17 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
-from payments.errors import ConfigError
-from payments.logs import setup_logging
-from payments.settings import Settings, load_settings
 from sandbox.app import Platform, build_platform, create_app
+from sandbox.config import SandboxConfigError, SandboxSettings, load_settings
+from sandbox.logs import setup_logging
 
 log = logging.getLogger("sandbox")
 
 
 class SandboxServer(BaseApplication):
-    """gunicorn configured from Settings; the Platform is built inside the worker, after the fork."""
+    """gunicorn configured from SandboxSettings; the Platform is built inside the worker, after the fork."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: SandboxSettings) -> None:
         self.settings = settings
         self.platform: Platform | None = None
         super().__init__()
@@ -47,11 +46,11 @@ class SandboxServer(BaseApplication):
         """gunicorn settings (see the module docstring for why each)."""
         s = self.settings
         for key, value in {
-            "bind": f"{s.sandbox_host}:{s.sandbox_port}",
+            "bind": f"{s.host}:{s.port}",
             "workers": 1,
             "worker_class": "gthread",
-            "threads": s.sandbox_threads,
-            "worker_connections": max(1000, s.sandbox_threads * 4),
+            "threads": s.threads,
+            "worker_connections": max(1000, s.threads * 4),
             "keepalive": 5,
             "timeout": 30,
             "graceful_timeout": 10,
@@ -75,13 +74,13 @@ class SandboxServer(BaseApplication):
 
 def _when_ready(server: Any) -> None:
     s = server.app.settings
-    host = "127.0.0.1" if s.sandbox_host in ("0.0.0.0", "::") else s.sandbox_host  # noqa: S104
+    host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host  # noqa: S104
     log.info(
         "sandbox payment platform listening on http://%s:%d (state %s, webhooks to %s)",
         host,
-        s.sandbox_port,
-        s.sandbox_db_path,
-        s.sandbox_callback_url,
+        s.port,
+        s.db_path,
+        s.callback_url,
     )
 
 
@@ -106,10 +105,10 @@ def main() -> int:
     """Run until SIGTERM/SIGINT; return the exit code."""
     try:
         settings = load_settings()
-    except ConfigError as exc:
+    except SandboxConfigError as exc:
         print(f"sandbox: bad configuration: {exc}", file=sys.stderr)
         return 2
-    setup_logging(settings.log_level, process="sandbox")
+    setup_logging(settings.log_level)
     SandboxServer(settings).run()
     return 0
 

@@ -1,6 +1,6 @@
 """Fault injection: the knobs, their validation, and the seeded dice that decide each request's fate.
 
-Pure standard library (``payments.settings`` validates ``SANDBOX_FAULTS`` with
+Pure standard library (``sandbox.config`` validates ``SANDBOX_FAULTS`` with
 ``parse_faults``). Every request draws the same number of random values in
 the same order whatever the knobs say, so two runs with one seed and the same
 sequence of requests get the same outcomes; webhook signature faults are drawn

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from payments.ids import new_id
 from sandbox import model
 from sandbox.faults import Plan, WebhookPlan
+from sandbox.ids import new_id
 from sandbox.settlement import SettlementRow
 
 SCHEMA = """

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import requests
 
-from payments.backoff import compute_backoff
 from sandbox import signing
 from sandbox.faults import Faults, bad_signature
 from sandbox.store import DueEvent, Store
@@ -48,6 +47,12 @@ class DeliveryPolicy:
     backoff_max_seconds: float = 3600.0
     timeout_seconds: float = 5.0
     concurrency: int = 16
+
+
+def retry_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
+    """Seconds before attempt ``attempt + 1``: exponential, capped, with equal jitter (a delay in [d/2, d])."""
+    ceiling = min(cap, base * 2.0 ** min(attempt - 1, 62))
+    return ceiling / 2 + rng.uniform(0, ceiling / 2)
 
 
 def next_status(status_code: int | None, attempt: int, max_attempts: int) -> str:
@@ -153,7 +158,7 @@ class Dispatcher:
         status = next_status(status_code, attempt, self.policy.max_attempts)
         retry_at = None
         if status == "pending":
-            retry_at = now + compute_backoff(
+            retry_at = now + retry_delay(
                 attempt, self.policy.backoff_seconds, self.policy.backoff_max_seconds, self._rng
             )
         self.store.record_attempt(

@@ -20,6 +20,7 @@ import requests
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
+from payments.delivery import encode_message
 from payments.schema import ledger_event, payment, payment_callback_log, processed_event
 from tests.support import SECRET, Proc, TcpProxy, env_for, free_port, wait_for_port, wait_until
 
@@ -174,11 +175,11 @@ def ready_count(amqp_url: str, queue: str) -> int:
 
 def publish_raw(amqp_url: str, queue: str, bodies: Iterable[bytes]) -> None:
     """Publish raw message bodies to ``queue`` (declared with paysync's topology), persistent."""
-    from consumer.topology import declare
+    from broker.topology import declare_callback_queue
 
     conn, ch = amqp_channel(amqp_url)
     try:
-        declare(ch, queue)
+        declare_callback_queue(ch, queue)
         ch.confirm_delivery()
         for body in bodies:
             ch.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2))
@@ -187,8 +188,21 @@ def publish_raw(amqp_url: str, queue: str, bodies: Iterable[bytes]) -> None:
 
 
 def publish_ids(amqp_url: str, queue: str, log_ids: Iterable[int]) -> None:
-    """Publish ``{"log_id": …}`` messages as the gateway does."""
+    """Publish ``{"log_id": …}`` messages, the format of earlier versions (still in queues after an upgrade)."""
     publish_raw(amqp_url, queue, (json.dumps({"log_id": i}).encode() for i in log_ids))
+
+
+def delivery_message(row: Any) -> bytes:
+    """The message the gateway publishes for a stored row (``payments.delivery``)."""
+    return encode_message(
+        row.id, row.provider, row.create_time, bytes(row.callback_data), json.loads(row.headers), row.remote_addr
+    )
+
+
+def publish_deliveries(amqp_url: str, queue: str, engine, log_ids: Iterable[int]) -> None:  # noqa: ANN001
+    """Publish the gateway's message for each stored row, in order."""
+    rows = {r.id: r for r in callback_rows(engine)}
+    publish_raw(amqp_url, queue, [delivery_message(rows[i]) for i in log_ids])
 
 
 # --- database peeks ------------------------------------------------------------------------------------------

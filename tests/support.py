@@ -25,15 +25,20 @@ from sandbox import signing
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "whsec_test_secret"
+API_KEY = "sk_sandbox_test_key"
+"""The sandbox API key every test process shares (SANDBOX_API_KEY); not the development default, on purpose."""
+API_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+"""What a test sends to the sandbox's /v1/* when it calls the platform itself."""
 
 
 def make_settings(**overrides: Any) -> Settings:
-    """Settings for tests: development, the test secret, fast retries, then ``overrides``."""
+    """Settings for tests: development, the test secret and API key, fast retries, then ``overrides``."""
     base = Settings(
         paysync_env="development",
         merchant_api_token=DEV_DEFAULTS["merchant_api_token"],
         ops_token=DEV_DEFAULTS["ops_token"],
         sandbox_webhook_secret=(SECRET,),
+        sandbox_api_key=(API_KEY,),
         retry_base_seconds=0.01,
         retry_max_seconds=0.05,
     )
@@ -47,6 +52,7 @@ def env_for(settings_env: dict[str, str]) -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT)
     env.setdefault("PAYSYNC_ENV", "development")
     env.setdefault("SANDBOX_WEBHOOK_SECRET", SECRET)
+    env.setdefault("SANDBOX_API_KEY", API_KEY)
     env.update(settings_env)
     return env
 

@@ -57,6 +57,8 @@ def alipay_settings(engine, keys, fake=None, **overrides):
         query_pending_after_seconds=0.2,
         # The tests make a payment due themselves: a NotFound right after a send is believed (re-sent) at once.
         query_not_found_grace_seconds=0,
+        # The tests look at callback rows as the gateway stored them, then process them themselves.
+        callback_process_inline=False,
         **overrides,
     )
 

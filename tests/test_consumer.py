@@ -7,6 +7,8 @@ up as ready, an acknowledged one is gone.
 
 from __future__ import annotations
 
+import base64
+import json
 import re
 import signal
 import threading
@@ -24,9 +26,11 @@ from tests.stack import (
     Stack,
     callback_rows,
     db_url,
+    delivery_message,
     effect_counts,
     payment_status,
     post,
+    publish_deliveries,
     publish_ids,
     publish_raw,
     ready_count,
@@ -70,7 +74,8 @@ def test_a_message_for_an_already_processed_row_is_acked_with_no_effect(mariadb,
 
     with _stack(tmp_path, mariadb, amqp_url, amqp_queue) as stack:
         consumer = stack.start("consumer")
-        publish_ids(amqp_url, amqp_queue, [done_id, done_id, fresh_id])  # one queue, one consumer: in order
+        # One queue, one consumer: in order.
+        publish_deliveries(amqp_url, amqp_queue, mariadb, [done_id, done_id, fresh_id])
         wait_until(lambda: payment_status(mariadb, fresh_payment) == "Succeeded", timeout=20, message="fresh row")
         assert consumer.stop() == 0
     assert _stopped_after(consumer) == 3
@@ -81,16 +86,36 @@ def test_a_message_for_an_already_processed_row_is_acked_with_no_effect(mariadb,
 
 def test_an_unreadable_message_goes_to_the_dead_letter_queue(mariadb, amqp_url, amqp_queue, tmp_path):
     payment_id = create_payment(mariadb)
-    log_id = _store(mariadb, payment_id)
+    _store(mariadb, payment_id)
     with _stack(tmp_path, mariadb, amqp_url, amqp_queue) as stack:
         consumer = stack.start("consumer")
-        publish_raw(amqp_url, amqp_queue, [b"not json", b'{"log_id": "12"}', b"[1, 2]", b'{"log_id": -5}'])
-        publish_ids(amqp_url, amqp_queue, [log_id])
+        good = delivery_message(callback_rows(mariadb)[0])
+        forged = json.loads(good)
+        forged["body"] = base64.b64encode(b'{"id": "evt_forged"}').decode()  # the digest no longer matches
+        publish_raw(
+            amqp_url,
+            amqp_queue,
+            [b"not json", b'{"log_id": "12"}', b"[1, 2]", b'{"log_id": -5}', json.dumps(forged).encode()],
+        )
+        publish_raw(amqp_url, amqp_queue, [good])
         wait_until(lambda: payment_status(mariadb, payment_id) == "Succeeded", timeout=20, message="good message")
-        wait_until(lambda: ready_count(amqp_url, f"{amqp_queue}.dlq") == 4, timeout=10, message="dead letters")
+        wait_until(lambda: ready_count(amqp_url, f"{amqp_queue}.dlq") == 5, timeout=10, message="dead letters")
         assert consumer.stop() == 0
     assert ready_count(amqp_url, amqp_queue) == 0
     assert "unreadable message sent to the dead-letter queue" in consumer.output()
+    assert len(callback_rows(mariadb)) == 1, "a message that is not the delivery it claims restores nothing"
+
+
+def test_a_message_of_the_earlier_format_is_still_processed_by_its_id(mariadb, amqp_url, amqp_queue, tmp_path):
+    payment_id = create_payment(mariadb)
+    log_id = _store(mariadb, payment_id)
+    with _stack(tmp_path, mariadb, amqp_url, amqp_queue) as stack:
+        consumer = stack.start("consumer")
+        publish_ids(amqp_url, amqp_queue, [log_id])  # {"log_id": N}, as queued before an upgrade
+        wait_until(lambda: payment_status(mariadb, payment_id) == "Succeeded", timeout=20, message="applied")
+        assert consumer.stop() == 0
+    assert _stopped_after(consumer) == 1
+    assert _row(mariadb, log_id).status == CallbackStatus.PROCESSED
 
 
 def test_sigterm_finishes_the_message_in_hand_and_hands_back_the_rest(mariadb, amqp_url, amqp_queue, tmp_path):
@@ -100,11 +125,16 @@ def test_sigterm_finishes_the_message_in_hand_and_hands_back_the_rest(mariadb, a
         # Hold the first row's lock so the consumer is caught in the middle of processing it.
         blocker.execute(select(payment_callback_log.c.id).where(payment_callback_log.c.id == held_id).with_for_update())
         consumer = stack.start("consumer")
-        publish_ids(amqp_url, amqp_queue, [held_id, next_id])
+        publish_deliveries(amqp_url, amqp_queue, mariadb, [held_id, next_id])
         with mariadb.connect() as peek:
             wait_until(
                 lambda: peek.execute(
-                    text("SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'")
+                    # Only this database's transactions: the server is shared with other test runs.
+                    text(
+                        "SELECT COUNT(*) FROM information_schema.INNODB_TRX t"
+                        " JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id"
+                        " WHERE t.trx_state = 'LOCK WAIT' AND p.DB = DATABASE()"
+                    )
                 ).scalar(),
                 timeout=20,
                 interval=0.25,  # InnoDB refreshes INNODB_TRX only when it was not read in the last 0.1 s
@@ -130,7 +160,7 @@ def test_a_consumer_killed_after_commit_before_ack_gets_a_redelivery_with_no_sec
     log_id = _store(mariadb, payment_id)
     with _stack(tmp_path, mariadb, amqp_url, amqp_queue) as stack:
         doomed = stack.start("consumer", "consumer-doomed", FAILPOINTS="consumer.after_commit")
-        publish_ids(amqp_url, amqp_queue, [log_id])
+        publish_deliveries(amqp_url, amqp_queue, mariadb, [log_id])
         assert doomed.popen.wait(20) == -signal.SIGKILL
         assert "failpoint consumer.after_commit: SIGKILL" in doomed.output()
         committed = _row(mariadb, log_id)

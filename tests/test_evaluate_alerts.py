@@ -1,4 +1,5 @@
-"""``evaluate_alerts``: the backlog and failure-rate rules, moved through time with ``run_once(now=…)``."""
+"""``evaluate_alerts``: the seed's backlog and failure-rate rules as ops/alert_rules.toml ships them, moved through
+time with ``run_once(now=…)``."""
 
 from __future__ import annotations
 
@@ -192,8 +193,11 @@ def test_evaluators_running_at_once_neither_deadlock_nor_open_two_alerts(mariadb
 
 
 @pytest.mark.mariadb
-def test_an_evaluator_of_another_database_on_the_same_server_does_not_stop_ours(mariadb):
+def test_an_evaluator_of_another_database_on_the_same_server_does_not_stop_ours(mariadb, tmp_path):
     from tests.conftest import _create_database
+
+    rules = tmp_path / "rules.toml"
+    rules.write_text("[rules.callback_backlog]\nthreshold = 100\nsustain_seconds = 0\n")
 
     other = make_engine(mariadb.url.set(database=f"{mariadb.url.database}_other").render_as_string(hide_password=False))
     try:
@@ -202,7 +206,7 @@ def test_an_evaluator_of_another_database_on_the_same_server_does_not_stop_ours(
         _rows(mariadb, [CallbackStatus.PENDING] * 101, t0)
         with named_lock(other, evaluate_alerts.LOCK_NAME) as held:
             assert held, "the other database's evaluator is running"
-            evaluate_alerts.run_once(_runtime(mariadb, alert_backlog_seconds=0), now=t0)
+            evaluate_alerts.run_once(_runtime(mariadb, alert_rules_file=str(rules)), now=t0)
         assert [a.status for a in _alerts(mariadb, "callback_backlog")] == ["firing"]
     finally:
         other.dispose()

@@ -155,7 +155,8 @@ def test_a_body_of_exactly_256_kib_is_accepted_and_one_byte_more_is_413(engine):
 
 
 def _client(engine):  # noqa: ANN001, ANN202
-    settings = make_settings(database_url=db_url(engine))
+    # Not processed inline: these tests look at each row exactly as the gateway stored it.
+    settings = make_settings(database_url=db_url(engine), callback_process_inline=False)
     return create_app(settings, engine=engine).test_client()
 
 
@@ -221,7 +222,7 @@ def test_the_secret_in_settings_is_what_verifies(engine):
 @pytest.mark.slow
 def test_the_real_gunicorn_gateway_answers_every_case_and_loses_no_row(mariadb, tmp_path):
     payment_id = create_payment(mariadb)
-    with Stack(tmp_path, DATABASE_URL=db_url(mariadb)) as stack:
+    with Stack(tmp_path, DATABASE_URL=db_url(mariadb), CALLBACK_PROCESS_INLINE="false") as stack:
         _, port = stack.start_web(workers=2)
         expected = []
         for case in cases(payment_id):

@@ -17,9 +17,9 @@ import pytest
 from sqlalchemy import func, select, text, update
 from sqlalchemy.exc import DBAPIError
 
+from broker.publisher import CallbackPublisher
 from compensator.ratelimit import RateLimiter
 from gateway import create_app
-from gateway.publisher import CallbackPublisher
 from payments import ledger
 from payments.backoff import RetryPolicy
 from payments.callbacks import CallbackResult, process_callback, store_callback
@@ -41,7 +41,9 @@ PROVIDERS = build_providers(make_settings())
 
 
 def _client(engine, publisher=None):  # noqa: ANN001, ANN202
-    return create_app(make_settings(database_url=db_url(engine)), engine=engine, publisher=publisher).test_client()
+    # Not processed inline: these tests look at each row exactly as the gateway stored it.
+    settings = make_settings(database_url=db_url(engine), callback_process_inline=False)
+    return create_app(settings, engine=engine, publisher=publisher).test_client()
 
 
 def _store(engine, event, **sign) -> int:  # noqa: ANN001

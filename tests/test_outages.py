@@ -31,8 +31,11 @@ pytestmark = [pytest.mark.mariadb, pytest.mark.slow]
 def test_database_unreachable_answers_503_stores_nothing_and_the_same_delivery_is_accepted_after(mariadb, tmp_path):
     with Stack(tmp_path) as stack:
         proxy = stack.proxy(db_url(mariadb))
-        # One worker, so every request below lands on the same process and the same connection pool.
-        web, port = stack.start_web(workers=1, DATABASE_URL=url_via(db_url(mariadb), proxy.port))
+        # One worker, so every request below lands on the same process and the same connection pool;
+        # no inline processing, so the stored row is seen exactly as the gateway stored it.
+        web, port = stack.start_web(
+            workers=1, DATABASE_URL=url_via(db_url(mariadb), proxy.port), CALLBACK_PROCESS_INLINE="false"
+        )
         assert post(port, *signed(sandbox_event(create_payment(mariadb)))).status_code == 200
         workers_before = worker_pids(web.popen.pid)
 

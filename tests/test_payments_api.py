@@ -22,8 +22,9 @@ class NoPublisher:
     """The gateway's callback publisher is not used by the merchant API."""
 
     state = "disabled"
+    enabled = False
 
-    def publish(self, log_id):
+    def publish(self, log_id, body):
         return False
 
 
@@ -33,6 +34,7 @@ def app(mariadb):
         database_url=mariadb.url.render_as_string(hide_password=False),
         merchant_api_token=(TOKEN,),
         merchant_max_amount=1_000_000,
+        callback_process_inline=False,  # the callback tests process stored rows themselves
     )
     return create_app(settings, engine=mariadb, publisher=NoPublisher())
 

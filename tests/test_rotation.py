@@ -52,8 +52,11 @@ def test_every_listed_merchant_token_is_accepted(engine):
 
 
 def test_the_comma_separated_settings_become_lists_and_refuse_empty_entries():
-    settings = load_settings({"SANDBOX_WEBHOOK_SECRET": f" {NEW} , {OLD} ", "OPS_TOKEN": "a" * 24})
+    settings = load_settings(
+        {"SANDBOX_WEBHOOK_SECRET": f" {NEW} , {OLD} ", "SANDBOX_API_KEY": "sk_new, sk_old", "OPS_TOKEN": "a" * 24}
+    )
     assert settings.sandbox_webhook_secret == (NEW, OLD)
+    assert settings.sandbox_api_key == ("sk_new", "sk_old")
     assert settings.ops_token == ("a" * 24,)
     with pytest.raises(ConfigError, match="MERCHANT_API_TOKEN"):
         load_settings({"MERCHANT_API_TOKEN": "a" * 24 + ",,"})

@@ -17,7 +17,7 @@ import pytest
 from payments.providers.base import ChargeRequest, Failed, Mismatch, NotFound, Pending, Succeeded, Unknown
 from payments.providers.sandbox import LegacySandboxProvider, SandboxProvider, read_answer, read_charge
 from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
-from tests.support import SECRET, free_port
+from tests.support import API_KEY, SECRET, free_port
 
 REQ = ChargeRequest("pay_1", 1000, "CNY")
 
@@ -136,7 +136,7 @@ class RawServer:
 def test_network_failures_are_unknown(mode, reason):
     server = RawServer(mode)
     try:
-        adapter = SandboxProvider(SECRET, api_url=f"http://127.0.0.1:{server.port}")
+        adapter = SandboxProvider(SECRET, api_key=API_KEY, api_url=f"http://127.0.0.1:{server.port}")
         outcome = adapter.charge(REQ, "key-1", timeout=0.3)
         assert isinstance(outcome, Unknown), outcome
         if reason:
@@ -151,7 +151,7 @@ def test_a_refused_query_is_unknown_never_a_decline():
     # A 400 to GET /v1/charges refuses the question, it says nothing about the charge (invariant 5).
     server = RawServer("refuse")
     try:
-        adapter = SandboxProvider(SECRET, api_url=f"http://127.0.0.1:{server.port}")
+        adapter = SandboxProvider(SECRET, api_key=API_KEY, api_url=f"http://127.0.0.1:{server.port}")
         outcome = adapter.query("pay_1", timeout=0.3)
         assert isinstance(outcome, Unknown), outcome
         assert outcome.evidence is not None and outcome.evidence.http_status == 400
@@ -166,13 +166,13 @@ def test_an_absurdly_deep_answer_is_unknown_not_an_exception():
 
 
 def test_a_refused_connection_is_unknown():
-    adapter = SandboxProvider(SECRET, api_url=f"http://127.0.0.1:{free_port()}")
+    adapter = SandboxProvider(SECRET, api_key=API_KEY, api_url=f"http://127.0.0.1:{free_port()}")
     outcome = adapter.charge(REQ, "key-1", timeout=0.3)
     assert isinstance(outcome, Unknown) and outcome.reason == "connection_error"
 
 
 def test_the_real_sandbox_charges_replays_by_key_and_is_queryable(sandbox):
-    adapter = SandboxProvider(SECRET, api_url=sandbox.url)
+    adapter = SandboxProvider(SECRET, api_key=API_KEY, api_url=sandbox.url)
     first = adapter.charge(REQ, "key-1", timeout=5)
     again = adapter.charge(REQ, "key-1", timeout=5)
     assert isinstance(first, Succeeded) and isinstance(again, Succeeded)
@@ -185,7 +185,7 @@ def test_the_real_sandbox_charges_replays_by_key_and_is_queryable(sandbox):
 
 
 def test_the_real_sandbox_5xx_and_timeout_after_commit_are_unknown(sandbox):
-    adapter = SandboxProvider(SECRET, api_url=sandbox.url)
+    adapter = SandboxProvider(SECRET, api_key=API_KEY, api_url=sandbox.url)
     sandbox.faults(error_5xx_rate=1.0)
     outcome = adapter.charge(REQ, "key-5xx", timeout=5)
     assert isinstance(outcome, Unknown) and outcome.reason.startswith("http_503")
@@ -202,7 +202,7 @@ def test_the_real_sandbox_5xx_and_timeout_after_commit_are_unknown(sandbox):
 
 
 def test_the_legacy_variant_sends_a_new_key_each_time_and_cannot_query(sandbox):
-    adapter = LegacySandboxProvider(SECRET, api_url=sandbox.url)
+    adapter = LegacySandboxProvider(SECRET, api_key=API_KEY, api_url=sandbox.url)
     assert not adapter.capabilities.may_resend and not adapter.capabilities.query_by_merchant_id
     adapter.charge(REQ, "ignored", timeout=5)
     adapter.charge(REQ, "ignored", timeout=5)
@@ -211,7 +211,7 @@ def test_the_legacy_variant_sends_a_new_key_each_time_and_cannot_query(sandbox):
 
 
 def test_a_query_for_another_amount_than_expected_is_a_mismatch(sandbox):
-    adapter = SandboxProvider(SECRET, api_url=sandbox.url)
+    adapter = SandboxProvider(SECRET, api_key=API_KEY, api_url=sandbox.url)
     assert isinstance(adapter.charge(REQ, "key-amount", timeout=5), Succeeded)
     other = ChargeRequest(REQ.payment_id, REQ.amount_minor + 1, REQ.currency)
     outcome = adapter.query(REQ.payment_id, timeout=5, expected=other)

@@ -10,24 +10,31 @@ import csv
 import io
 import time
 import uuid
-from dataclasses import replace
 
 import pytest
 
 from sandbox.app import build_platform, create_app
-from tests.support import make_settings
+from sandbox.config import DEV_API_KEY, SandboxSettings
+from sandbox.faults import Faults
 
 
 @pytest.fixture
 def platform():
-    p = build_platform(make_settings(sandbox_db_path=":memory:"), dispatch=False)
+    p = build_platform(SandboxSettings(db_path=":memory:"), dispatch=False)
     yield p
     p.store.close()
 
 
+def authorized_client(platform):
+    """A test client that presents the platform's API key, as paysync's adapter does."""
+    client = create_app(platform).test_client()
+    client.environ_base["HTTP_AUTHORIZATION"] = f"Bearer {DEV_API_KEY}"
+    return client
+
+
 @pytest.fixture
 def client(platform):
-    return create_app(platform).test_client()
+    return authorized_client(platform)
 
 
 def charge(client, key=None, **overrides):
@@ -202,11 +209,9 @@ def test_faults_read_back_and_bad_knobs_are_refused(client):
 
 
 def test_faults_from_settings_are_what_reset_goes_back_to():
-    settings = replace(
-        make_settings(sandbox_db_path=":memory:"), sandbox_faults='{"decline_rate": 1.0}', sandbox_seed=5
-    )
+    settings = SandboxSettings(db_path=":memory:", faults=Faults(decline_rate=1.0, seed=5))
     platform = build_platform(settings, dispatch=False)
-    client = create_app(platform).test_client()
+    client = authorized_client(platform)
     assert charge(client).json["status"] == "failed"
     set_faults(client)
     assert charge(client).json["status"] == "succeeded"
@@ -344,3 +349,95 @@ def test_the_public_api_answers_other_addresses(client):
 def test_unknown_routes_and_methods_answer_json_errors(client):
     assert client.get("/v2/nothing").json["error"]["code"] == "not_found"
     assert client.delete("/v1/charges").status_code == 405
+
+
+# --- API keys, local-only control, hostile bodies ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [None, "", "Bearer", "Bearer ", "Basic c2s6", f"Bearer {DEV_API_KEY}x", f"Token {DEV_API_KEY}", "Bearer é"],
+)
+def test_the_public_api_refuses_a_missing_or_wrong_api_key_and_does_nothing(platform, authorization):
+    client = create_app(platform).test_client()
+    headers = {"Idempotency-Key": "k-auth"}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    body = {"merchant_transaction_id": "pay_auth", "amount": 5, "currency": "CNY"}
+    response = client.post("/v1/charges", json=body, headers=headers)
+    assert response.status_code == 401
+    assert response.json["error"]["code"] == "invalid_api_key"
+    assert response.headers["WWW-Authenticate"].startswith("Bearer")
+    assert client.get("/v1/charges?merchant_transaction_id=pay_auth", headers=headers).status_code == 401
+    assert client.get("/_sandbox/truth").json["charges"] == []
+    # The same request with the key goes through, and the key Idempotency-Key was not used up.
+    assert authorized_client(platform).post("/v1/charges", json=body, headers={"Idempotency-Key": "k-auth"}).json[
+        "status"
+    ] == ("succeeded")
+
+
+def test_every_listed_api_key_is_accepted():
+    platform = build_platform(SandboxSettings(db_path=":memory:", api_keys=("sk_new", "sk_old")), dispatch=False)
+    client = create_app(platform).test_client()
+    for key in ("sk_new", "sk_old"):
+        answer = client.get("/v1/charges/ch_nope", headers={"Authorization": f"bearer {key}"})
+        assert answer.status_code == 404, key
+    assert client.get("/v1/charges/ch_nope", headers={"Authorization": "Bearer sk_other"}).status_code == 401
+
+
+@pytest.mark.parametrize(
+    ("host", "origin", "allowed"),
+    [
+        ("127.0.0.1:8100", None, True),
+        ("localhost:8100", "http://localhost:3000", True),
+        ("[::1]:8100", "http://[::1]:8100", True),
+        ("127.0.0.1", "https://127.0.0.1", True),
+        ("evil.example:8100", None, False),  # DNS rebinding: a page's own name resolving to 127.0.0.1
+        ("127.0.0.1.evil.example", None, False),
+        ("127.0.0.1:8100", "http://evil.example", False),  # a page elsewhere, posting from the developer's browser
+        ("127.0.0.1:8100", "null", False),  # a sandboxed iframe or a file:// page
+        ("127.0.0.1:8100", "http://localhost.evil.example", False),
+        ("127.0.0.1:8100", "chrome-extension://abc", False),
+    ],
+)
+def test_the_control_surface_refuses_a_foreign_host_or_origin(client, host, origin, allowed):
+    charge(client, merchant_transaction_id="pay_keep")
+    headers = {"Host": host, **({"Origin": origin} if origin else {})}
+    answer = client.post("/_sandbox/reset", headers=headers)
+    assert answer.status_code == (200 if allowed else 403)
+    faults = client.post("/_sandbox/faults", json={"decline_rate": 1.0}, headers=headers)
+    assert faults.status_code == (200 if allowed else 403)
+    if not allowed:
+        assert answer.json["error"]["code"] == "forbidden"
+        assert client.get("/_sandbox/truth").json["charge_counts"] == {"pay_keep": 1}, "nothing was reset"
+        assert client.get("/_sandbox/faults").json["decline_rate"] == 0.0
+
+
+HOSTILE = {
+    "deep_json_100k": (b"[" * 100_000 + b"]" * 100_000, "application/json", 413),  # past the body limit, too
+    "deep_json": (b"[" * 30_000 + b"]" * 30_000, "application/json", 400),  # inside the limit: the parser's turn
+    "deep_object": (b'{"a":' * 50 + b"1" + b"}" * 50, "application/json", 400),
+    "invalid_utf8": (
+        b'{"merchant_transaction_id": "\xff\xfe", "amount": 1, "currency": "CNY"}',
+        "application/json",
+        400,
+    ),
+    "utf16": ('{"amount": 1}'.encode("utf-16"), "application/json", 400),
+    "oversized": (b'{"a": "' + b"x" * (70 * 1024) + b'"}', "application/json", 413),
+    "wrong_type": (b'{"merchant_transaction_id": "pay_x", "amount": 1, "currency": "CNY"}', "text/plain", 415),
+    "form": (b"amount=1&currency=CNY", "application/x-www-form-urlencoded", 415),
+    "empty": (b"", "application/json", 400),
+    "nul_bytes": (b"\x00" * 100, "application/json", 400),
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/charges", "/v1/refunds", "/_sandbox/faults"])
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_hostile_bodies_get_a_4xx_json_error_and_change_nothing(client, path, kind):
+    body, content_type, status = HOSTILE[kind]
+    answer = client.post(path, data=body, headers={"Content-Type": content_type, "Idempotency-Key": f"k-{kind}"})
+    assert answer.status_code == status, answer.data[:200]
+    assert set(answer.json["error"]) == {"code", "message"}
+    truth = client.get("/_sandbox/truth").json
+    assert truth["charges"] == [] and truth["refunds"] == []
+    assert client.get("/_sandbox/faults").json["decline_rate"] == 0.0

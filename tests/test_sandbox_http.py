@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -19,7 +20,7 @@ import pytest
 import requests
 
 from sandbox import signing
-from tests.support import SECRET, Proc, free_port, wait_for_port, wait_until
+from tests.support import API_HEADERS, SECRET, Proc, free_port, wait_for_port, wait_until
 
 MAX_ATTEMPTS = 3
 
@@ -122,7 +123,7 @@ def charge(url: str, merchant_id: str, key: str | None = None, amount: int = 100
     return requests.post(
         f"{url}/v1/charges",
         json={"merchant_transaction_id": merchant_id, "amount": amount, "currency": "CNY"},
-        headers={"Idempotency-Key": key or uuid.uuid4().hex},
+        headers={"Idempotency-Key": key or uuid.uuid4().hex, **API_HEADERS},
         timeout=timeout,
     )
 
@@ -169,7 +170,9 @@ def test_timeout_after_commit_charges_but_the_reply_comes_too_late(url):
     again = charge(url, merchant_id, key="k-hang", timeout=1.5)
     assert time.monotonic() - started < 1.0
     assert again.json()["id"] == made["id"]
-    found = requests.get(f"{url}/v1/charges", params={"merchant_transaction_id": merchant_id}, timeout=5)
+    found = requests.get(
+        f"{url}/v1/charges", params={"merchant_transaction_id": merchant_id}, headers=API_HEADERS, timeout=5
+    )
     assert found.json()["id"] == made["id"]
     assert requests.get(f"{url}/_sandbox/truth", timeout=5).json()["charge_counts"] == {merchant_id: 1}
 
@@ -241,7 +244,7 @@ def test_a_refund_webhook_names_the_refund_the_charge_and_both_merchant_numbers(
     refund = requests.post(
         f"{url}/v1/refunds",
         json={"charge": made["id"], "amount": 250, "merchant_refund_id": "ref_" + merchant_id[4:]},
-        headers={"Idempotency-Key": uuid.uuid4().hex},
+        headers={"Idempotency-Key": uuid.uuid4().hex, **API_HEADERS},
         timeout=5,
     ).json()
     wait_until(lambda: len(receiver.of(merchant_id)) == 2, timeout=5, message="two deliveries")
@@ -267,7 +270,9 @@ def test_a_processing_charge_completes_by_itself_and_then_sends_its_webhook(url,
     assert receiver.of(merchant_id) == []
     (delivery,) = wait_until(lambda: receiver.of(merchant_id), timeout=5, message="delivery")
     assert delivery["event"]["type"] == "charge.succeeded"
-    assert requests.get(f"{url}/v1/charges/{made['id']}", timeout=5).json()["status"] == "succeeded"
+    assert (
+        requests.get(f"{url}/v1/charges/{made['id']}", headers=API_HEADERS, timeout=5).json()["status"] == "succeeded"
+    )
 
 
 def test_dropped_webhooks_are_never_delivered(url, receiver):
@@ -326,6 +331,89 @@ def test_bad_signature_attempts_are_refused_by_the_receiver_and_retried(url, rec
     assert log[0]["bad_signature"] is True
     assert log[0]["status_code"] == 401
     assert log[-1]["bad_signature"] is False
+
+
+# --- hostile clients ---------------------------------------------------------------------------
+
+
+def raw_post(url: str, path: str, body: bytes, headers: dict[str, str], chunked: bool = False) -> int:
+    """POST over a plain socket (requests would fix up what these tests break); return the HTTP status."""
+    port = int(url.rsplit(":", 1)[1])
+    lines = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", "Connection: close"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+        payload = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in _parts(body, 8192)) + b"0\r\n\r\n"
+    else:
+        lines.append(f"Content-Length: {len(body)}")
+        payload = body
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + payload)
+        answer = b""
+        while b"\r\n" not in answer:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    return int(answer.split(b" ", 2)[1])
+
+
+def _parts(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)] or [b""]
+
+
+HOSTILE = [
+    ("deep_json_100k", b"[" * 100_000 + b"]" * 100_000, "application/json", False, {413}),
+    ("deep_json_100k_chunked", b"[" * 100_000 + b"]" * 100_000, "application/json", True, {413}),
+    ("deep_json_30k", b"[" * 30_000 + b"]" * 30_000, "application/json", False, {400}),
+    (
+        "invalid_utf8",
+        b'{"merchant_transaction_id": "\xff", "amount": 1, "currency": "CNY"}',
+        "application/json",
+        False,
+        {400},
+    ),
+    ("oversized", b'{"a": "' + b"x" * (1024 * 1024) + b'"}', "application/json", False, {413}),
+    ("oversized_chunked", b'{"a": "' + b"x" * (1024 * 1024) + b'"}', "application/json", True, {413}),
+    # Valid JSON up to the limit: cut there, it would still parse and charge.
+    (
+        "oversized_chunked_padded",
+        b'{"merchant_transaction_id": "pay_pad", "amount": 1, "currency": "CNY"}' + b" " * (128 * 1024),
+        "application/json",
+        True,
+        {413},
+    ),
+    ("wrong_type", b'{"amount": 1}', "text/plain", False, {415}),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/charges", "/v1/refunds", "/_sandbox/faults"])
+@pytest.mark.parametrize(("kind", "body", "content_type", "chunked", "statuses"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_the_real_service_answers_hostile_bodies_with_a_4xx_and_keeps_serving(
+    url, path, kind, body, content_type, chunked, statuses
+):
+    headers = {"Content-Type": content_type, "Idempotency-Key": f"k-{kind}", **API_HEADERS}
+    assert raw_post(url, path, body, headers, chunked=chunked) in statuses
+    truth = requests.get(f"{url}/_sandbox/truth", timeout=5).json()
+    assert truth["charges"] == [] and truth["refunds"] == []
+    assert requests.get(f"{url}/_sandbox/faults", timeout=5).json()["decline_rate"] == 0.0
+    assert charge(url, mid()).status_code == 200, "the service still serves"
+
+
+def test_the_real_service_wants_an_api_key_and_a_local_host_and_origin(url):
+    body = {"merchant_transaction_id": mid(), "amount": 1, "currency": "CNY"}
+    no_key = requests.post(f"{url}/v1/charges", json=body, headers={"Idempotency-Key": "k1"}, timeout=5)
+    assert no_key.status_code == 401
+    wrong = requests.post(
+        f"{url}/v1/charges", json=body, headers={"Idempotency-Key": "k1", "Authorization": "Bearer nope"}, timeout=5
+    )
+    assert wrong.status_code == 401
+    for headers in ({"Host": "attacker.example"}, {"Origin": "http://attacker.example"}, {"Origin": "null"}):
+        assert requests.post(f"{url}/_sandbox/reset", headers=headers, timeout=5).status_code == 403
+        answer = requests.post(f"{url}/_sandbox/faults", json={"decline_rate": 1}, headers=headers, timeout=5)
+        assert answer.status_code == 403
+    assert requests.get(f"{url}/_sandbox/faults", timeout=5).json()["decline_rate"] == 0.0
+    assert requests.get(f"{url}/_sandbox/truth", timeout=5).json()["charges"] == []
 
 
 # --- process life ------------------------------------------------------------------------------

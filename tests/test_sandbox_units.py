@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from payments.errors import ConfigError
-from payments.settings import load_settings
+from payments.settings import load_settings as load_paysync_settings
 from sandbox import model, settlement
+from sandbox.config import DEV_API_KEY, SandboxConfigError, load_settings
 from sandbox.faults import Dice, Faults, bad_signature, parse_faults
 from sandbox.webhooks import next_status
 
@@ -48,13 +48,18 @@ def test_bad_fault_knobs_are_refused_with_the_reason(raw, message):
         parse_faults(raw)
 
 
-def test_bad_sandbox_faults_setting_stops_the_process_naming_the_variable():
-    with pytest.raises(ConfigError, match="SANDBOX_FAULTS: unknown fault knob"):
+def test_bad_sandbox_faults_setting_stops_the_sandbox_naming_the_variable():
+    with pytest.raises(SandboxConfigError, match="SANDBOX_FAULTS: unknown fault knob"):
         load_settings({"SANDBOX_FAULTS": '{"nope": 1}'})
-    with pytest.raises(ConfigError, match="SANDBOX_FAULTS: not valid JSON"):
+    with pytest.raises(SandboxConfigError, match="SANDBOX_FAULTS: not valid JSON"):
         load_settings({"SANDBOX_FAULTS": "{"})
-    with pytest.raises(ConfigError, match="SANDBOX_FAULTS: decline_rate must be between 0 and 1"):
+    with pytest.raises(SandboxConfigError, match="SANDBOX_FAULTS: decline_rate must be between 0 and 1"):
         load_settings({"SANDBOX_FAULTS": '{"decline_rate": 2}'})
+
+
+def test_the_sandboxs_knobs_are_not_paysyncs_business():
+    # An outside party's configuration: paysync neither reads nor validates it.
+    assert load_paysync_settings({"SANDBOX_FAULTS": "{", "SANDBOX_PORT": "x"}).sandbox_api_url
 
 
 def test_sandbox_settings_parse_and_refuse_bad_values():
@@ -66,13 +71,21 @@ def test_sandbox_settings_parse_and_refuse_bad_values():
             "SANDBOX_DB_PATH": ":memory:",
             "SANDBOX_WEBHOOK_MAX_ATTEMPTS": "3",
             "SANDBOX_WEBHOOK_BACKOFF_SECONDS": "0.5",
+            "SANDBOX_PORT": "9100",
+            "SANDBOX_CALLBACK_URL": "http://127.0.0.1:9000/callbacks/sandbox",
+            "SANDBOX_API_KEY": "sk_new, sk_old",
+            "SANDBOX_WEBHOOK_SECRET": "whsec_first,whsec_second",
         }
     )
-    assert s.sandbox_fee_rate == Decimal("0.0125")
-    assert s.sandbox_seed == 42
-    assert s.sandbox_db_path == ":memory:"
-    assert (s.sandbox_webhook_max_attempts, s.sandbox_webhook_backoff_seconds) == (3, 0.5)
-    assert load_settings({}).sandbox_fee_rate == Decimal("0.006")
+    assert s.fee_rate == Decimal("0.0125")
+    assert s.faults.seed == 42 and s.faults.decline_rate == 0.1
+    assert s.db_path == ":memory:"
+    assert (s.webhook_max_attempts, s.webhook_backoff_seconds) == (3, 0.5)
+    assert (s.port, s.callback_url) == (9100, "http://127.0.0.1:9000/callbacks/sandbox")
+    assert s.api_keys == ("sk_new", "sk_old")
+    assert s.webhook_secret == "whsec_first", "the platform signs with the first secret of a list"
+    defaults = load_settings({})
+    assert defaults.fee_rate == Decimal("0.006") and defaults.api_keys == (DEV_API_KEY,)
     for name, value in [
         ("SANDBOX_FEE_RATE", "abc"),
         ("SANDBOX_FEE_RATE", "1"),
@@ -80,8 +93,14 @@ def test_sandbox_settings_parse_and_refuse_bad_values():
         ("SANDBOX_SEED", "x"),
         ("SANDBOX_WEBHOOK_MAX_ATTEMPTS", "0"),
         ("SANDBOX_WEBHOOK_BACKOFF_SECONDS", "-1"),
+        ("SANDBOX_WEBHOOK_BACKOFF_SECONDS", "nan"),
+        ("SANDBOX_PORT", "70000"),
+        ("SANDBOX_CALLBACK_URL", "ftp://x"),
+        ("SANDBOX_API_KEY", " , "),
+        ("SANDBOX_THREADS", "0"),
+        ("LOG_LEVEL", "LOUD"),
     ]:
-        with pytest.raises(ConfigError, match=name):
+        with pytest.raises(SandboxConfigError, match=name):
             load_settings({name: value})
 
 

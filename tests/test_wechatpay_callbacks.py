@@ -48,6 +48,7 @@ POLICY = RetryPolicy(max_retries=3, base_seconds=0.01, max_seconds=0.05)
 
 
 def gateway(engine, keys, **kw):  # noqa: ANN001, ANN003, ANN201
+    kw.setdefault("callback_process_inline", False)  # the tests process the stored rows themselves
     settings = wx_settings(keys, database_url=db_url(engine), **kw)
     return create_app(settings, engine=engine).test_client(), build_providers(settings)
 

@@ -17,15 +17,19 @@ from payments.providers.sandbox import LegacySandboxProvider, SandboxProvider
 from payments.settings import Settings, enabled_providers
 
 FACTORIES: dict[str, Callable[[Settings], Provider]] = {
-    "sandbox": lambda s: SandboxProvider(s.sandbox_webhook_secret, s.callback_tolerance_seconds, s.sandbox_api_url),
-    "sandbox_legacy": lambda s: LegacySandboxProvider(
-        s.sandbox_webhook_secret, s.callback_tolerance_seconds, s.sandbox_api_url
-    ),
+    "sandbox": lambda s: _sandbox(SandboxProvider, s),
+    "sandbox_legacy": lambda s: _sandbox(LegacySandboxProvider, s),
     "alipay": lambda s: _alipay(s),
     "wechatpay": lambda s: _wechatpay(s),
     "stripe": lambda s: _stripe(s),
 }
 """How to build each adapter from the settings, by provider name."""
+
+
+def _sandbox(cls: type[SandboxProvider], s: Settings) -> Provider:
+    # SANDBOX_API_KEY is a list for rotation on the platform's side; paysync presents the first.
+    api_key = s.sandbox_api_key[0] if s.sandbox_api_key else ""
+    return cls(s.sandbox_webhook_secret, s.callback_tolerance_seconds, s.sandbox_api_url, api_key)
 
 
 def _alipay(settings: Settings) -> Provider:

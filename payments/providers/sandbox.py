@@ -1,4 +1,4 @@
-"""Adapter for the built-in sandbox payment platform (``sandbox/``).
+"""Adapter for the sandbox payment platform (``sandbox/``, an outside party this module does not import).
 
 Notification format: ``{"id": "evt_…", "type": "charge.succeeded" | "charge.failed"
 | "refund.succeeded" | "refund.failed", "created": <unix>, "data":
@@ -6,8 +6,16 @@ Notification format: ``{"id": "evt_…", "type": "charge.succeeded" | "charge.fa
 "failure_code"}}``; refund events add ``merchant_refund_id`` (our refund_id)
 and name the charge's merchant_transaction_id.
 
+Notifications are signed ``Sandbox-Signature: t=<unix seconds>,v1=<hex
+HMAC-SHA256 of "<t>.<raw body>">`` (Stripe's scheme; several ``v1`` values may
+appear, one match is enough). This module implements the check itself, as it
+will for every real provider: with the platform's own signer beside it, two
+independent implementations of one scheme catch each other's bugs
+(tests/test_sandbox_signature.py).
+
 Outbound (``charge``, ``query``, ``refund``, ``settlement``) is plain HTTP with
-``requests`` against SANDBOX_API_URL. ``read_answer`` is the one pure
+``requests`` against SANDBOX_API_URL, authenticated with SANDBOX_API_KEY as a
+bearer token, like a provider's secret key. ``read_answer`` is the one pure
 function that turns an HTTP answer into an outcome: only a 200 whose body says
 "failed" (or a 4xx that refuses the request outright) is Failed; a timeout, a
 reset, a 5xx, a 429 or a body we cannot read is Unknown (invariant 5).
@@ -15,11 +23,13 @@ reset, a 5xx, a 429 or a body we cannot read is Unknown (invariant 5).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -47,7 +57,59 @@ from payments.providers.base import (
     Unknown,
 )
 from payments.states import PaymentStatus
-from sandbox import signing
+
+SIGNATURE_HEADER = "Sandbox-Signature"
+"""The header that carries the signature of a notification."""
+DEFAULT_TOLERANCE_SECONDS = 300
+"""Signed timestamps further than this from now are refused."""
+
+
+def _signature_parts(header: str | None) -> tuple[int, list[str]]:
+    """The timestamp and the v1 signatures of a header; SignatureInvalid if it is not one."""
+    if not header:
+        raise SignatureInvalid("missing signature header")
+    timestamp = None
+    signatures = []
+    for part in header.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep:
+            raise SignatureInvalid("malformed signature header")
+        if key == "t":
+            # str.isdigit() also takes "²" or "١", which int() would read as digits.
+            if not (value.isascii() and value.isdigit()) or len(value) > 12:
+                raise SignatureInvalid("malformed signature timestamp")
+            timestamp = int(value)
+        elif key == "v1":
+            signatures.append(value)
+    if timestamp is None or not signatures:
+        raise SignatureInvalid("signature header lacks t or v1")
+    return timestamp, signatures
+
+
+def verify_signature(
+    secrets: Sequence[str], body: bytes, header: str | None, now: float, tolerance: int = DEFAULT_TOLERANCE_SECONDS
+) -> int:
+    """Check a Sandbox-Signature header against ``body`` under any of ``secrets``; return its timestamp.
+
+    Raises SignatureInvalid, or TimestampOutOfTolerance when a signature
+    matched but its timestamp is too far from ``now`` (checked only after a
+    match, so a forged header learns nothing about the clock). Comparisons are
+    constant-time.
+    """
+    timestamp, signatures = _signature_parts(header)
+    message = str(timestamp).encode() + b"." + body
+    expected = [hmac.new(secret.encode(), message, hashlib.sha256).hexdigest() for secret in secrets]
+    # compare_digest raises TypeError on non-ASCII text (header bytes past 0x7f arrive as latin-1): no match.
+    if not any(
+        candidate.isascii() and hmac.compare_digest(want, candidate) for candidate in signatures for want in expected
+    ):
+        raise SignatureInvalid("no signature matches the body")
+    if abs(now - timestamp) > tolerance:
+        raise TimestampOutOfTolerance(
+            f"signature timestamp is {int(now - timestamp)} s from now (tolerance {tolerance} s)"
+        )
+    return timestamp
+
 
 EVENT_TYPES = {
     "charge.succeeded": ("payment", PaymentStatus.SUCCEEDED),
@@ -117,25 +179,29 @@ class SandboxProvider(Provider):
 
     name = "sandbox"
     capabilities = Capabilities(dedupe=Dedupe.KEY, query_by_merchant_id=True)
-    callback_headers = (signing.HEADER, "Content-Type", "User-Agent")
+    callback_headers = (SIGNATURE_HEADER, "Content-Type", "User-Agent")
     callback_content_types = ("application/json",)
 
     def __init__(
         self,
-        webhook_secret: str | tuple[str, ...],
-        tolerance_seconds: int = signing.DEFAULT_TOLERANCE_SECONDS,
+        webhook_secret: str | Sequence[str],
+        tolerance_seconds: int = DEFAULT_TOLERANCE_SECONDS,
         api_url: str = "http://127.0.0.1:8100",
+        api_key: str = "",
     ) -> None:
-        # Rotation: every listed secret is accepted (SANDBOX_WEBHOOK_SECRET is a comma-separated list).
+        # Every listed secret verifies (rotation): a row stored under the old one still verifies later.
         self._secrets = (webhook_secret,) if isinstance(webhook_secret, str) else tuple(webhook_secret)
         self._tolerance = tolerance_seconds
         self._api_url = api_url.rstrip("/")
+        self._api_key = api_key
         self._local = threading.local()  # one requests.Session (connection pool) per thread
 
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
         if session is None:
             session = self._local.session = requests.Session()
+            if self._api_key:
+                session.headers["Authorization"] = f"Bearer {self._api_key}"
         return session
 
     def _exchange(
@@ -211,18 +277,7 @@ class SandboxProvider(Provider):
 
     def parse_callback(self, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
         """Verify the Sandbox-Signature header against each configured secret, then read the event."""
-        header = _header(headers, signing.HEADER)
-        error: Exception = signing.SignatureError("no webhook secret configured")
-        for secret in self._secrets:
-            try:
-                signing.verify(secret, body, header, now=now, tolerance=self._tolerance)
-                break
-            except signing.TimestampError as exc:
-                raise TimestampOutOfTolerance(str(exc)) from None
-            except signing.SignatureError as exc:
-                error = exc
-        else:
-            raise SignatureInvalid(str(error)) from None
+        verify_signature(self._secrets, body, _header(headers, SIGNATURE_HEADER), now, self._tolerance)
         try:
             payload = json.loads(body)
         except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly deep nesting

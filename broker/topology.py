@@ -2,7 +2,8 @@
 
 ``payment_callbacks`` (durable, optionally a quorum queue) dead-letters to
 ``payment_callbacks.dlq`` through the ``paysync.dlx`` exchange: messages that
-cannot even be read go there instead of looping.
+cannot even be read go there instead of looping. Domain events go to a
+durable topic exchange (``paysync.events``), routing key = event type.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ def dead_letter_queue(queue: str) -> str:
     return f"{queue}.dlq"
 
 
-def declare(channel: Any, queue: str, quorum: bool = False) -> None:
-    """Declare the work queue and its dead-letter queue on a pika channel (idempotent)."""
+def declare_callback_queue(channel: Any, queue: str, quorum: bool = False) -> None:
+    """Declare the callback queue and its dead-letter queue on a pika channel (idempotent)."""
     channel.exchange_declare(exchange=DLX, exchange_type="direct", durable=True)
     dlq_args = {"x-queue-type": "quorum"} if quorum else None
     channel.queue_declare(queue=dead_letter_queue(queue), durable=True, arguments=dlq_args)
@@ -28,3 +29,8 @@ def declare(channel: Any, queue: str, quorum: bool = False) -> None:
     if quorum:
         args["x-queue-type"] = "quorum"
     channel.queue_declare(queue=queue, durable=True, arguments=args)
+
+
+def declare_events_exchange(channel: Any, exchange: str) -> None:
+    """Declare the domain-event topic exchange (durable, idempotent)."""
+    channel.exchange_declare(exchange=exchange, exchange_type="topic", durable=True)

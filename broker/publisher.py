@@ -1,21 +1,21 @@
-"""Publishing ``{log_id}`` to RabbitMQ without ever making a callback wait on the broker.
+"""Publishing callback messages to RabbitMQ without ever making a callback wait on the broker.
 
-The database row is the truth and the message only the fast path, so the
-request thread just drops the id into a bounded in-process queue and returns.
+The database row is the truth and the message the fast path (and a backup
+copy of the delivery), so the request thread just drops the message into a
+bounded in-process queue and returns.
 One background thread per worker process owns the pika connection (pika is
 not thread-safe): it publishes persistent messages and tracks publisher
 confirms asynchronously (pika's ``SelectConnection``), so many messages are in
 flight at once and the broker confirms them in batches (``multiple``). On the
 2-core development machine a blocking publish-and-wait-for-confirm per message
 cost about 0.2 ms of CPU in the worker and 0.4 ms in RabbitMQ; published with
-asynchronous confirms, 15 and 40 µs. If the broker is down, ids are dropped
-and counted, and the connection is re-established, with backoff, on a later
+asynchronous confirms, 15 and 40 µs. If the broker is down, messages are
+dropped and counted, and the connection is re-established, with backoff, on a later
 callback: the compensator's sweep finds those rows after its grace period.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -27,7 +27,8 @@ import pika
 import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
 
-from consumer.topology import declare
+from broker.connection import parameters
+from broker.topology import declare_callback_queue
 
 log = logging.getLogger("paysync.publisher")
 
@@ -47,7 +48,7 @@ class PublisherStats:
 
 
 class CallbackPublisher:
-    """Fire-and-forget publisher of callback log ids (see module docstring)."""
+    """Fire-and-forget publisher of callback messages (see module docstring)."""
 
     def __init__(
         self,
@@ -65,7 +66,7 @@ class CallbackPublisher:
         self._timeout = timeout
         self._max_backoff = max_backoff
         self._max_unconfirmed = max_pending
-        self._pending: queue.Queue[int] = queue.Queue(maxsize=max_pending)
+        self._pending: queue.Queue[tuple[int, bytes]] = queue.Queue(maxsize=max_pending)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -77,7 +78,7 @@ class CallbackPublisher:
         self._ready = False
         self._next_tag = 0
         self._unconfirmed: dict[int, int] = {}  # delivery tag -> log id, in publishing order
-        self._carried: list[int] = []  # taken from the queue before the connection was ready
+        self._carried: list[tuple[int, bytes]] = []  # taken from the queue before the connection was ready
         self._opened = False
         self._reported = False  # this connection's loss was logged (channel and connection both report it)
         self._wake_pending = False
@@ -95,13 +96,13 @@ class CallbackPublisher:
             return "disabled"
         return "connected" if self._connected else "disconnected"
 
-    def publish(self, log_id: int) -> bool:
-        """Queue ``log_id`` for publishing; never blocks. False if it was dropped."""
+    def publish(self, log_id: int, body: bytes) -> bool:
+        """Queue the message ``body`` about callback ``log_id`` for publishing; never blocks. False if dropped."""
         if not self.enabled:
             return False
         self._ensure_thread()
         try:
-            self._pending.put_nowait(log_id)
+            self._pending.put_nowait((log_id, body))
         except queue.Full:
             self.stats.dropped += 1
             return False
@@ -174,7 +175,7 @@ class CallbackPublisher:
             retry_at = time.monotonic() + backoff
             backoff = min(backoff * 2, self._max_backoff)
 
-    def _serve(self, first: int) -> bool:
+    def _serve(self, first: tuple[int, bytes]) -> bool:
         """Connect, publish ``first`` and whatever follows until the connection is lost; True if it opened."""
         self._ready = False
         self._opened = False
@@ -182,14 +183,8 @@ class CallbackPublisher:
         self._next_tag = 0
         self._carried = [first]
         try:
-            params = pika.URLParameters(self._url)
-            params.socket_timeout = self._timeout
-            params.stack_timeout = self._timeout * 4
-            params.blocked_connection_timeout = self._timeout * 4
-            params.connection_attempts = 1
-            params.heartbeat = 30
             conn = SelectConnection(
-                params,
+                parameters(self._url, self._timeout),
                 on_open_callback=self._on_open,
                 on_open_error_callback=self._on_open_error,
                 on_close_callback=self._on_closed,
@@ -212,7 +207,7 @@ class CallbackPublisher:
     def _on_channel_open(self, channel: Any) -> None:
         self._channel = channel
         channel.add_on_close_callback(self._on_channel_closed)
-        declare(channel, self._queue_name, self._quorum)
+        declare_callback_queue(channel, self._queue_name, self._quorum)
         # RPCs on a channel run in order, so when Confirm.SelectOk arrives the queues exist; no
         # message may be published before it, or its delivery tag would not be counted.
         channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=self._on_ready)
@@ -222,8 +217,8 @@ class CallbackPublisher:
         self._connected = True
         self.stats.reconnects += 1
         carried, self._carried = self._carried, []
-        for log_id in carried:
-            self._publish_one(log_id)
+        for message in carried:
+            self._publish_one(message)
         self._drain()
 
     def _drain(self) -> None:
@@ -232,15 +227,15 @@ class CallbackPublisher:
             return  # _on_ready drains
         while len(self._unconfirmed) < self._max_unconfirmed:
             try:
-                log_id = self._pending.get_nowait()
+                message = self._pending.get_nowait()
             except queue.Empty:
                 return
-            if not self._publish_one(log_id):
+            if not self._publish_one(message):
                 return
 
-    def _publish_one(self, log_id: int) -> bool:
+    def _publish_one(self, message: tuple[int, bytes]) -> bool:
+        log_id, body = message
         try:
-            body = json.dumps({"log_id": log_id}).encode()
             self._channel.basic_publish("", self._queue_name, body, self._props)
         except Exception as exc:  # noqa: BLE001
             self.stats.failed += 1

@@ -1,0 +1,256 @@
+"""Rule evaluators, keyed by rule name: what ``evaluate_alerts`` checks against the database each run.
+
+An evaluator reads the database and returns the conditions that hold now, as
+``Finding`` s (one per alert key: a rule about providers finds one per sick
+provider). ``evaluate`` then keeps the alert table in step: every finding is
+observed (it fires after the rule's ``sustain_seconds``), and every open alert
+of the rule whose key was not found again is resolved. A rule that is
+disabled, or absent from the rules file, finds nothing, so its open alerts
+resolve.
+
+Alerts raised where the event happens (a callback giving up, a conflicting
+report, a breaker opening, …) are listed in ``EVALUATED_ELSEWHERE``: the
+rules file may route them (severity, channels, cooldown) but nothing here
+evaluates them. A rule that lands later (broker reachability,
+reconciliation, the ledger chain check) either adds an entry to
+``EVALUATORS`` (a query on its own table) or raises its alert where it
+happens and stays in ``EVALUATED_ELSEWHERE``; ``validate`` refuses a rules
+file naming a rule that is in neither, so no rule is silently dead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, and_, case, func, or_, select
+
+from payments import alerts
+from payments.alert_rules import Rule, RuleSet
+from payments.errors import ConfigError
+from payments.schema import alert, payment, payment_callback_log, provider_breaker, refund
+from payments.states import CALLBACK_RETRYABLE, TERMINAL, AlertStatus, BreakerState, CallbackStatus, PaymentStatus
+
+log = logging.getLogger("paysync.alerts.rules")
+
+OPEN_STATUSES = tuple(s.value for s in PaymentStatus if s not in TERMINAL)
+"""Payment and refund statuses that are not final (named, so the count is an index range on status)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A condition that holds now: one alert key, its message and details."""
+
+    key: str
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Evaluator:
+    """How one rule is checked."""
+
+    check: Callable[[Connection, Rule, datetime], list[Finding]]
+    needs: tuple[str, ...] = ()
+    """Rule fields that must be set in the rules file for this evaluator."""
+
+
+def callback_backlog(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
+    """More than ``threshold`` callback rows waiting (status 0 or 2)."""
+    t = payment_callback_log
+    waiting = conn.execute(select(func.count()).select_from(t).where(t.c.status.in_(CALLBACK_RETRYABLE))).scalar_one()
+    if waiting <= rule.threshold:
+        return []
+    return [Finding(rule.name, f"{waiting} callbacks waiting (threshold {rule.threshold:g})", {"backlog": waiting})]
+
+
+def callback_failure_counts(conn: Connection, since: datetime) -> tuple[int, int]:
+    """(failed, total) callbacks received since ``since``: failed = rejected, retried or given up."""
+    t = payment_callback_log
+    failed = or_(
+        t.c.status.in_((CallbackStatus.FAILED, CallbackStatus.REJECTED, CallbackStatus.GAVE_UP)), t.c.retry_count > 0
+    )
+    row = conn.execute(
+        select(func.count(), func.coalesce(func.sum(case((failed, 1), else_=0)), 0)).where(t.c.create_time >= since)
+    ).one()
+    return int(row[1]), int(row[0])
+
+
+def callback_failure_rate(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
+    """More than ``threshold`` (a fraction) of the callbacks of the last ``window_seconds`` failed."""
+    failed, total = callback_failure_counts(conn, now - timedelta(seconds=rule.window_seconds))
+    rate = failed / total if total else 0.0
+    if total < (rule.min_sample or 1) or rate <= rule.threshold:
+        return []
+    message = (
+        f"{rate:.1%} of {total} callbacks failed in the last {rule.window_seconds} s (threshold {rule.threshold:.1%})"
+    )
+    return [Finding(rule.name, message, {"failed": failed, "total": total, "rate": round(rate, 4)})]
+
+
+def compensation_success_rate(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
+    """Of the callbacks received in the window that needed a retry, fewer than ``threshold`` were applied.
+
+    Read from the retry columns: a row with ``retry_count > 0`` went through
+    the compensator; it succeeded if it is processed (status 1) now, and it is
+    failing if it is still failed (2) or gave up (4).
+    """
+    t = payment_callback_log
+    since = now - timedelta(seconds=rule.window_seconds)
+    row = conn.execute(
+        select(
+            func.coalesce(func.sum(case((t.c.status == CallbackStatus.PROCESSED, 1), else_=0)), 0),
+            func.coalesce(
+                func.sum(case((t.c.status.in_((CallbackStatus.FAILED, CallbackStatus.GAVE_UP)), 1), else_=0)), 0
+            ),
+        ).where(t.c.create_time >= since, t.c.retry_count > 0)
+    ).one()
+    succeeded, failing = int(row[0]), int(row[1])
+    total = succeeded + failing
+    if total < (rule.min_sample or 1) or succeeded / total >= rule.threshold:
+        return []
+    rate = succeeded / total
+    message = (
+        f"compensation applied {rate:.1%} of {total} retried callbacks in the last {rule.window_seconds} s "
+        f"(threshold {rule.threshold:.1%})"
+    )
+    return [Finding(rule.name, message, {"succeeded": succeeded, "failing": failing, "rate": round(rate, 4)})]
+
+
+def past_deadline(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
+    """More than ``threshold`` payments (one alert) or refunds (another) still not final after their deadline."""
+    findings = []
+    for what, table, id_column in (("payment", payment, "payment_id"), ("refund", refund, "refund_id")):
+        count, oldest = conn.execute(
+            select(func.count(), func.min(table.c.deadline_at)).where(
+                table.c.status.in_(OPEN_STATUSES), table.c.deadline_at < now
+            )
+        ).one()
+        if count > rule.threshold:
+            overdue = int((now - oldest).total_seconds())
+            example = conn.execute(
+                select(table.c[id_column])
+                .where(table.c.status.in_(OPEN_STATUSES), table.c.deadline_at == oldest)
+                .limit(1)
+            ).scalar()
+            findings.append(
+                Finding(
+                    f"{rule.name}:{what}",
+                    f"{count} {what}s not final past their deadline (oldest {example}, {overdue} s over)",
+                    {"count": count, "oldest": example, "overdue_seconds": overdue},
+                )
+            )
+    return findings
+
+
+def signature_failures(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
+    """More than ``threshold`` rejected callbacks (status 3) from one provider in the window: attack or key mistake."""
+    t = payment_callback_log
+    since = now - timedelta(seconds=rule.window_seconds)
+    rows = conn.execute(
+        select(t.c.provider, func.count())
+        .where(t.c.create_time >= since, t.c.status == CallbackStatus.REJECTED)
+        .group_by(t.c.provider)
+        .having(func.count() > rule.threshold)
+        .order_by(t.c.provider)
+    ).all()
+    return [
+        Finding(
+            f"{rule.name}:{provider}",
+            f"{count} callbacks from {provider} rejected (signature or parse) in the last {rule.window_seconds} s",
+            {"provider": provider, "rejected": count},
+        )
+        for provider, count in rows
+    ]
+
+
+def provider_circuit_open(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
+    """A provider's circuit breaker is open (payments/breaker.py also raises this the moment it opens)."""
+    from payments.breaker import alert_key
+
+    t = provider_breaker
+    rows = conn.execute(
+        select(t.c.provider, t.c.opened_at, t.c.consecutive_failures, t.c.retry_at)
+        .where(t.c.state == BreakerState.OPEN)
+        .order_by(t.c.provider)
+    ).all()
+    return [
+        Finding(
+            alert_key(r.provider),
+            f"provider {r.provider} circuit open since {r.opened_at} ({r.consecutive_failures} failed calls)",
+            {"provider": r.provider, "consecutive_failures": r.consecutive_failures, "retry_at": str(r.retry_at)},
+        )
+        for r in rows
+    ]
+
+
+EVALUATORS: dict[str, Evaluator] = {
+    "callback_backlog": Evaluator(callback_backlog, needs=("threshold",)),
+    "callback_failure_rate": Evaluator(callback_failure_rate, needs=("threshold", "window_seconds")),
+    "compensation_success_rate": Evaluator(compensation_success_rate, needs=("threshold", "window_seconds")),
+    "past_deadline": Evaluator(past_deadline, needs=("threshold",)),
+    "signature_failures": Evaluator(signature_failures, needs=("threshold", "window_seconds")),
+    "provider_circuit_open": Evaluator(provider_circuit_open),
+}
+"""Rules ``evaluate_alerts`` checks, by the name they have in the rules file."""
+
+EVALUATED_ELSEWHERE: dict[str, str] = {
+    "broker_unreachable": "the processes that talk to RabbitMQ (broker/), once they report reachability",
+    "reconciliation_unexplained": "the reconciliation job, for items it could not explain",
+    "ledger_chain_stale": "the ledger seal job, when the chain check has not run in time",
+    "callback_gave_up": "payments/callbacks.py (review.escalate), one per callback that exhausted its retries",
+    "conflicting_report": "payments/callbacks.py and payments/calls.py (review.escalate), one per subject",
+    "unresolved_payment": "payments/relay.py and payments/query.py (review.escalate), one per payment at its deadline",
+    "unresolved_not_resendable": "payments/calls.py (review.escalate), one per payment that may be neither "
+    "re-sent nor queried",
+    "provider_answer_needs_review": "payments/calls.py (review.escalate), one per payment whose provider answer "
+    "needs a person",
+    "unknown_provider": "payments/relay.py (review.escalate), one per payment whose provider has no adapter",
+    "event_delivery_gave_up": "payments/events.py (review.escalate), one per event and destination that gave up",
+    "event_delivery_failing": "payments/events.py (publish_events), while a destination keeps failing",
+    "alert_channel_failing": "compensator/notify_alerts.py, when a notification gives up on a channel",
+}
+"""Rules whose alerts are raised where the event happens; the rules file only routes them."""
+
+
+def validate(rules: RuleSet) -> None:
+    """ConfigError naming the rule and field if the file has a rule nobody evaluates or lacks a needed field."""
+    for name, rule in rules.rules.items():
+        if name not in EVALUATORS and name not in EVALUATED_ELSEWHERE:
+            known = ", ".join(sorted([*EVALUATORS, *EVALUATED_ELSEWHERE]))
+            raise ConfigError(f"alert rules {rules.source}: rule {name}: no evaluator knows this rule (known: {known})")
+        evaluator = EVALUATORS.get(name)
+        for needed in evaluator.needs if evaluator and rule.enabled else ():
+            if getattr(rule, needed) is None:
+                raise ConfigError(f"alert rules {rules.source}: rule {name}: {needed} is required")
+
+
+def evaluate(conn: Connection, rules: RuleSet, now: datetime) -> int:
+    """Run every evaluator against ``conn`` (inside the caller's transaction); return how many alerts fire."""
+    firing = 0
+    for name, evaluator in EVALUATORS.items():
+        rule = rules.get(name)
+        findings = evaluator.check(conn, rule, now) if rule is not None and rule.enabled else []
+        for finding in findings:
+            status = alerts.observe(
+                conn,
+                rule=name,
+                key=finding.key,
+                message=finding.message,
+                now=now,
+                sustain_seconds=rule.sustain_seconds,
+                details=finding.details,
+                severity=rule.severity,
+            )
+            firing += status == AlertStatus.FIRING
+        found = {f.key for f in findings}
+        still_open = conn.execute(
+            select(alert.c.open_key).where(and_(alert.c.rule == name, alert.c.open_key.is_not(None)))
+        ).scalars()
+        for key in [k for k in still_open if k not in found]:
+            if alerts.clear(conn, key=key, now=now):
+                log.info("alert %s resolved", key, extra={"rule": name})
+    return firing

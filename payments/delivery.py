@@ -1,0 +1,229 @@
+"""The callback message is the delivery itself: the broker holds a backup copy of every stored callback.
+
+The gateway publishes, after the raw row committed, a JSON message::
+
+    {"log_id": 42, "provider": "sandbox", "received_at": "2024-05-01T12:00:00.123456Z",
+     "remote_addr": "203.0.113.7", "headers": {...}, "body": "<base64 of the raw body>",
+     "body_sha256": "<hex>"}
+
+bounded by CALLBACK_MAX_BODY_BYTES (``max_message_bytes``). The row stays the
+truth; the message makes an acknowledged callback survive the database losing
+its last transactions (a failover to a replica that missed them, a restore
+from backup): DESIGN.md invariant 12.
+
+``process_delivery`` is what the consumer does with one message:
+
+- the row ``log_id`` exists and holds this delivery (same body digest and
+  receipt time): process it, as before;
+- the row is missing, or holds another delivery (the AUTO_INCREMENT id was
+  handed out again after the loss): store the delivery again from the message
+  (``restore_callback``) and process that row. A redelivered message finds the
+  row it restored before (same provider, event id or receipt time, and digest)
+  instead of storing a second copy, and the inbox (``processed_event``) keeps
+  the business effect to one, whichever copy gets there first.
+
+A message of the earlier format, ``{"log_id": N}`` (queued before an upgrade),
+is still processed by its id.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine, insert, select
+
+from payments.backoff import RetryPolicy
+from payments.callbacks import CallbackResult, process_callback
+from payments.db import utcnow
+from payments.providers.base import Provider
+from payments.schema import SOURCE_WEBHOOK, payment_callback_log
+from payments.states import CallbackStatus
+
+log = logging.getLogger("paysync.delivery")
+
+HEADERS_BUDGET_BYTES = 64 * 1024
+"""Room a message allows for everything but the body (headers, provider, address, field names)."""
+RESTORE_CANDIDATES = 100
+"""Rows sharing the delivery's event id (or receipt time) compared against it when looking for an earlier copy."""
+
+
+class UnreadableMessage(ValueError):
+    """A message that is not a callback message (or whose body does not match its digest)."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One callback delivery as the message carries it."""
+
+    log_id: int
+    provider: str
+    received_at: datetime
+    """Naive UTC, exactly the row's create_time (signatures are checked against it)."""
+    body: bytes
+    headers: dict[str, str]
+    remote_addr: str | None
+    body_sha256: str
+
+
+def body_digest(body: bytes) -> str:
+    """Hex SHA-256 of a raw body: how a message and a row are known to hold the same delivery."""
+    return hashlib.sha256(body).hexdigest()
+
+
+def max_message_bytes(max_body_bytes: int) -> int:
+    """The largest message a body of ``max_body_bytes`` can make (base64 plus the rest)."""
+    return (max_body_bytes + 2) // 3 * 4 + HEADERS_BUDGET_BYTES
+
+
+def _iso(ts: datetime) -> str:
+    return ts.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def encode_message(
+    log_id: int,
+    provider: str,
+    received_at: datetime,
+    body: bytes,
+    headers: Mapping[str, str],
+    remote_addr: str | None = None,
+) -> bytes:
+    """The message the gateway publishes for the row it just committed (``received_at`` = its create_time)."""
+    doc = {
+        "log_id": log_id,
+        "provider": provider,
+        "received_at": _iso(received_at),
+        "remote_addr": remote_addr,
+        "headers": dict(headers),
+        "body": base64.b64encode(body).decode("ascii"),
+        "body_sha256": body_digest(body),
+    }
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _positive_int(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def decode_message(raw: bytes, max_body_bytes: int) -> Delivery | int:
+    """A Delivery, or the log id of an earlier-format ``{"log_id": N}`` message; raise UnreadableMessage."""
+    if len(raw) > max_message_bytes(max_body_bytes):
+        raise UnreadableMessage(f"message of {len(raw)} bytes is larger than any callback message")
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise UnreadableMessage("not JSON") from None
+    if not isinstance(doc, dict):
+        raise UnreadableMessage("not a JSON object")
+    log_id = _positive_int(doc.get("log_id"))
+    if log_id is None:
+        raise UnreadableMessage("log_id must be a positive integer")
+    if set(doc) == {"log_id"}:
+        return log_id
+    provider = doc.get("provider")
+    if not isinstance(provider, str) or not 0 < len(provider) <= 32:
+        raise UnreadableMessage("provider must be a name of at most 32 characters")
+    received = doc.get("received_at")
+    try:
+        if not isinstance(received, str) or not received.endswith("Z"):
+            raise ValueError
+        received_at = datetime.fromisoformat(received[:-1])
+    except ValueError:
+        raise UnreadableMessage("received_at must be an ISO 8601 UTC time") from None
+    if received_at.tzinfo is not None:
+        received_at = received_at.astimezone(UTC).replace(tzinfo=None)
+    headers = doc.get("headers")
+    if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        raise UnreadableMessage("headers must be an object of strings")
+    remote_addr = doc.get("remote_addr")
+    if remote_addr is not None and not isinstance(remote_addr, str):
+        raise UnreadableMessage("remote_addr must be a string or null")
+    encoded = doc.get("body")
+    try:
+        if not isinstance(encoded, str):
+            raise ValueError
+        body = base64.b64decode(encoded, validate=True)
+    except (ValueError, binascii.Error):
+        raise UnreadableMessage("body must be base64") from None
+    if len(body) > max_body_bytes:
+        raise UnreadableMessage(f"body of {len(body)} bytes exceeds CALLBACK_MAX_BODY_BYTES")
+    digest = doc.get("body_sha256")
+    if not isinstance(digest, str) or digest != body_digest(body):
+        # Not the delivery it claims to be: restoring it would store something nobody sent.
+        raise UnreadableMessage("body_sha256 does not match the body")
+    return Delivery(log_id, provider, received_at, body, headers, remote_addr, digest)
+
+
+def _earlier_copy(conn: Any, delivery: Delivery, event_id: str | None) -> int | None:
+    """The id of a row already holding exactly this delivery (restored by an earlier attempt), or None."""
+    t = payment_callback_log
+    if event_id:
+        where = (t.c.provider == delivery.provider, t.c.provider_event_id == event_id)
+    else:
+        where = (t.c.provider == delivery.provider, t.c.create_time == delivery.received_at)
+    rows = conn.execute(
+        select(t.c.id, t.c.create_time, t.c.callback_data).where(*where).order_by(t.c.id).limit(RESTORE_CANDIDATES)
+    )
+    for row in rows:
+        if row.create_time == delivery.received_at and body_digest(bytes(row.callback_data)) == delivery.body_sha256:
+            return row.id
+    return None
+
+
+def restore_callback(engine: Engine, providers: Mapping[str, Provider], delivery: Delivery) -> int:
+    """Store ``delivery`` again (status 0, its original receipt time) unless a row already holds it; return the id."""
+    provider = providers.get(delivery.provider)
+    index = provider.peek_callback(delivery.body) if provider is not None else {}
+    now = utcnow()
+    with engine.begin() as conn:
+        existing = _earlier_copy(conn, delivery, index.get("provider_event_id"))
+        if existing is not None:
+            return existing
+        result = conn.execute(
+            insert(payment_callback_log).values(
+                provider=delivery.provider,
+                callback_data=delivery.body,
+                headers=json.dumps(delivery.headers, sort_keys=True, ensure_ascii=False),
+                remote_addr=(delivery.remote_addr or "")[:64] or None,
+                source=SOURCE_WEBHOOK,  # only the gateway publishes messages: every one is a webhook delivery
+                order_no=index.get("order_no"),
+                payment_order_no=index.get("payment_order_no"),
+                provider_event_id=index.get("provider_event_id"),
+                event_type=index.get("event_type"),
+                status=CallbackStatus.PENDING,
+                result=f"restored from the broker's copy of callback {delivery.log_id}",
+                retry_count=0,
+                next_retry_at=now,
+                create_time=delivery.received_at,
+                update_time=now,
+            )
+        )
+        log_id = int(result.inserted_primary_key[0])
+    log.warning(
+        "callback %s was not in the database: restored from its message as callback %s",
+        delivery.log_id,
+        log_id,
+        extra={"provider": delivery.provider, "provider_event_id": index.get("provider_event_id")},
+    )
+    return log_id
+
+
+def process_delivery(
+    engine: Engine, providers: dict[str, Provider], delivery: Delivery, policy: RetryPolicy
+) -> tuple[int, CallbackResult]:
+    """Process the row holding ``delivery``, restoring it first if the database lost it; return (row id, outcome)."""
+    expect = (delivery.body_sha256, delivery.received_at)
+    outcome = process_callback(engine, providers, delivery.log_id, policy, expect=expect)
+    if outcome is not CallbackResult.MISSING:
+        return delivery.log_id, outcome
+    log_id = restore_callback(engine, providers, delivery)
+    return log_id, process_callback(engine, providers, log_id, policy, expect=expect)

@@ -1,0 +1,72 @@
+"""DingTalk group robot (自定义机器人): a markdown message, signed when the robot has a secret (加签).
+
+Format (DingTalk "custom robot" docs): POST the webhook URL
+``https://oapi.dingtalk.com/robot/send?access_token=…`` with
+``{"msgtype": "markdown", "markdown": {"title": …, "text": …}}``; ``title`` is
+what the conversation list shows, ``text`` the markdown body.
+
+Signature: with the robot's secret (``SEC…``), append ``timestamp`` (unix
+milliseconds) and ``sign`` to the URL's query, where ``sign`` is
+base64(HMAC-SHA256(key=secret, msg="{timestamp}\\n{secret}")), URL-encoded.
+DingTalk refuses a timestamp more than an hour away from its clock.
+
+The answer is HTTP 200 with ``{"errcode": 0, "errmsg": "ok"}``; any other
+errcode is a refusal. 310000 is the robot's security settings refusing the
+message (signature, keyword or IP allow-list): permanent until reconfigured.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import time
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
+
+from payments.errors import NotificationFailed
+from payments.notify import Notice, render
+from payments.notify.http import JSON_HEADERS, HttpAnswer, HttpRequest, check_status, json_body, service_text
+
+NAME = "dingtalk"
+SECURITY_REFUSED = 310000
+"""errcode for a message the robot's security settings (sign, keywords, IP) refuse."""
+
+
+def sign(secret: str, timestamp_ms: int) -> str:
+    """The ``sign`` value (before URL encoding) for ``timestamp_ms``."""
+    string_to_sign = f"{timestamp_ms}\n{secret}".encode()
+    return base64.b64encode(hmac.new(secret.encode(), string_to_sign, hashlib.sha256).digest()).decode("ascii")
+
+
+def signed_url(url: str, secret: str, timestamp_ms: int) -> str:
+    """``url`` with ``timestamp`` and the URL-encoded ``sign`` added to its query (the access_token kept)."""
+    parts = urlsplit(url)
+    extra = urlencode({"timestamp": str(timestamp_ms), "sign": sign(secret, timestamp_ms)}, quote_via=quote)
+    query = f"{parts.query}&{extra}" if parts.query else extra
+    return urlunsplit(parts._replace(query=query))
+
+
+def payload(notice: Notice) -> dict:
+    """The markdown message for ``notice``."""
+    return {"msgtype": "markdown", "markdown": {"title": notice.title, "text": render.markdown(notice)}}
+
+
+def build(url: str, secret: str, notice: Notice, timestamp_ms: int | None = None) -> HttpRequest:
+    """The request for ``notice``; signed when ``secret`` is set."""
+    if secret:
+        url = signed_url(url, secret, int(time.time() * 1000) if timestamp_ms is None else timestamp_ms)
+    return HttpRequest(url=url, body=json_body(payload(notice)), headers=JSON_HEADERS)
+
+
+def check(answer: HttpAnswer) -> str:
+    """Raise NotificationFailed unless DingTalk said errcode 0."""
+    check_status(NAME, answer)
+    data = answer.json()
+    if not isinstance(data, dict) or "errcode" not in data:
+        raise NotificationFailed(f"{NAME} answered without an errcode")
+    if data["errcode"] != 0:
+        raise NotificationFailed(
+            f"{NAME} errcode {data['errcode']}: {service_text(data.get('errmsg', ''))}",
+            permanent=data["errcode"] == SECURITY_REFUSED,
+        )
+    return "posted to the group robot"

@@ -1,0 +1,70 @@
+"""Text every channel builds its message from: a summary line, labelled fields, plain text and markdown.
+
+Pure functions of a Notice. Channels with their own markup (Slack's mrkdwn,
+Feishu's card) take ``fields`` and format them themselves.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+from payments.notify import RESOLVED, TEST, Notice
+
+MAX_DETAIL_CHARS = 200
+"""One detail value is cut to this many characters: a notice is read on a phone."""
+
+
+def when(value: datetime | None) -> str:
+    """A stored (naive UTC) time as people read it."""
+    return value.strftime("%Y-%m-%d %H:%M:%S UTC") if value else ""
+
+
+def summary(notice: Notice, limit: int = 300) -> str:
+    """Title and message on one line, at most ``limit`` characters (SMS, subjects, fallbacks)."""
+    text = f"{notice.title}: {notice.message}" if notice.kind != RESOLVED else f"{notice.title} (was: {notice.message})"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _detail(value: object) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= MAX_DETAIL_CHARS else text[: MAX_DETAIL_CHARS - 1] + "…"
+
+
+def fields(notice: Notice) -> list[tuple[str, str]]:
+    """(label, value) pairs in reading order; empty values left out."""
+    rows = [
+        ("Rule", notice.rule),
+        ("Severity", notice.severity),
+        ("Status", {RESOLVED: "resolved", TEST: "test"}.get(notice.kind, "firing")),
+        ("Firing since", when(notice.fired_at)),
+        ("Resolved at", when(notice.resolved_at)),
+        ("Alert", f"#{notice.alert_id} ({notice.key})" if notice.alert_id else notice.key),
+    ]
+    rows += [(str(name), _detail(value)) for name, value in sorted(notice.details.items())]
+    return [(label, value) for label, value in rows if value]
+
+
+def plain_text(notice: Notice) -> str:
+    """The notice as plain text: the message, then one ``Label: value`` line per field."""
+    width = max(len(label) for label, _ in fields(notice))
+    lines = [notice.title, "", notice.message, ""]
+    lines += [f"{label + ':':<{width + 1}} {value}" for label, value in fields(notice)]
+    lines += ["", "-- paysync alerts (python -m compensator alerts test --channel NAME checks a channel)"]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(notice: Notice) -> str:
+    """The notice in the markdown subset DingTalk, WeCom and Feishu (lark_md) all render: heading, bold, list."""
+    lines = [f"### {notice.title}", "", notice.message, ""]
+    lines += [f"- **{label}**: {value}" for label, value in fields(notice)]
+    return "\n".join(lines)
+
+
+def cut_utf8(text: str, max_bytes: int) -> str:
+    """``text`` cut to at most ``max_bytes`` of UTF-8 without splitting a character (services count bytes)."""
+    encoded = text.encode("utf-8")
+    if len(encoded) <= max_bytes:
+        return text
+    return encoded[: max_bytes - 3].decode("utf-8", errors="ignore") + "…"

@@ -1,0 +1,52 @@
+"""Slack incoming webhook: a message with Block Kit blocks and a plain ``text`` fallback.
+
+Format (Slack "Sending messages using incoming webhooks" and the Block Kit
+reference): POST JSON to ``https://hooks.slack.com/services/T…/B…/…`` with
+``text`` (shown in notifications and where blocks cannot be) and ``blocks``: a
+``header`` (plain_text, at most 150 characters), a ``section`` with the
+message in ``mrkdwn`` and one with up to 10 ``fields``. In mrkdwn ``&``, ``<``
+and ``>`` must be escaped as ``&amp;``, ``&lt;``, ``&gt;``. No signature: the
+URL is the credential.
+
+The answer is HTTP 200 with body ``ok``. Errors come as a status and a short
+text: 400 ``invalid_payload``, 403 ``action_prohibited``, 404
+``channel_not_found``/``no_service``, 410 ``channel_is_archived`` (all
+permanent), 429 rate limited (with Retry-After) and 5xx (retried).
+"""
+
+from __future__ import annotations
+
+from payments.notify import Notice, render
+from payments.notify.http import JSON_HEADERS, HttpAnswer, HttpRequest, check_status, json_body
+
+NAME = "slack"
+MAX_FIELDS = 10
+
+
+def escape(text: str) -> str:
+    """Escape the three characters mrkdwn reserves for its own syntax."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def payload(notice: Notice) -> dict:
+    """The message for ``notice``."""
+    fields = [{"type": "mrkdwn", "text": f"*{escape(k)}*\n{escape(v)}"} for k, v in render.fields(notice)]
+    return {
+        "text": render.summary(notice),
+        "blocks": [
+            {"type": "header", "text": {"type": "plain_text", "text": notice.title[:150]}},
+            {"type": "section", "text": {"type": "mrkdwn", "text": escape(notice.message)[:3000]}},
+            {"type": "section", "fields": fields[:MAX_FIELDS]},
+        ],
+    }
+
+
+def build(url: str, notice: Notice) -> HttpRequest:
+    """The request for ``notice``."""
+    return HttpRequest(url=url, body=json_body(payload(notice)), headers=JSON_HEADERS)
+
+
+def check(answer: HttpAnswer) -> str:
+    """Raise NotificationFailed unless Slack took it (HTTP 2xx)."""
+    check_status(NAME, answer)
+    return "posted to the channel"
