@@ -6,8 +6,9 @@ does the same, after the raw row is committed and published, so in embedded
 mode a payment is Succeeded by the time the provider has its answer.
 
 The acknowledgement still depends only on the raw row's commit. Processing
-runs on a small thread pool of this worker and the request waits for it at
-most CALLBACK_INLINE_BUDGET_SECONDS: a failure is recorded on the row by
+runs on a thread pool of this worker, one thread per request thread
+(WEB_THREADS), and the request waits for it at most
+CALLBACK_INLINE_BUDGET_SECONDS: a failure is recorded on the row by
 ``process_callback`` (status 2, backoff) and an overrun carries on in the
 background, so either way the row stays 0 or 2 for the consumer and the
 sweep. When every inline thread is still busy with earlier overruns (a
@@ -27,17 +28,15 @@ from payments.runtime import Runtime
 
 log = logging.getLogger("paysync.gateway.inline")
 
-THREADS = 2
-"""Inline processing threads per gateway worker: one for the request in hand, one for an overrun."""
-
-
 class InlineProcessor:
     """Process stored callbacks in this worker, each bounded by the budget (see module docstring)."""
 
-    def __init__(self, runtime: Runtime, threads: int = THREADS) -> None:
+    def __init__(self, runtime: Runtime, threads: int | None = None) -> None:
         self.runtime = runtime
         self.budget = runtime.settings.callback_inline_budget_seconds
-        self._threads = threads
+        # As many as the worker has request threads: with fewer, concurrent callbacks on one worker would skip
+        # inline processing while the database is perfectly healthy.
+        self._threads = threads or runtime.settings.web_threads
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._busy = 0

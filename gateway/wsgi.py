@@ -13,4 +13,6 @@ from payments.runtime import build_runtime
 from payments.settings import start_process
 
 # gunicorn_conf.py already checked the settings and warned, once, in the master.
-app = create_app(runtime=build_runtime(start_process("web", warn=False)))
+_settings = start_process("web", warn=False)
+# One connection per request thread (gthread), so a busy worker's threads never queue for the pool.
+app = create_app(runtime=build_runtime(_settings, pool_size=_settings.web_threads))
