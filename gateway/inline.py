@@ -28,6 +28,7 @@ from payments.runtime import Runtime
 
 log = logging.getLogger("paysync.gateway.inline")
 
+
 class InlineProcessor:
     """Process stored callbacks in this worker, each bounded by the budget (see module docstring)."""
 
