@@ -46,7 +46,7 @@ from payments.schema import (
 )
 from payments.states import PaymentStatus
 from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
-from tests.support import SECRET, create_payment, free_port, make_settings
+from tests.support import API_KEY, SECRET, create_payment, free_port, make_settings
 from tests.test_ledger import confirm, create_refund
 from tests.test_reconcile import assert_balanced, count, items, status_of
 
@@ -212,7 +212,7 @@ def _reviews(engine):
 
 
 def test_the_adapter_streams_the_settlement_file_in_chunks_and_says_when_there_is_none(sandbox):
-    adapter = SandboxProvider(SECRET, api_url=sandbox.url)
+    adapter = SandboxProvider(SECRET, api_url=sandbox.url, api_key=API_KEY)
     for n in range(3):
         charge(adapter, f"pay_stream_{n}", 100 + n)
     chunks = adapter.settlement(utcnow().date().isoformat(), timeout=10)
