@@ -1,12 +1,12 @@
 """The merchant's side of outbound charges: create a payment idempotently, and show one.
 
 ``create_payment`` is what ``POST /payments`` does. The merchant's
-Idempotency-Key is claimed first in a short transaction of its own
-(``idempotency_request``, status ``started``), so a second request with the
-same key while the first is still in flight sees it and gets 409. Then ONE
-transaction writes the payment (status Created, its fixed idempotency key, the
-request digest, a deadline), the ``ChargeRequested`` outbox row the relay will
-send, the ``PaymentRequested`` ledger event, and the stored answer. A retry
+Idempotency-Key is handled by ``payments.idempotency``: claimed first in a
+short transaction of its own, so a second request with the same key while the
+first is still in flight gets 409. Then ONE transaction writes the payment
+(status Created, its fixed idempotency key, the request digest, a deadline),
+the ``ChargeRequested`` outbox row the relay will send, the
+``PaymentRequested`` ledger event, and the stored answer. A retry
 with the same key and the same request gets that answer again, byte for byte;
 with another request, 422. Nothing is written for a request that fails
 validation.
@@ -23,22 +23,30 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, insert, select, update
+from sqlalchemy import Connection, Engine, insert, select
 
-from payments import ledger, outbox, provider_calls
+from payments import idempotency, ledger, outbox, provider_calls
 from payments.callbacks import verify_callback
-from payments.db import insert_ignore, utcnow
-from payments.errors import CallbackRejected, PaysyncError
+from payments.db import utcnow
+from payments.errors import CallbackRejected
+
+# Re-exported: the gateway, the OpenAPI document and the tests know them as the payments API's.
+from payments.idempotency import (  # noqa: F401
+    MAX_KEY_LENGTH,
+    Answer,
+    IdempotencyConflict,
+    InvalidRequest,
+    check_key,
+)
 from payments.ids import new_id
 from payments.providers.base import Provider
-from payments.schema import idempotency_request, payment, payment_callback_log
+from payments.schema import payment, payment_callback_log
 from payments.states import CallbackStatus, PaymentStatus
 
 log = logging.getLogger("paysync.charges")
 
 SCOPE = "payments"
 """The idempotency_request scope of POST /payments."""
-MAX_KEY_LENGTH = 255
 MAX_ORDER_NO_LENGTH = 64
 ORDER_NO_VISIBLE = r"[^\s\x1c-\x1f\x85\ufeff]"
 """An order_no must contain one character this matches: the same set in Python's ``re`` and in the OpenAPI
@@ -63,30 +71,7 @@ ISO_4217 = frozenset(
 """Currencies POST /payments accepts."""
 
 
-class InvalidRequest(PaysyncError):
-    """The request is malformed; nothing was written."""
-
-    code = "invalid_request"
-    permanent = True
-    http_status = 400
-
-    def __init__(self, message: str, code: str | None = None, http_status: int | None = None) -> None:
-        super().__init__(message)
-        if code:
-            self.code = code
-        if http_status:
-            self.http_status = http_status
-
-
-class IdempotencyConflict(InvalidRequest):
-    """The key is in use: by a request still in flight (409) or by a different request (422)."""
-
-
 _PAYMENT_METHOD = re.compile(r"[0-9A-Za-z_-]+", re.ASCII)
-
-
-def _in_progress() -> IdempotencyConflict:
-    return IdempotencyConflict("a request with this Idempotency-Key is in progress", "request_in_progress", 409)
 
 
 @dataclass(frozen=True)
@@ -115,15 +100,6 @@ class CreatePayment:
             fields["payment_method"] = self.payment_method
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class Answer:
-    """An HTTP answer: status and JSON text; ``replayed`` when it is the stored first answer."""
-
-    status: int
-    body: str
-    replayed: bool = False
 
 
 def _reject_constant(name: str) -> Any:
@@ -181,17 +157,6 @@ def parse_create(raw: bytes, providers: set[str] | frozenset[str], max_amount: i
     return CreatePayment(order_no, amount, currency, provider, description, payment_method)
 
 
-def check_key(key: str | None) -> str:
-    """The Idempotency-Key header, or InvalidRequest if it is missing or unusable."""
-    if key is None or not key.strip():
-        raise InvalidRequest("the Idempotency-Key header is required", "idempotency_key_missing")
-    if len(key) > MAX_KEY_LENGTH or not key.isprintable():
-        raise InvalidRequest(
-            f"Idempotency-Key must be at most {MAX_KEY_LENGTH} printable characters", "idempotency_key_invalid"
-        )
-    return key
-
-
 def create_payment(
     engine: Engine,
     request: CreatePayment,
@@ -204,10 +169,6 @@ def create_payment(
     """Create the payment for ``request`` under the merchant's ``key`` (see the module docstring)."""
     now = now or utcnow()
     digest = request.digest()
-    try:
-        lock_token = _claim_key(engine, key, digest, lock_seconds, now)
-    except Replay as replay:
-        return replay.answer
     payment_id = new_id("pay")
     body = {
         "payment_id": payment_id,
@@ -222,27 +183,15 @@ def create_payment(
         "created_at": now.isoformat() + "Z",
     }
     text = json.dumps(body, sort_keys=True)
-    try:
-        with engine.begin() as conn:
-            taken = conn.execute(
-                update(idempotency_request)
-                .where(
-                    idempotency_request.c.scope == SCOPE,
-                    idempotency_request.c.idempotency_key == key,
-                    idempotency_request.c.status == "started",
-                    idempotency_request.c.locked_at == lock_token,
-                )
-                .values(status="done", response_status=201, response_body=text, payment_id=payment_id, updated_at=now)
-            ).rowcount
-            if taken != 1:
-                # Our claim expired and a retry with the same key took it over: let that one finish.
-                raise _in_progress()
-            _write_payment(conn, request, key, digest, payment_id, now, deadline_seconds)
-    except BaseException:
-        _release_key(engine, key, lock_token)
-        raise
-    log.info("payment created", extra={"payment_id": payment_id, "provider": request.provider})
-    return Answer(201, text)
+
+    def work(conn: Connection) -> idempotency.Stored:
+        _write_payment(conn, request, key, digest, payment_id, now, deadline_seconds)
+        return idempotency.Stored(201, text, payment_id)
+
+    answer = idempotency.run(engine, scope=SCOPE, key=key, digest=digest, lock_seconds=lock_seconds, work=work, now=now)
+    if not answer.replayed:
+        log.info("payment created", extra={"payment_id": payment_id, "provider": request.provider})
+    return answer
 
 
 def _write_payment(
@@ -291,76 +240,6 @@ def _write_payment(
         payment_id=payment_id,
         details={"order_no": request.order_no, "provider": request.provider},
     )
-
-
-def _claim_key(engine: Engine, key: str, digest: str, lock_seconds: float, now: datetime) -> datetime:
-    """Take the key for this request (committed at once); return the lock token, or raise with the answer."""
-    with engine.begin() as conn:
-        fresh = conn.execute(
-            insert_ignore(idempotency_request).values(
-                scope=SCOPE,
-                idempotency_key=key,
-                request_digest=digest,
-                status="started",
-                locked_at=now,
-                created_at=now,
-                updated_at=now,
-            )
-        ).rowcount
-    if fresh:
-        return now
-    answer_or_token = _existing(engine, key, digest, lock_seconds, now)
-    if isinstance(answer_or_token, Answer):
-        raise Replay(answer_or_token)
-    return answer_or_token
-
-
-class Replay(Exception):  # noqa: N818 - control flow, not an error
-    """The key was used before for the same request: answer with the stored first answer."""
-
-    def __init__(self, answer: Answer) -> None:
-        super().__init__("replay")
-        self.answer = answer
-
-
-def _existing(engine: Engine, key: str, digest: str, lock_seconds: float, now: datetime) -> Answer | datetime:
-    """For a key already on file: its stored answer, a takeover lock token, or IdempotencyConflict."""
-    t = idempotency_request
-    with engine.begin() as conn:
-        row = conn.execute(select(t).where(t.c.scope == SCOPE, t.c.idempotency_key == key)).first()
-        if row is None:  # released by a request that failed; try again from the top
-            raise _in_progress()
-        if row.request_digest != digest:
-            raise IdempotencyConflict(
-                "this Idempotency-Key was used with a different request", "idempotency_key_reuse", 422
-            )
-        if row.status == "done":
-            return Answer(row.response_status, row.response_body, replayed=True)
-        if now - row.locked_at < timedelta(seconds=lock_seconds):
-            raise _in_progress()
-        # The first request died mid-way (its payment transaction never committed): take over.
-        taken = conn.execute(
-            update(t)
-            .where(t.c.id == row.id, t.c.status == "started", t.c.locked_at == row.locked_at)
-            .values(locked_at=now, updated_at=now)
-        ).rowcount
-    if not taken:
-        raise _in_progress()
-    return now
-
-
-def _release_key(engine: Engine, key: str, lock_token: datetime) -> None:
-    """Forget a key whose request failed before committing, so the merchant's retry can proceed at once."""
-    t = idempotency_request
-    try:
-        with engine.begin() as conn:
-            conn.execute(
-                t.delete().where(
-                    t.c.scope == SCOPE, t.c.idempotency_key == key, t.c.status == "started", t.c.locked_at == lock_token
-                )
-            )
-    except Exception:  # noqa: BLE001 - the lock timeout releases it anyway
-        log.warning("could not release idempotency key after a failed request")
 
 
 def get_payment(

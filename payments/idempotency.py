@@ -1,0 +1,202 @@
+"""The merchant's Idempotency-Key, for every POST that creates something (``POST /payments``, ``POST …/refunds``).
+
+``run`` is the whole protocol. The key is claimed first in a short transaction
+of its own (an ``idempotency_request`` row, status ``started``), so a second
+request with the same key while the first is still in flight sees it and gets
+409. Then ONE transaction does the caller's work and stores its answer
+(status ``done``): a retry with the same key and the same request gets that
+answer again, byte for byte; with another request (another digest), 422. A
+request whose work raises (a validation the database must answer, such as
+"this refund is more than is left") writes nothing and frees the key at once,
+so the merchant's retry is judged afresh. A claim left ``started`` by a process
+that died is taken over after ``lock_seconds``.
+
+Keys live in a ``scope`` (the endpoint family): the same key string may be
+used once for a payment and once for a refund.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import Connection, Engine, select, update
+
+from payments.db import insert_ignore, utcnow
+from payments.errors import PaysyncError
+from payments.schema import idempotency_request
+
+log = logging.getLogger("paysync.idempotency")
+
+MAX_KEY_LENGTH = 255
+
+
+class InvalidRequest(PaysyncError):
+    """The request is malformed or cannot be granted; nothing was written."""
+
+    code = "invalid_request"
+    permanent = True
+    http_status = 400
+
+    def __init__(self, message: str, code: str | None = None, http_status: int | None = None) -> None:
+        super().__init__(message)
+        if code:
+            self.code = code
+        if http_status:
+            self.http_status = http_status
+
+
+class IdempotencyConflict(InvalidRequest):
+    """The key is in use: by a request still in flight (409) or by a different request (422)."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer: status and JSON text; ``replayed`` when it is the stored first answer."""
+
+    status: int
+    body: str
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What the caller's work produced: the answer to store, and the payment it concerns."""
+
+    status: int
+    body: str
+    payment_id: str | None = None
+
+
+def check_key(key: str | None) -> str:
+    """The Idempotency-Key header, or InvalidRequest if it is missing or unusable."""
+    if key is None or not key.strip():
+        raise InvalidRequest("the Idempotency-Key header is required", "idempotency_key_missing")
+    if len(key) > MAX_KEY_LENGTH or not key.isprintable():
+        raise InvalidRequest(
+            f"Idempotency-Key must be at most {MAX_KEY_LENGTH} printable characters", "idempotency_key_invalid"
+        )
+    return key
+
+
+def run(
+    engine: Engine,
+    *,
+    scope: str,
+    key: str,
+    digest: str,
+    lock_seconds: float,
+    work: Callable[[Connection], Stored],
+    now: datetime | None = None,
+) -> Answer:
+    """Answer a request under the merchant's ``key`` (module docstring); ``work`` runs in the answer's transaction.
+
+    ``work`` writes what the request creates and returns the answer to store;
+    anything it raises rolls back and frees the key.
+    """
+    now = now or utcnow()
+    try:
+        token = _claim(engine, scope, key, digest, lock_seconds, now)
+    except _Replay as replay:
+        return replay.answer
+    try:
+        with engine.begin() as conn:
+            stored = work(conn)
+            t = idempotency_request
+            taken = conn.execute(
+                update(t)
+                .where(t.c.scope == scope, t.c.idempotency_key == key, t.c.status == "started", t.c.locked_at == token)
+                .values(
+                    status="done",
+                    response_status=stored.status,
+                    response_body=stored.body,
+                    payment_id=stored.payment_id,
+                    updated_at=now,
+                )
+            ).rowcount
+            if taken != 1:
+                # Our claim expired and a retry with the same key took it over: let that one finish.
+                raise in_progress()
+    except BaseException:
+        _release(engine, scope, key, token)
+        raise
+    return Answer(stored.status, stored.body)
+
+
+def in_progress() -> IdempotencyConflict:
+    """The 409 for a key whose first request has not finished."""
+    return IdempotencyConflict("a request with this Idempotency-Key is in progress", "request_in_progress", 409)
+
+
+class _Replay(Exception):  # noqa: N818 - control flow, not an error
+    """The key was used before for the same request: answer with the stored first answer."""
+
+    def __init__(self, answer: Answer) -> None:
+        super().__init__("replay")
+        self.answer = answer
+
+
+def _claim(engine: Engine, scope: str, key: str, digest: str, lock_seconds: float, now: datetime) -> datetime:
+    """Take the key for this request (committed at once); return the lock token, or raise with the answer."""
+    with engine.begin() as conn:
+        fresh = conn.execute(
+            insert_ignore(idempotency_request).values(
+                scope=scope,
+                idempotency_key=key,
+                request_digest=digest,
+                status="started",
+                locked_at=now,
+                created_at=now,
+                updated_at=now,
+            )
+        ).rowcount
+    if fresh:
+        return now
+    answer_or_token = _existing(engine, scope, key, digest, lock_seconds, now)
+    if isinstance(answer_or_token, Answer):
+        raise _Replay(answer_or_token)
+    return answer_or_token
+
+
+def _existing(
+    engine: Engine, scope: str, key: str, digest: str, lock_seconds: float, now: datetime
+) -> Answer | datetime:
+    """For a key already on file: its stored answer, a takeover lock token, or IdempotencyConflict."""
+    t = idempotency_request
+    with engine.begin() as conn:
+        row = conn.execute(select(t).where(t.c.scope == scope, t.c.idempotency_key == key)).first()
+        if row is None:  # released by a request that failed; try again from the top
+            raise in_progress()
+        if row.request_digest != digest:
+            raise IdempotencyConflict(
+                "this Idempotency-Key was used with a different request", "idempotency_key_reuse", 422
+            )
+        if row.status == "done":
+            return Answer(row.response_status, row.response_body, replayed=True)
+        if now - row.locked_at < timedelta(seconds=lock_seconds):
+            raise in_progress()
+        # The first request died mid-way (its transaction never committed): take over.
+        taken = conn.execute(
+            update(t)
+            .where(t.c.id == row.id, t.c.status == "started", t.c.locked_at == row.locked_at)
+            .values(locked_at=now, updated_at=now)
+        ).rowcount
+    if not taken:
+        raise in_progress()
+    return now
+
+
+def _release(engine: Engine, scope: str, key: str, token: datetime) -> None:
+    """Forget a key whose request failed before committing, so the merchant's retry can proceed at once."""
+    t = idempotency_request
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                t.delete().where(
+                    t.c.scope == scope, t.c.idempotency_key == key, t.c.status == "started", t.c.locked_at == token
+                )
+            )
+    except Exception:  # noqa: BLE001 - the lock timeout releases it anyway
+        log.warning("could not release idempotency key after a failed request")
