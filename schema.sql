@@ -362,6 +362,7 @@ CREATE TABLE refund (
 	next_query_at DATETIME(6),
 	query_attempts INTEGER NOT NULL,
 	deadline_at DATETIME(6),
+	reason VARCHAR(500) COMMENT 'why the merchant refunds, as given to POST …/refunds',
 	created_at DATETIME(6) NOT NULL,
 	updated_at DATETIME(6) NOT NULL,
 	PRIMARY KEY (id),

@@ -184,6 +184,7 @@ refund = Table(
     Column("next_query_at", TS, nullable=True),
     Column("query_attempts", Integer, nullable=False, default=0),
     Column("deadline_at", TS, nullable=True),
+    Column("reason", String(500), nullable=True, comment="why the merchant refunds, as given to POST …/refunds"),
     Column("created_at", TS, nullable=False),
     Column("updated_at", TS, nullable=False),
     UniqueConstraint("refund_id", name="uq_refund_refund_id"),
