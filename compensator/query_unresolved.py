@@ -1,4 +1,4 @@
-"""Job ``query_unresolved``: ask the provider about payments we do not know the outcome of.
+"""Job ``query_unresolved``: ask the provider about payments and refunds we do not know the outcome of.
 
 Takes payments that are Unknown, or Pending past QUERY_PENDING_AFTER_SECONDS,
 whose ``next_query_at`` is due; claims them with ``FOR UPDATE SKIP LOCKED``
@@ -9,7 +9,9 @@ provider's capabilities make that safe. Still unresolved at the payment's
 deadline → manual review and an alert. Backoff between queries is exponential
 with jitter (QUERY_BASE_SECONDS … QUERY_MAX_SECONDS). While a provider's
 circuit breaker is open, each run may still send BREAKER_QUERY_BUDGET queries
-to it; their answers are the probes that close it.
+to it; their answers are the probes that close it. Refunds (Unknown, or
+Pending past the same setting) are claimed once no payment is left due, and
+queried by our refund number (``payments.query.query_refund``).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from compensator.workpool import drain
 from payments import breaker
 from payments.calls import Context, Result
 from payments.db import claim_rows, utcnow
-from payments.query import due_for_query, query_payment
+from payments.query import due_for_query, due_refunds_for_query, query_payment, query_refund
 from payments.runtime import Runtime
-from payments.schema import payment
+from payments.schema import payment, refund
 from payments.states import BreakerState
 
 log = logging.getLogger("paysync.compensator.query")
@@ -36,11 +38,11 @@ log = logging.getLogger("paysync.compensator.query")
 
 def claim_batch(
     engine: Engine, now: datetime, limit: int, lease_seconds: float, pending_after_seconds: float
-) -> list[tuple[str, str, datetime]]:
-    """Claim up to ``limit`` payments due for a query; return (payment_id, provider, lease token) triples.
+) -> list[tuple[str, str, datetime, str]]:
+    """Claim up to ``limit`` payments (then refunds) due for a query; return (number, provider, lease token, kind).
 
     The lease token is the ``next_query_at`` the claim wrote: the query goes
-    out only while the payment still carries it (``payments.query``).
+    out only while the payment (or refund) still carries it (``payments.query``).
     """
     query = (
         select(payment.c.id, payment.c.payment_id, payment.c.provider)
@@ -50,7 +52,17 @@ def claim_batch(
     )
     lease_until = now + timedelta(seconds=lease_seconds)
     rows = claim_rows(engine, query, payment, payment.c.next_query_at, lease_until)
-    return [(r.payment_id, r.provider, lease_until) for r in rows]
+    claimed = [(r.payment_id, r.provider, lease_until, "payment") for r in rows]
+    if len(claimed) < limit:
+        query = (
+            select(refund.c.id, refund.c.refund_id, refund.c.provider)
+            .where(due_refunds_for_query(now, pending_after_seconds))
+            .order_by(refund.c.next_query_at, refund.c.id)
+            .limit(limit - len(claimed))
+        )
+        rows = claim_rows(engine, query, refund, refund.c.next_query_at, lease_until)
+        claimed += [(r.refund_id, r.provider, lease_until, "refund") for r in rows]
+    return claimed
 
 
 def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
@@ -61,15 +73,16 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     budget: Counter[str] = Counter()
     budget_lock = threading.Lock()
 
-    def work(item: tuple[str, str, datetime]) -> Result:
-        payment_id, provider, lease_until = item
+    def work(item: tuple[str, str, datetime, str]) -> Result:
+        number, provider, lease_until, kind = item
         budget_ok = False
         if breaker.read(runtime.engine, provider).state == BreakerState.OPEN:
             with budget_lock:
                 budget_ok = budget[provider] < settings.breaker_query_budget
                 budget[provider] += 1
         throttle(provider, settings.provider_rate_limit)
-        return query_payment(ctx, payment_id, provider, lease_until, budget_ok=budget_ok)
+        query = query_refund if kind == "refund" else query_payment
+        return query(ctx, number, provider, lease_until, budget_ok=budget_ok)
 
     results = drain(
         lambda n: claim_batch(runtime.engine, utcnow(), n, lease, settings.query_pending_after_seconds),
@@ -82,5 +95,5 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     counts = Counter(r.value for r in results)
     handled = sum(n for r, n in counts.items() if r != Result.SKIPPED)
     if handled:
-        log.info("queried %s unresolved payments", handled, extra={"results": dict(counts)})
+        log.info("queried %s unresolved payments and refunds", handled, extra={"results": dict(counts)})
     return handled

@@ -1,4 +1,4 @@
-"""Job ``relay_outbox``: send ChargeRequested outbox rows to their provider.
+"""Job ``relay_outbox``: send ChargeRequested and RefundRequested outbox rows to their provider.
 
 Claims due rows with ``SELECT … FOR UPDATE SKIP LOCKED`` and leases them by
 pushing ``next_attempt_at`` past the wait for the rate limiter and one full
@@ -7,7 +7,7 @@ any number of compensators share the queue; a row whose worker dies comes
 back when the lease runs out and is sent again with the same idempotency key.
 The lease is also the worker's token: a worker that finds another's token on
 the row when it prepares the call sends nothing. Each row is handled by ``payments.relay.relay_charge``
-(prepare, call, apply: see there). Up to RELAY_CONCURRENCY calls are in flight
+or ``relay_refund``, by its event type (prepare, call, apply: see there). Up to RELAY_CONCURRENCY calls are in flight
 at once, each provider is held to PROVIDER_RATE_LIMIT calls per second per
 process, and the scheduler runs the job every RELAY_INTERVAL_SECONDS (200 ms by
 default), which is what keeps creation-to-provider latency low.
@@ -28,7 +28,8 @@ from compensator.workpool import drain
 from payments.calls import Context, Result
 from payments.charges import CHARGE_REQUESTED
 from payments.db import claim_rows, utcnow
-from payments.relay import relay_charge
+from payments.refunds import REFUND_REQUESTED
+from payments.relay import relay_charge, relay_refund
 from payments.runtime import Runtime
 from payments.schema import outbox as outbox_table
 from payments.states import OutboxStatus
@@ -50,22 +51,28 @@ def throttle(provider: str, rate: float) -> None:
         limiter.acquire()
 
 
-def claim_batch(engine: Engine, now: datetime, limit: int, lease_seconds: float) -> list[tuple[int, str, datetime]]:
-    """Claim up to ``limit`` due ChargeRequested rows; return (outbox id, provider name, lease token) triples.
+RELAYS = {CHARGE_REQUESTED: relay_charge, REFUND_REQUESTED: relay_refund}
+"""The outbox commands this job sends, and what sends each."""
+
+
+def claim_batch(
+    engine: Engine, now: datetime, limit: int, lease_seconds: float
+) -> list[tuple[int, str, datetime, str]]:
+    """Claim up to ``limit`` due command rows; return (outbox id, provider name, lease token, event type) tuples.
 
     The lease token is the ``next_attempt_at`` the claim wrote: the relay
     sends only while the row still carries it (``payments.relay``).
     """
     t = outbox_table
     query = (
-        select(t.c.id, t.c.payload)
-        .where(t.c.status == OutboxStatus.PENDING, t.c.next_attempt_at <= now, t.c.event_type == CHARGE_REQUESTED)
+        select(t.c.id, t.c.payload, t.c.event_type)
+        .where(t.c.status == OutboxStatus.PENDING, t.c.next_attempt_at <= now, t.c.event_type.in_(sorted(RELAYS)))
         .order_by(t.c.next_attempt_at, t.c.id)
         .limit(limit)
     )
     lease_until = now + timedelta(seconds=lease_seconds)
     rows = claim_rows(engine, query, t, t.c.next_attempt_at, lease_until)
-    return [(r.id, json.loads(r.payload).get("provider", ""), lease_until) for r in rows]
+    return [(r.id, json.loads(r.payload).get("provider", ""), lease_until, r.event_type) for r in rows]
 
 
 def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
@@ -74,10 +81,10 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     ctx = Context(runtime.engine, runtime.providers, settings)
     lease = settings.call_lease_seconds
 
-    def work(item: tuple[int, str, datetime]) -> Result:
-        outbox_id, provider, lease_until = item
+    def work(item: tuple[int, str, datetime, str]) -> Result:
+        outbox_id, provider, lease_until, event_type = item
         throttle(provider, settings.provider_rate_limit)
-        return relay_charge(ctx, outbox_id, provider, lease_until)
+        return RELAYS[event_type](ctx, outbox_id, provider, lease_until)
 
     results = drain(
         lambda n: claim_batch(runtime.engine, utcnow(), n, lease),
@@ -90,5 +97,5 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     counts = Counter(r.value for r in results)
     handled = sum(n for r, n in counts.items() if r != Result.SKIPPED)
     if handled:
-        log.info("relayed %s charge requests", handled, extra={"results": dict(counts)})
+        log.info("relayed %s charge and refund requests", handled, extra={"results": dict(counts)})
     return handled

@@ -1,4 +1,4 @@
-"""The merchant API: ``POST /payments`` and ``GET /payments/<payment_id>``; the logic is in payments.charges."""
+"""The merchant API: payments and their refunds; the logic is in payments.charges and payments.refunds."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from gateway import error_response, ext
 from gateway.auth import bearer_ok
 from payments.charges import InvalidRequest, check_key, create_payment, get_payment, parse_create
+from payments.refunds import create_refund, get_refund, parse_refund
 
 bp = Blueprint("payments_api", __name__)
 log = logging.getLogger("paysync.gateway.payments")
@@ -77,4 +78,52 @@ def show(payment_id: str) -> Any:
         return error_response("storage_unavailable", "payment not readable right now; retry later", 503)
     if found is None:
         return error_response("not_found", "no such payment", 404)
+    return jsonify(found)
+
+
+@bp.post("/payments/<payment_id>/refunds")
+def refund(payment_id: str) -> Any:
+    """Request a refund of (part of) a Succeeded payment (Idempotency-Key required); 201 with the refund."""
+    if not _authorized():
+        return _unauthorized()
+    settings = ext("settings")
+    try:
+        key = check_key(request.headers.get("Idempotency-Key"))
+        if request.mimetype != "application/json":
+            raise InvalidRequest("Content-Type must be application/json", "unsupported_media_type", 415)
+        amount, reason = parse_refund(_body(settings.callback_max_body_bytes))
+        if len(payment_id) > 40:
+            raise InvalidRequest("no such payment", "not_found", 404)
+        answer = create_refund(
+            ext("engine"),
+            payment_id,
+            amount,
+            reason,
+            key,
+            deadline_seconds=settings.refund_deadline_seconds,
+            lock_seconds=settings.idempotency_lock_seconds,
+        )
+    except InvalidRequest as exc:
+        return error_response(exc.code, str(exc), exc.http_status)
+    except SQLAlchemyError as exc:
+        log.error("refund not created, answering 503: %s", type(exc).__name__)
+        return error_response("storage_unavailable", "refund not created; retry with the same key", 503)
+    response = Response(answer.body, answer.status, content_type="application/json")
+    if answer.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return response
+
+
+@bp.get("/payments/<payment_id>/refunds/<refund_id>")
+def show_refund(payment_id: str, refund_id: str) -> Any:
+    """One refund of one payment: status, provider refund id, ledger events and provider calls."""
+    if not _authorized():
+        return _unauthorized()
+    try:
+        found = get_refund(ext("engine"), payment_id[:40], refund_id[:40])
+    except SQLAlchemyError as exc:
+        log.error("refund not read, answering 503: %s", type(exc).__name__)
+        return error_response("storage_unavailable", "refund not readable right now; retry later", 503)
+    if found is None:
+        return error_response("not_found", "no such refund of this payment", 404)
     return jsonify(found)

@@ -15,7 +15,9 @@ any two is harmless:
 This module holds the step's context and result, the breaker's admission and
 count, and ``apply_outcome``: the outcome through ``states.decide`` and
 ``transitions.apply_decision``. Unknown never becomes Failed (invariant 5):
-it moves the payment to Unknown and schedules a query.
+it moves the payment to Unknown and schedules a query. A refund goes through
+the same steps (``kind="refund"``: its row, locked by ``lock_refund``, has
+the same status, query and deadline columns as a payment's).
 """
 
 from __future__ import annotations
@@ -39,15 +41,16 @@ from payments.providers.base import (
     Pending,
     Provider,
     QueryOutcome,
+    RefundRequest,
     Unknown,
     is_answer,
     reported_status,
 )
 from payments.review import Escalation, escalate
-from payments.schema import payment, provider_call
+from payments.schema import payment, provider_call, refund
 from payments.settings import Settings
 from payments.states import TERMINAL, PaymentStatus, Verdict, decide
-from payments.transitions import apply_decision
+from payments.transitions import TARGETS, Kind, apply_decision
 
 log = logging.getLogger("paysync.calls")
 
@@ -140,6 +143,46 @@ def lock_payment(conn: Connection, payment_id: str) -> dict[str, Any] | None:
     return dict(row) if row is not None else None
 
 
+def lock_refund(conn: Connection, refund_id: str) -> dict[str, Any] | None:
+    """The refund row, locked FOR UPDATE until the caller's transaction ends; None if there is none."""
+    row = conn.execute(select(refund).where(refund.c.refund_id == refund_id).with_for_update()).mappings().first()
+    return dict(row) if row is not None else None
+
+
+def kind_of(current: Mapping[str, Any]) -> Kind:
+    """ "refund" for a refund row, "payment" for a payment row."""
+    return "refund" if "refund_id" in current else "payment"
+
+
+def refund_request(conn: Connection, current: Mapping[str, Any]) -> RefundRequest | None:
+    """What the provider is sent for the refund ``current``: our numbers, the charge's id and the amounts."""
+    charge = conn.execute(
+        select(payment.c.provider_transaction_id, payment.c.amount_minor).where(
+            payment.c.payment_id == current["payment_id"]
+        )
+    ).first()
+    if charge is None:
+        return None
+    return RefundRequest(
+        current["refund_id"],
+        current["payment_id"],
+        charge.provider_transaction_id or "",
+        int(current["amount_minor"]),
+        current["currency"],
+        payment_amount_minor=int(charge.amount_minor),
+    )
+
+
+def last_refund_call(conn: Connection, refund_id: str) -> Row | None:
+    """The latest refund call recorded for a refund (id, started_at, outcome), or None if it was never sent."""
+    return conn.execute(
+        select(provider_call.c.id, provider_call.c.started_at, provider_call.c.outcome)
+        .where(provider_call.c.refund_id == refund_id, provider_call.c.operation == "refund")
+        .order_by(provider_call.c.id.desc())
+        .limit(1)
+    ).first()
+
+
 def last_charge_call(conn: Connection, payment_id: str) -> Row | None:
     """The latest charge call recorded for a payment (id, started_at, outcome), or None if it was never sent."""
     return conn.execute(
@@ -162,28 +205,30 @@ def apply_outcome(
     query: bool = False,
     resend: bool = False,
 ) -> Result:
-    """Apply one call's or query's outcome to the locked payment ``current``, in ``conn``.
+    """Apply one call's or query's outcome to the locked payment (or refund) ``current``, in ``conn``.
 
-    ``query``: the outcome is a query's answer; ``resend``: a charge's answer
-    on a re-send (see ``reported_status``).
+    ``query``: the outcome is a query's answer; ``resend``: a charge's (or
+    refund's) answer on a re-send (see ``reported_status``).
 
     An answer that contradicts what we hold (a Mismatch, another transaction
     id, a report against a terminal state) is escalated, once per payment,
     and an unresolved payment is then looked at again only after a query
     backoff: a conflicting answer never loops (invariant 13).
     """
+    kind = kind_of(current)
+    table, ref_column = TARGETS[kind].table, TARGETS[kind].provider_ref.name
     status = PaymentStatus(current["status"])
     reference = getattr(outcome, "provider_transaction_id", None)
-    known = current["provider_transaction_id"]
+    known = current[ref_column]
     if isinstance(outcome, Unknown) and outcome.reason.startswith(REVIEW_PREFIX):
         # Still resolved by query like any Unknown; a person is told once per payment.
         review(conn, current, "provider_answer_needs_review", f"{source}: {outcome.reason}", now)
     report = reported_status(outcome, resend=resend) or PaymentStatus.UNKNOWN
     decision = decide(status, report)
     if isinstance(outcome, Mismatch):
-        contradiction = f"provider's charge is for another amount or currency than ours ({outcome.reason})"
+        contradiction = f"provider's {kind} is for another amount or currency than ours ({outcome.reason})"
     elif reference and known and reference != known:
-        contradiction = f"provider reports transaction {reference}, we have {known}"
+        contradiction = f"provider reports {kind} {reference}, we have {known}"
     elif decision.verdict == Verdict.CONFLICT:
         contradiction = decision.reason
     else:
@@ -194,8 +239,8 @@ def apply_outcome(
             # Looked at again after a backoff, like any unresolved payment; never as soon as the lease ends.
             attempts = current["query_attempts"] + (1 if query else 0)
             conn.execute(
-                update(payment)
-                .where(payment.c.id == current["id"])
+                update(table)
+                .where(table.c.id == current["id"])
                 .values(
                     next_query_at=now + timedelta(seconds=query_delay(ctx.settings, attempts + 1)),
                     query_attempts=attempts,
@@ -214,7 +259,7 @@ def apply_outcome(
         unresolved_values = {"next_query_at": now + timedelta(seconds=delay), "query_attempts": attempts}
         if report == PaymentStatus.UNKNOWN and not provider.capabilities.query_by_merchant_id:
             unresolved_values["next_query_at"] = None
-    if isinstance(outcome, Pending) and outcome.qr_code:
+    if isinstance(outcome, Pending) and outcome.qr_code and kind == "payment":
         unresolved_values["qr_code"] = outcome.qr_code  # shown by GET /payments/<id> until the payer scans it
 
     if decision.verdict == Verdict.NOOP:
@@ -222,16 +267,16 @@ def apply_outcome(
             return Result.UNCHANGED
         values = dict(unresolved_values)
         if reference and not known:
-            values["provider_transaction_id"] = reference
+            values[ref_column] = reference
         if values:
             values["updated_at"] = now
-            conn.execute(update(payment).where(payment.c.id == current["id"]).values(**values))
+            conn.execute(update(table).where(table.c.id == current["id"]).values(**values))
         return Result.UNCHANGED
 
     failure_code = outcome.code if isinstance(outcome, Failed) and report == PaymentStatus.FAILED else None
     target = apply_decision(
         conn,
-        "payment",
+        kind,
         current,
         decision,
         source=source,
@@ -250,55 +295,67 @@ def apply_outcome(
 
 
 def hold_for_query(ctx: Context, conn: Connection, current: Mapping[str, Any], call_id: int, now: datetime) -> None:
-    """Mark a payment whose charge outcome was lost Unknown (if it is not already) and schedule its query."""
+    """Mark a payment (or refund) whose call's outcome was lost Unknown (if it is not already); schedule its query."""
+    kind = kind_of(current)
+    table = TARGETS[kind].table
     delay = query_delay(ctx.settings, current["query_attempts"] + 1)
     values = {"next_query_at": now + timedelta(seconds=delay)}
     decision = decide(PaymentStatus(current["status"]), PaymentStatus.UNKNOWN)
     if decision.verdict == Verdict.APPLY:
-        apply_decision(conn, "payment", current, decision, source=f"call:{call_id}", now=now, values=values)
+        apply_decision(conn, kind, current, decision, source=f"call:{call_id}", now=now, values=values)
     else:
-        conn.execute(update(payment).where(payment.c.id == current["id"]).values(updated_at=now, **values))
+        conn.execute(update(table).where(table.c.id == current["id"]).values(updated_at=now, **values))
 
 
 def give_up_ambiguous(
     conn: Connection, current: Mapping[str, Any], call_id: int | None, now: datetime, reason: str
 ) -> None:
-    """Mark an ambiguous payment Unknown (if it is not already) and hand it to the manual queue, once."""
+    """Mark an ambiguous payment (or refund) Unknown (if it is not already) and hand it to the manual queue, once."""
+    kind = kind_of(current)
+    table = TARGETS[kind].table
     status = PaymentStatus(current["status"])
     decision = decide(status, PaymentStatus.UNKNOWN)
     if decision.verdict == Verdict.APPLY:
         source = f"call:{call_id}" if call_id else (current["status_source"] or "relay")
-        apply_decision(conn, "payment", current, decision, source=source, now=now, values={"next_query_at": None})
+        apply_decision(conn, kind, current, decision, source=source, now=now, values={"next_query_at": None})
     else:
-        conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=None))
+        conn.execute(update(table).where(table.c.id == current["id"]).values(next_query_at=None))
     review(conn, current, "unresolved_not_resendable", f"{reason}; not re-sent automatically, reconcile by hand", now)
 
 
+def _subject(current: Mapping[str, Any]) -> tuple[str, str]:
+    """(what, its number): ("payment", payment_id) or ("refund", refund_id)."""
+    kind = kind_of(current)
+    return kind, current[TARGETS[kind].key.name]
+
+
 def review(conn: Connection, current: Mapping[str, Any], kind: str, reason: str, now: datetime) -> Escalation:
-    """Hand the payment to a person (once per payment and kind, with one alert; ``review.escalate``)."""
-    payment_id = current["payment_id"]
+    """Hand the payment (or refund) to a person (once per subject and kind, with one alert; ``review.escalate``)."""
+    what, number = _subject(current)
     return escalate(
         conn,
         kind=kind,
-        subject=f"payment:{payment_id}",
-        alert_key=f"{kind}:{payment_id}",
-        reason=f"payment {payment_id} needs a person: {reason}",
+        subject=f"{what}:{number}",
+        alert_key=f"{kind}:{number}",
+        reason=f"{what} {number} needs a person: {reason}",
         now=now,
-        payment_id=payment_id,
+        payment_id=current["payment_id"],
+        refund_id=current.get("refund_id"),
         details={"status": current["status"], "provider": current["provider"]},
     )
 
 
 def conflict(conn: Connection, current: Mapping[str, Any], reason: str, source: str, now: datetime) -> Escalation:
-    """A provider's answer contradicts what we hold: one manual review and one critical alert per payment."""
-    payment_id = current["payment_id"]
+    """A provider's answer contradicts what we hold: one manual review and one critical alert per payment/refund."""
+    what, number = _subject(current)
     return escalate(
         conn,
         kind="conflicting_report",
-        subject=f"payment:{payment_id}",
-        reason=f"conflicting report for payment {payment_id} ({source}): {reason}",
+        subject=f"{what}:{number}",
+        reason=f"conflicting report for {what} {number} ({source}): {reason}",
         now=now,
         severity="critical",
-        payment_id=payment_id,
+        payment_id=current["payment_id"],
+        refund_id=current.get("refund_id"),
         details={"source": source, "our_status": current["status"]},
     )

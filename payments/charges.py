@@ -25,7 +25,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, insert, select
 
-from payments import idempotency, ledger, outbox, provider_calls
+from payments import idempotency, ledger, outbox, provider_calls, refunds
 from payments.callbacks import verify_callback
 from payments.db import utcnow
 from payments.errors import CallbackRejected
@@ -245,7 +245,7 @@ def _write_payment(
 def get_payment(
     engine: Engine, payment_id: str, providers: Mapping[str, Provider] | None = None
 ) -> dict[str, Any] | None:
-    """The payment as GET /payments/<id> shows it: status, provider ids, ledger, calls, callbacks; None if absent.
+    """The payment as GET /payments/<id> shows it: status, provider ids, ledger, refunds, calls, callbacks; or None.
 
     ``callbacks`` lists only deliveries that verified as this payment's
     callbacks: processed rows (processing verified them), and rows not
@@ -273,6 +273,7 @@ def get_payment(
             .where(t.c.order_no == payment_id)
             .order_by(t.c.id)
         ).all()
+        refund_rows = refunds.refunds_of(conn, payment_id)
         verified, rejected = [], []
         for d in deliveries:
             reason = _unverified_reason(d, payment_id, providers or {})
@@ -307,6 +308,13 @@ def get_payment(
             "created_at": _iso(row["created_at"]),
             "updated_at": _iso(row["updated_at"]),
             "ledger": ledger.history(conn, payment_id),
+            "refunds": refund_rows,
+            "amount_refunded": sum(r["amount"] for r in refund_rows if r["status"] == PaymentStatus.SUCCEEDED),
+            "amount_refundable": (
+                refunds.refundable(conn, payment_id, row["amount_minor"])
+                if row["status"] == PaymentStatus.SUCCEEDED
+                else 0
+            ),
             "provider_calls": provider_calls.for_payment(conn, payment_id),
             "callbacks": verified,
             "rejected_callbacks": rejected,

@@ -84,15 +84,23 @@ def finish(conn: Connection, call_id: int, outcome: QueryOutcome, now: datetime)
 
 
 def for_payment(conn: Connection, payment_id: str) -> list[dict[str, Any]]:
-    """Every call made for a payment, oldest first, as shown by GET /payments/<id>."""
-    rows = conn.execute(
-        select(provider_call).where(provider_call.c.payment_id == payment_id).order_by(provider_call.c.id)
-    ).mappings()
+    """Every call made for a payment (its refunds' included), oldest first, as shown by GET /payments/<id>."""
+    return _listed(conn, provider_call.c.payment_id == payment_id)
+
+
+def for_refund(conn: Connection, refund_id: str) -> list[dict[str, Any]]:
+    """Every call made for a refund, oldest first, as shown by GET /payments/<id>/refunds/<refund_id>."""
+    return _listed(conn, provider_call.c.refund_id == refund_id)
+
+
+def _listed(conn: Connection, where: Any) -> list[dict[str, Any]]:
+    rows = conn.execute(select(provider_call).where(where).order_by(provider_call.c.id)).mappings()
     return [
         {
             "id": r["id"],
             "source": f"{'query' if r['operation'] == 'query' else 'call'}:{r['id']}",
             "operation": r["operation"],
+            "refund_id": r["refund_id"],
             "idempotency_key": r["idempotency_key"],
             "request_digest": r["request_digest"],
             "http_status": r["http_status"],

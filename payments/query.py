@@ -7,6 +7,9 @@ Not found → sent again with the same idempotency key, if the provider
 dedupes a re-send and the last send is more than QUERY_NOT_FOUND_GRACE_SECONDS
 old; otherwise queried again. Still unresolved at the payment's deadline →
 manual review and an alert.
+
+Unknown and long-Pending refunds are looked up the same way by our refund
+number (``query_refund``); a NotFound refund is sent again under its own key.
 """
 
 from __future__ import annotations
@@ -27,16 +30,20 @@ from payments.calls import (
     count,
     give_up_ambiguous,
     last_charge_call,
+    last_refund_call,
     lock_payment,
+    lock_refund,
     query_delay,
+    refund_request,
     release,
     review,
 )
 from payments.charges import CHARGE_REQUESTED
 from payments.db import utcnow
-from payments.providers.base import ChargeRequest, NotFound, Provider
+from payments.providers.base import ChargeRequest, NotFound, Provider, RefundRequest
+from payments.refunds import REFUND_REQUESTED
 from payments.schema import outbox as outbox_table
-from payments.schema import payment
+from payments.schema import payment, refund
 from payments.states import TERMINAL, OutboxStatus, PaymentStatus
 
 
@@ -172,5 +179,141 @@ def _not_found(ctx: Context, conn: Connection, current: Mapping[str, Any], provi
             aggregate_id=current["payment_id"],
             now=now,
             payload={"payment_id": current["payment_id"], "provider": current["provider"], "resend": True},
+        )
+    return Result.RESEND
+
+
+def due_refunds_for_query(now: datetime, pending_after_seconds: float) -> Any:
+    """The WHERE clause of refunds query_unresolved should look at now (the same rule as ``due_for_query``)."""
+    return or_(
+        and_(
+            refund.c.status.in_((PaymentStatus.UNKNOWN.value, PaymentStatus.PENDING.value)),
+            refund.c.next_query_at <= now,
+        ),
+        and_(
+            refund.c.status == PaymentStatus.PENDING.value,
+            refund.c.next_query_at.is_(None),
+            refund.c.updated_at <= now - timedelta(seconds=pending_after_seconds),
+        ),
+    )
+
+
+def query_refund(
+    ctx: Context, refund_id: str, provider_name: str, lease_until: datetime, *, budget_ok: bool = False
+) -> Result:
+    """Query one claimed Unknown (or long-Pending) refund by our refund number and act on the answer.
+
+    As ``query_payment``: found → applied through the state machine; not
+    found → sent again under the refund's own key if the provider dedupes it
+    and the last send is past QUERY_NOT_FOUND_GRACE_SECONDS; still unresolved
+    at the refund's deadline → manual review and an alert.
+    """
+    provider = ctx.providers.get(provider_name)
+    if provider is not None and not provider.capabilities.query_by_merchant_id:
+        provider = None
+    gate = admission(ctx, provider)
+    prepared: Result | tuple[int, dict[str, Any], RefundRequest] = Result.SKIPPED
+    try:
+        prepared = _prepare_refund(ctx, refund_id, lease_until, provider, gate, budget_ok)
+    finally:
+        if isinstance(prepared, Result):
+            release(ctx, provider, gate)
+    if isinstance(prepared, Result):
+        return prepared
+    call_id, current, request = prepared
+    outcome = provider.query_refund(refund_id, ctx.settings.provider_timeout_seconds, request)
+    now = utcnow()
+    with ctx.engine.begin() as conn:
+        provider_calls.finish(conn, call_id, outcome, now)
+        current = lock_refund(conn, refund_id)
+        if isinstance(outcome, NotFound):
+            result = _refund_not_found(ctx, conn, current, provider, now)
+        else:
+            result = apply_outcome(ctx, conn, current, provider, outcome, f"query:{call_id}", now, query=True)
+    count(ctx, provider, outcome, gate)
+    return result
+
+
+def _prepare_refund(
+    ctx: Context,
+    refund_id: str,
+    lease_until: datetime,
+    provider: Provider | None,
+    gate: breaker.Gate,
+    budget_ok: bool,
+) -> Result | tuple[int, dict[str, Any], RefundRequest]:
+    """Lock the refund, decide whether the query may go out, and record it; return (call id, refund, request)."""
+    now = utcnow()
+    with ctx.engine.begin() as conn:
+        current = lock_refund(conn, refund_id)
+        if current is None or PaymentStatus(current["status"]) not in (PaymentStatus.UNKNOWN, PaymentStatus.PENDING):
+            return Result.SKIPPED
+        if current["next_query_at"] != lease_until:
+            return Result.SKIPPED
+        if current["deadline_at"] is not None and now >= current["deadline_at"]:
+            review(conn, current, "unresolved_refund", f"still {current['status']} at its deadline", now)
+            conn.execute(update(refund).where(refund.c.id == current["id"]).values(next_query_at=None))
+            return Result.REVIEW
+        request = refund_request(conn, current)
+        if provider is None or request is None:
+            previous = last_refund_call(conn, refund_id)
+            give_up_ambiguous(
+                conn, current, previous.id if previous else None, now, "provider cannot be queried by our number"
+            )
+            return Result.REVIEW
+        if gate.admission == breaker.Admission.DENY and not budget_ok:
+            retry_at = max(gate.snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
+            conn.execute(update(refund).where(refund.c.id == current["id"]).values(next_query_at=retry_at))
+            return Result.DEFERRED
+        call_id = provider_calls.start(
+            conn,
+            provider=provider.name,
+            operation="query",
+            params={"merchant_refund_id": refund_id},
+            now=now,
+            payment_id=current["payment_id"],
+            refund_id=refund_id,
+        )
+        call_lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
+        conn.execute(update(refund).where(refund.c.id == current["id"]).values(next_query_at=call_lease))
+    return call_id, current, request
+
+
+def _refund_not_found(
+    ctx: Context, conn: Connection, current: Mapping[str, Any], provider: Provider, now: datetime
+) -> Result:
+    """The provider never saw the refund: send it again under its own key, if it dedupes and we believe it."""
+    attempts = current["query_attempts"] + 1
+    next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts))
+    last = last_refund_call(conn, current["refund_id"])
+    grace_ends = last.started_at + timedelta(seconds=ctx.settings.query_not_found_grace_seconds) if last else now
+    believed = provider.capabilities.may_resend and now >= grace_ends
+    if provider.capabilities.may_resend and not believed:
+        next_query_at = max(next_query_at, grace_ends)
+    values = {"query_attempts": attempts, "next_query_at": next_query_at, "updated_at": now}
+    conn.execute(update(refund).where(refund.c.id == current["id"]).values(**values))
+    if PaymentStatus(current["status"]) in TERMINAL or not believed:
+        return Result.UNCHANGED
+    queued = conn.execute(
+        select(
+            exists().where(
+                outbox_table.c.aggregate_id == current["refund_id"],
+                outbox_table.c.event_type == REFUND_REQUESTED,
+                outbox_table.c.status == OutboxStatus.PENDING,
+            )
+        )
+    ).scalar()
+    if not queued:
+        outbox.enqueue(
+            conn,
+            event_type=REFUND_REQUESTED,
+            aggregate_id=current["refund_id"],
+            now=now,
+            payload={
+                "refund_id": current["refund_id"],
+                "payment_id": current["payment_id"],
+                "provider": current["provider"],
+                "resend": True,
+            },
         )
     return Result.RESEND

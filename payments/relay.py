@@ -1,4 +1,4 @@
-"""Sending a ChargeRequested to its provider: prepare, call, apply (see ``payments/calls.py``).
+"""Sending a ChargeRequested (or a RefundRequested) to its provider: prepare, call, apply (``payments/calls.py``).
 
 1. **Prepare** locks the outbox row and the payment, checks the deadline, the
    adapter's capabilities and the circuit breaker, records the
@@ -16,6 +16,9 @@ to a provider that dedupes it (``Capabilities.may_resend``). Any other
 provider never gets the same payment twice: the payment is left Unknown for
 the query job, or, if the provider cannot be queried either, goes to the
 manual queue.
+
+A RefundRequested goes the same way (``relay_refund``), under the refund's
+own fixed idempotency key and our refund number.
 """
 
 from __future__ import annotations
@@ -39,12 +42,15 @@ from payments.calls import (
     give_up_ambiguous,
     hold_for_query,
     last_charge_call,
+    last_refund_call,
     lock_payment,
+    lock_refund,
+    refund_request,
     release,
     review,
 )
 from payments.db import utcnow
-from payments.providers.base import ChargeRequest, Failed, Provider, QueryOutcome
+from payments.providers.base import ChargeRequest, Failed, Provider, QueryOutcome, RefundRequest
 from payments.schema import outbox as outbox_table
 from payments.states import TERMINAL, OutboxStatus, PaymentStatus, Verdict, decide
 from payments.transitions import apply_decision
@@ -211,3 +217,145 @@ def _finish_outbox(conn: Connection, outbox_id: int, now: datetime, status: Outb
         .where(outbox_table.c.id == outbox_id)
         .values(status=status, last_error=error[:500] if error else None, updated_at=now)
     )
+
+
+def relay_refund(ctx: Context, outbox_id: int, provider_name: str, lease_until: datetime) -> Result:
+    """Send one claimed RefundRequested row to its provider and apply the answer, as ``relay_charge`` does a charge.
+
+    The refund goes out under its own fixed idempotency key (``refund.idempotency_key``)
+    and our refund number; an answer whose outcome is lost leaves the refund
+    Unknown for the query job, which looks it up by our refund number.
+    """
+    provider = ctx.providers.get(provider_name)
+    gate = admission(ctx, provider)
+    prepared: Result | tuple[int, dict[str, Any], RefundRequest, bool] = Result.SKIPPED
+    try:
+        prepared = _prepare_refund(ctx, outbox_id, lease_until, provider, gate)
+    finally:
+        if isinstance(prepared, Result):
+            release(ctx, provider, gate)
+    if isinstance(prepared, Result):
+        return prepared
+    call_id, current, request, resend = prepared
+    outcome = provider.refund(request, current["idempotency_key"], ctx.settings.provider_timeout_seconds)
+    failpoints.hit("relay.after_provider_call")
+    result = _apply_refund(ctx, outbox_id, call_id, current["refund_id"], provider, outcome, resend)
+    count(ctx, provider, outcome, gate)
+    return result
+
+
+def _prepare_refund(
+    ctx: Context,
+    outbox_id: int,
+    lease_until: datetime,
+    provider: Provider | None,
+    gate: breaker.Gate,
+) -> Result | tuple[int, dict[str, Any], RefundRequest, bool]:
+    now = utcnow()
+    with ctx.engine.begin() as conn:
+        row = conn.execute(select(outbox_table).where(outbox_table.c.id == outbox_id).with_for_update()).first()
+        if row is None or row.status != OutboxStatus.PENDING or row.next_attempt_at != lease_until:
+            return Result.SKIPPED
+        refund_id = json.loads(row.payload)["refund_id"]
+        current = lock_refund(conn, refund_id)
+        if current is None:
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DEAD, f"no refund {refund_id}")
+            return Result.SKIPPED
+        if PaymentStatus(current["status"]) in TERMINAL:
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, f"refund already {current['status']}")
+            return Result.SKIPPED
+        if provider is None or provider.name != current["provider"]:
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DEAD, f"no adapter for {current['provider']}")
+            review(conn, current, "unknown_provider", f"no adapter registered for {current['provider']}", now)
+            return Result.REVIEW
+        if current["deadline_at"] is not None and now >= current["deadline_at"]:
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DEAD, "deadline passed before the refund was confirmed")
+            review(conn, current, "unresolved_refund", "deadline passed before the refund was sent or confirmed", now)
+            return Result.REVIEW
+        request = refund_request(conn, current)
+        if request is None:
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DEAD, f"no payment {current['payment_id']}")
+            review(conn, current, "unresolved_refund", "the refunded payment is missing", now)
+            return Result.REVIEW
+        previous = last_refund_call(conn, refund_id)
+        resend = previous is not None and previous.outcome != "Failed"
+        if resend and not provider.capabilities.may_resend:
+            if provider.capabilities.query_by_merchant_id:
+                hold_for_query(ctx, conn, current, previous.id, now)
+                _finish_outbox(
+                    conn, outbox_id, now, OutboxStatus.DONE, "not re-sent: provider does not dedupe; queried"
+                )
+                return Result.NOT_RESENT
+            give_up_ambiguous(conn, current, previous.id, now, "earlier refund call has no recorded outcome")
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, "not re-sent: provider cannot dedupe or be queried")
+            return Result.REVIEW
+        if gate.admission == breaker.Admission.DENY:
+            retry_at = max(gate.snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
+            conn.execute(
+                update(outbox_table)
+                .where(outbox_table.c.id == outbox_id)
+                .values(next_attempt_at=retry_at, updated_at=now)
+            )
+            return Result.DEFERRED
+        call_id = provider_calls.start(
+            conn,
+            provider=provider.name,
+            operation="refund",
+            params={
+                "merchant_refund_id": refund_id,
+                "charge": request.provider_transaction_id,
+                "amount": request.amount_minor,
+                "currency": request.currency,
+            },
+            now=now,
+            payment_id=current["payment_id"],
+            refund_id=refund_id,
+            idempotency_key=current["idempotency_key"],
+        )
+        decision = decide(PaymentStatus(current["status"]), PaymentStatus.PENDING)
+        if decision.verdict == Verdict.APPLY:
+            apply_decision(conn, "refund", current, decision, source=f"call:{call_id}", now=now)
+        conn.execute(
+            update(outbox_table)
+            .where(outbox_table.c.id == outbox_id)
+            .values(
+                attempts=outbox_table.c.attempts + 1,
+                next_attempt_at=now + timedelta(seconds=ctx.settings.call_lease_seconds),
+                updated_at=now,
+            )
+        )
+    return call_id, current, request, resend
+
+
+def _apply_refund(
+    ctx: Context,
+    outbox_id: int,
+    call_id: int,
+    refund_id: str,
+    provider: Provider,
+    outcome: QueryOutcome,
+    resend: bool,
+) -> Result:
+    now = utcnow()
+    with ctx.engine.begin() as conn:
+        provider_calls.finish(conn, call_id, outcome, now)
+        current = lock_refund(conn, refund_id)
+        row = conn.execute(
+            select(outbox_table.c.status, outbox_table.c.attempts).where(outbox_table.c.id == outbox_id)
+        ).first()
+        if isinstance(outcome, Failed) and not outcome.definitive:
+            s = ctx.settings
+            delay = compute_backoff(max(1, row.attempts), s.retry_base_seconds, s.retry_max_seconds)
+            conn.execute(
+                update(outbox_table)
+                .where(outbox_table.c.id == outbox_id, outbox_table.c.status == OutboxStatus.PENDING)
+                .values(
+                    next_attempt_at=now + timedelta(seconds=delay),
+                    last_error=f"{outcome.code} (not definitive)"[:500],
+                    updated_at=now,
+                )
+            )
+            return Result.RETRY
+        result = apply_outcome(ctx, conn, current, provider, outcome, f"call:{call_id}", now, resend=resend)
+        _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, None)
+    return result

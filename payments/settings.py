@@ -237,6 +237,8 @@ class Settings:
     """A NotFound this soon after the last send is not believed yet (the charge may not be visible): no re-send."""
     payment_deadline_seconds: int = 86400
     """A payment unresolved this long after creation goes to manual review with an alert."""
+    refund_deadline_seconds: int = 86400
+    """A refund unresolved this long after it was requested goes to manual review with an alert."""
     breaker_failure_threshold: int = 5
     """Consecutive timeouts/5xx from one provider that open its circuit breaker."""
     breaker_open_seconds: float = 5.0
@@ -424,6 +426,7 @@ _PARSERS = {
     "query_max_seconds": lambda n, v: _float(n, v, 0.001, 7 * 86400),
     "query_not_found_grace_seconds": lambda n, v: _float(n, v, 0, 86400),
     "payment_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),
+    "refund_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),
     "breaker_failure_threshold": lambda n, v: _int(n, v, 1, 100_000),
     "breaker_open_seconds": lambda n, v: _float(n, v, 0.01, 86400),
     "breaker_max_open_seconds": lambda n, v: _float(n, v, 0.01, 7 * 86400),

@@ -391,15 +391,15 @@ def paid_trade(provider, fake_alipay):
 def test_refund_succeeds_once_per_out_request_no_and_the_refund_query_confirms(keys, fake_alipay):
     provider = provider_for(keys, fake_alipay)
     paid_trade(provider, fake_alipay)
-    assert isinstance(provider.query_refund(refund(), 5), NotFound)
+    assert isinstance(provider.query_refund(refund().refund_id, 5, refund()), NotFound)
     first = provider.refund(refund(), None, 5)
     assert isinstance(first, Succeeded) and first.provider_transaction_id.endswith(":re_fake_1")
     again = provider.refund(refund(), None, 5)  # same out_request_no: no money moves twice
     assert isinstance(again, Unknown) and again.reason == "fund_change_not_y"
     assert fake_alipay.control("trades/pay_fake_1")["refunds"] == {"re_fake_1": "5.00"}
-    confirmed = provider.query_refund(refund(), 5)
+    confirmed = provider.query_refund(refund().refund_id, 5, refund())
     assert isinstance(confirmed, Succeeded) and confirmed.provider_transaction_id == first.provider_transaction_id
-    assert isinstance(provider.query_refund(refund(amount=400), 5), Mismatch)
+    assert isinstance(provider.query_refund(refund(amount=400).refund_id, 5, refund(amount=400)), Mismatch)
     too_much = provider.refund(refund(amount=600, refund_id="re_fake_2"), None, 5)
     assert isinstance(too_much, Failed) and too_much.definitive and too_much.refusal
     assert len(verified_calls(fake_alipay, "alipay.trade.refund")) == 3
@@ -410,11 +410,12 @@ def test_a_refund_whose_answer_is_lost_is_unknown_and_the_refund_query_finds_it(
     paid_trade(provider, fake_alipay)
     fake_alipay.control("faults", {"script": [{"fault": "timeout_after_commit"}], "hang_seconds": 1.5})
     assert isinstance(provider.refund(refund(), None, 0.5), Unknown)
-    assert isinstance(provider.query_refund(refund(), 5), Succeeded)
+    assert isinstance(provider.query_refund(refund().refund_id, 5, refund()), Succeeded)
     fake_alipay.control("faults", {"script": [{"fault": "system_error", "method": "alipay.trade.refund"}]})
     lost = provider.refund(refund(300, "re_fake_3"), None, 5)
     assert isinstance(lost, Unknown) and lost.reason.startswith("20000")
-    assert isinstance(provider.query_refund(refund(300, "re_fake_3"), 5), NotFound)  # re-send the same number
+    third = refund(300, "re_fake_3")
+    assert isinstance(provider.query_refund(third.refund_id, 5, third), NotFound)  # re-send the same number
     assert isinstance(provider.refund(refund(300, "re_fake_3"), None, 5), Succeeded)
 
 

@@ -188,8 +188,12 @@ class AlipayProvider(Provider):
         }
         return self._call(REFUND, biz, timeout, lambda node: read_refund(node, request))
 
-    def query_refund(self, request: RefundRequest, timeout: float) -> QueryOutcome:
+    def query_refund(self, refund_id: str, timeout: float, expected: RefundRequest | None = None) -> QueryOutcome:
         """alipay.trade.fastpay.refund.query: Succeeded, or NotFound (safe to re-send with the same number)."""
+        if expected is None or expected.refund_id != refund_id:
+            # Alipay finds a refund under its trade: out_trade_no (our payment_id) comes with the request.
+            return Unknown("refund_lookup_needs_the_payment")
+        request = expected
         biz = {"out_trade_no": request.payment_id, "out_request_no": request.refund_id}
         return self._call(REFUND_QUERY, biz, timeout, lambda node: read_refund_query(node, request))
 

@@ -2,8 +2,9 @@
 
 Inbound: ``parse_callback`` verifies and reads a notification (pure), and
 ``ack`` / ``reject`` answer in the provider's own dialect.
-Outbound: ``charge``, ``query``, ``refund`` and ``settlement`` return one of
-Succeeded | Failed | Pending | Unknown | Mismatch (``query`` also NotFound).
+Outbound: ``charge``, ``query``, ``refund``, ``query_refund`` and ``settlement``
+return one of Succeeded | Failed | Pending | Unknown | Mismatch (the queries
+also NotFound).
 Only an explicit decline is Failed; a timeout, a reset connection, a 5xx, a
 429 or an unreadable body is Unknown (DESIGN.md invariant 5). A clear answer
 about a charge under our number for another amount or currency is Mismatch:
@@ -281,6 +282,15 @@ class Provider:
     def refund(self, request: RefundRequest, idempotency_key: str | None, timeout: float) -> Outcome:
         """Ask the provider to refund (part of) a charge."""
         raise NotImplementedError
+
+    def query_refund(self, refund_id: str, timeout: float, expected: RefundRequest | None = None) -> QueryOutcome:
+        """Look a refund up by our refund number; NotFound if the provider never saw it.
+
+        ``expected`` is the refund as we sent it (some providers need the
+        charge's id to find it); one for another amount is Mismatch. An
+        adapter whose provider cannot look refunds up answers Unknown.
+        """
+        return Unknown("refund_query_not_supported")
 
     def settlement(self, day: str, timeout: float) -> Iterator[bytes]:
         """The settlement file for ``day`` (YYYY-MM-DD), streamed: its bytes exactly as served, in chunks.

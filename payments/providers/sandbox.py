@@ -261,6 +261,20 @@ class SandboxProvider(Provider):
         )
         return _read(response, error, latency, lambda data: read_refund(data, request))
 
+    def query_refund(self, refund_id: str, timeout: float, expected: RefundRequest | None = None) -> QueryOutcome:
+        """GET /v1/refunds?merchant_refund_id=…: the refund, or NotFound on 404."""
+        response, error, latency = self._exchange(
+            "GET", "/v1/refunds", timeout, params={"merchant_refund_id": refund_id}
+        )
+        if response is not None and response.status_code == 404:
+            return NotFound(evidence=_evidence(response, latency))
+        if response is not None and response.status_code in _FINAL_4XX:
+            # A refused query says nothing about the refund: never read it as a decline (invariant 5).
+            return Unknown(f"query_refused_http_{response.status_code}", evidence=_evidence(response, latency))
+        request = expected or RefundRequest(refund_id, "", "", 0, "")
+        checked = expected is not None
+        return _read(response, error, latency, lambda data: read_refund(data, request, check_amount=checked))
+
     def settlement(self, day: str, timeout: float) -> Iterator[bytes]:
         """GET /v1/settlements/<day>.csv, streamed in chunks (``timeout`` bounds each read, not the whole file)."""
         url = f"{self._api_url}/v1/settlements/{day}.csv"
@@ -348,6 +362,10 @@ class LegacySandboxProvider(SandboxProvider):
 
     def query(self, payment_id: str, timeout: float, expected: ChargeRequest | None = None) -> QueryOutcome:
         """This provider cannot look charges up: always Unknown, without a call."""
+        return Unknown("query_not_supported")
+
+    def query_refund(self, refund_id: str, timeout: float, expected: RefundRequest | None = None) -> QueryOutcome:
+        """This provider cannot look refunds up either: always Unknown, without a call."""
         return Unknown("query_not_supported")
 
 
@@ -438,14 +456,16 @@ def read_charge(data: Mapping[str, Any], payment_id: str, request: ChargeRequest
     return _by_status(status, charge_id, data)
 
 
-def read_refund(data: Mapping[str, Any], request: RefundRequest) -> Outcome:
-    """Read a refund object; Unknown if it is not one."""
+def read_refund(data: Mapping[str, Any], request: RefundRequest, *, check_amount: bool = True) -> Outcome:
+    """Read a refund object; Unknown if it is not one, Mismatch if it is ours for another amount."""
     refund_id = data.get("id")
     if not isinstance(refund_id, str) or not refund_id or len(refund_id) > 128:
         return Unknown("unparseable_response", raw=dict(data))
     merchant_refund_id = data.get("merchant_refund_id")
     if merchant_refund_id is not None and merchant_refund_id != request.refund_id:
         return Unknown("answer_for_another_refund", raw=dict(data))
+    if check_amount and "amount" in data and data.get("amount") != request.amount_minor:
+        return Mismatch(AMOUNT_MISMATCH, provider_transaction_id=refund_id, raw=dict(data))
     return _by_status(data.get("status"), refund_id, data)
 
 
