@@ -20,6 +20,7 @@ from sqlalchemy import func, select, update
 from compensator import query_unresolved, relay_outbox
 from gateway import create_app
 from payments import ledger
+from payments.callbacks import CallbackResult, process_callback, store_callback
 from payments.charges import CreatePayment, create_payment
 from payments.db import utcnow
 from payments.idempotency import InvalidRequest
@@ -28,7 +29,7 @@ from payments.refunds import create_refund, digest
 from payments.schema import idempotency_request, ledger_event, manual_review, outbox, payment, provider_call, refund
 from tests.outbound_support import new_payment, row, runtime  # noqa: F401
 from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
-from tests.support import make_settings
+from tests.support import make_settings, sandbox_event, signed
 
 TOKEN = "test-merchant-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -453,3 +454,39 @@ def test_a_refund_still_unresolved_at_its_deadline_goes_to_a_person_once(runtime
     )
     assert refund_row(runtime, refund_id)["next_query_at"] is None
     assert query_unresolved.run_once(runtime) == 0, "not queried in a loop"
+
+
+def test_a_refund_webhook_applies_through_the_state_machine_once(runtime, sandbox):
+    payment_id = charged(runtime)
+    sandbox.faults(processing_rate=1.0, processing_seconds=3600)
+    refund_id = request_refund(runtime, payment_id, 300)
+    relay_outbox.run_once(runtime)
+    r = refund_row(runtime, refund_id)
+    assert r["status"] == "Pending" and r["provider_refund_id"]
+    assert r["next_query_at"] is not None, "a processing refund is looked up later if no webhook comes"
+
+    def deliver(event_type, event_id):
+        event = sandbox_event(
+            payment_id,
+            event_type=event_type,
+            amount=300,
+            event_id=event_id,
+            provider_transaction_id=r["provider_refund_id"],
+            merchant_refund_id=refund_id,
+        )
+        body, headers = signed(event)
+        log_id = store_callback(runtime.engine, provider="sandbox", body=body, headers=headers, remote_addr=None)
+        return log_id, process_callback(runtime.engine, runtime.providers, log_id, runtime.callback_policy)
+
+    log_id, result = deliver("refund.succeeded", "evt_refund_1")
+    assert result == CallbackResult.APPLIED
+    r = refund_row(runtime, refund_id)
+    assert (r["status"], r["status_source"], r["next_query_at"]) == ("Succeeded", f"callback:{log_id}", None)
+    assert refund_events(runtime, refund_id) == ["RefundSucceeded"]
+    assert deliver("refund.succeeded", "evt_refund_1")[1] == CallbackResult.DUPLICATE
+    assert deliver("refund.failed", "evt_refund_2")[1] == CallbackResult.CONFLICT, "a terminal refund is never left"
+    assert refund_row(runtime, refund_id)["status"] == "Succeeded"
+    with runtime.engine.connect() as conn:
+        (review,) = conn.execute(select(manual_review)).mappings()
+        assert review["subject"] == f"refund:{refund_id}"
+        assert [e["event_type"] for e in ledger.history(conn, payment_id)].count("RefundConfirmed") == 1
