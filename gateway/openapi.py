@@ -5,10 +5,8 @@ enabled, currencies, lengths, the largest amount), so the document cannot
 drift from what the API accepts; ``tests/test_openapi.py`` checks it against
 the app's routes and real answers, and schemathesis fuzzes the API from it.
 
-Refunds (``POST /payments/{payment_id}/refunds``,
-``GET /payments/{payment_id}/refunds/{refund_id}``) are not described yet:
-they do not exist yet, and the test that keeps this document true fails as
-soon as a merchant route exists that it does not describe.
+The test that keeps this document true fails as soon as a merchant route
+exists that it does not describe.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from flask import Blueprint, jsonify
 
 from gateway import ext
 from payments.charges import ISO_4217, MAX_DESCRIPTION_LENGTH, MAX_KEY_LENGTH, MAX_ORDER_NO_LENGTH, ORDER_NO_VISIBLE
+from payments.refunds import MAX_REASON_LENGTH
 from payments.states import PaymentStatus
 
 bp = Blueprint("openapi", __name__)
@@ -36,9 +35,38 @@ def _error_response(description: str) -> dict[str, Any]:
     }
 
 
+def _idempotency_key() -> dict[str, Any]:
+    return {
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": True,
+        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH, "pattern": IDEMPOTENCY_KEY_PATTERN},
+    }
+
+
 def document(providers: list[str], max_amount: int) -> dict[str, Any]:
     """The OpenAPI 3.1 document for a gateway with these providers enabled and this amount limit."""
     payment_id = {"type": "string", "minLength": 1, "maxLength": 40, "description": "paysync's number (pay_…)"}
+    refund_id = {"type": "string", "minLength": 1, "maxLength": 40, "description": "paysync's refund number (re_…)"}
+    timestamp = {"type": ["string", "null"], "description": "ISO 8601, UTC"}
+    refund = {
+        "type": "object",
+        "required": ["refund_id", "payment_id", "amount", "currency", "status", "created_at"],
+        "properties": {
+            "refund_id": refund_id,
+            "payment_id": payment_id,
+            "amount": {"type": "integer", "description": "minor units"},
+            "currency": {"type": "string"},
+            "reason": {"type": ["string", "null"]},
+            "status": {"type": "string", "enum": PAYMENT_STATUSES},
+            "status_source": {"type": ["string", "null"]},
+            "provider_refund_id": {"type": ["string", "null"]},
+            "error_code": {"type": ["string", "null"]},
+            "deadline_at": timestamp,
+            "created_at": {"type": "string"},
+            "updated_at": timestamp,
+        },
+    }
     payment = {
         "type": "object",
         "required": ["payment_id", "order_no", "amount", "currency", "provider", "status", "created_at"],
@@ -54,16 +82,15 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
             "created_at": {"type": "string"},
         },
     }
-    timestamp = {"type": ["string", "null"], "description": "ISO 8601, UTC"}
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "paysync merchant API",
             "version": "1",
             "description": (
-                "Create payments and read their status. Every request needs `Authorization: Bearer "
-                "<MERCHANT_API_TOKEN>`. Amounts are integers in minor units. Errors are "
-                '`{"error": {"code", "message"}}`. Refund routes will be described here once they exist.'
+                "Create payments, refund them, and read their status. Every request needs `Authorization: "
+                "Bearer <MERCHANT_API_TOKEN>`. Amounts are integers in minor units. Errors are "
+                '`{"error": {"code", "message"}}`.'
             ),
         },
         "security": [{"bearer": []}],
@@ -78,19 +105,7 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                         "while the first request with a key is still in flight, 409. Retry a 503 or a lost "
                         "answer with the same key."
                     ),
-                    "parameters": [
-                        {
-                            "name": "Idempotency-Key",
-                            "in": "header",
-                            "required": True,
-                            "schema": {
-                                "type": "string",
-                                "minLength": 1,
-                                "maxLength": MAX_KEY_LENGTH,
-                                "pattern": IDEMPOTENCY_KEY_PATTERN,
-                            },
-                        }
-                    ],
+                    "parameters": [_idempotency_key()],
                     "requestBody": {
                         "required": True,
                         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CreatePayment"}}},
@@ -109,7 +124,11 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                                 "GetPayment": {
                                     "operationId": "getPayment",
                                     "parameters": {"payment_id": "$response.body#/payment_id"},
-                                }
+                                },
+                                "CreateRefund": {
+                                    "operationId": "createRefund",
+                                    "parameters": {"payment_id": "$response.body#/payment_id"},
+                                },
                             },
                         },
                         "400": _error_response("Malformed request; nothing was written"),
@@ -134,6 +153,81 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                         },
                         "401": _error_response("Missing or wrong bearer token"),
                         "404": _error_response("No such payment"),
+                        "503": _error_response("Storage unavailable"),
+                    },
+                }
+            },
+            "/payments/{payment_id}/refunds": {
+                "post": {
+                    "operationId": "createRefund",
+                    "summary": "Refund (part of) a Succeeded payment (idempotent per Idempotency-Key)",
+                    "description": (
+                        "Partial and multiple refunds are allowed; together they never exceed the payment's "
+                        "amount minus the refunds already Succeeded or still in flight (a Failed refund frees "
+                        "its amount again). Idempotency-Key semantics are those of `POST /payments`. A refused "
+                        "request (404, 409 `payment_not_succeeded`, 422 `amount_exceeds_refundable`) writes "
+                        "nothing and may be retried with the same key."
+                    ),
+                    "parameters": [
+                        {"name": "payment_id", "in": "path", "required": True, "schema": payment_id},
+                        _idempotency_key(),
+                    ],
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CreateRefund"}}},
+                    },
+                    "responses": {
+                        "201": {
+                            "description": "Created, or the first answer replayed",
+                            "headers": {
+                                "Idempotent-Replayed": {
+                                    "description": "true when this is the stored answer of an earlier request",
+                                    "schema": {"type": "string", "enum": ["true"]},
+                                }
+                            },
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Refund"}}},
+                            "links": {
+                                "GetRefund": {
+                                    "operationId": "getRefund",
+                                    "parameters": {
+                                        "payment_id": "$response.body#/payment_id",
+                                        "refund_id": "$response.body#/refund_id",
+                                    },
+                                }
+                            },
+                        },
+                        "400": _error_response("Malformed request; nothing was written"),
+                        "401": _error_response("Missing or wrong bearer token"),
+                        "404": _error_response("No such payment"),
+                        "409": _error_response(
+                            "The payment is not Succeeded (`payment_not_succeeded`), or a request with this "
+                            "Idempotency-Key is still in flight (`request_in_progress`)"
+                        ),
+                        "413": _error_response("Body too large"),
+                        "415": _error_response("Body is not JSON"),
+                        "422": _error_response(
+                            "More than is left to refund (`amount_exceeds_refundable`), or this Idempotency-Key "
+                            "was used with a different request (`idempotency_key_reuse`)"
+                        ),
+                        "503": _error_response("Storage unavailable; retry with the same key"),
+                    },
+                }
+            },
+            "/payments/{payment_id}/refunds/{refund_id}": {
+                "get": {
+                    "operationId": "getRefund",
+                    "summary": "One refund of a payment: status, provider refund id, ledger, provider calls",
+                    "parameters": [
+                        {"name": "payment_id", "in": "path", "required": True, "schema": payment_id},
+                        {"name": "refund_id", "in": "path", "required": True, "schema": refund_id},
+                    ],
+                    "responses": {
+                        "200": {
+                            "description": "The refund",
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RefundDetail"}}},
+                        },
+                        "401": _error_response("Missing or wrong bearer token"),
+                        "404": _error_response("No such refund of this payment"),
                         "503": _error_response("Storage unavailable"),
                     },
                 }
@@ -165,11 +259,37 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                         "description": {"type": ["string", "null"], "maxLength": MAX_DESCRIPTION_LENGTH},
                     },
                 },
+                "CreateRefund": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["amount"],
+                    "properties": {
+                        "amount": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": 2**63 - 1,
+                            "description": "minor units; at most what is left to refund",
+                        },
+                        "reason": {"type": ["string", "null"], "maxLength": MAX_REASON_LENGTH},
+                    },
+                },
+                "Refund": refund,
+                "RefundDetail": {
+                    "allOf": [{"$ref": "#/components/schemas/Refund"}],
+                    "type": "object",
+                    "required": ["ledger", "provider_calls"],
+                    "properties": {
+                        "next_query_at": timestamp,
+                        "query_attempts": {"type": ["integer", "null"]},
+                        "ledger": {"type": "array", "items": {"type": "object"}},
+                        "provider_calls": {"type": "array", "items": {"type": "object"}},
+                    },
+                },
                 "Payment": payment,
                 "PaymentDetail": {
                     "allOf": [{"$ref": "#/components/schemas/Payment"}],
                     "type": "object",
-                    "required": ["updated_at", "ledger", "provider_calls", "callbacks"],
+                    "required": ["updated_at", "ledger", "refunds", "provider_calls", "callbacks"],
                     "properties": {
                         "status_source": {"type": ["string", "null"]},
                         "error_code": {"type": ["string", "null"]},
@@ -199,6 +319,12 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                                     },
                                 },
                             },
+                        },
+                        "refunds": {"type": "array", "items": {"$ref": "#/components/schemas/Refund"}},
+                        "amount_refunded": {"type": "integer", "description": "refunds Succeeded"},
+                        "amount_refundable": {
+                            "type": "integer",
+                            "description": "what a refund may still take (0 unless Succeeded)",
                         },
                         "provider_calls": {"type": "array", "items": {"type": "object"}},
                         "callbacks": {"type": "array", "items": {"type": "object"}},

@@ -84,7 +84,7 @@ def _what_json_schema_cannot_say(_context, case):  # noqa: ANN001, ANN202
     - JSON Schema's "integer" admits 1.0; paysync refuses a float amount on purpose (invariant 7), so an
       integral float is sent as the integer it stands for.
     """
-    if case.operation.path != "/payments" or case.method.upper() != "POST":
+    if case.operation.path not in ("/payments", "/payments/{payment_id}/refunds") or case.method.upper() != "POST":
         return case
     key = (case.headers or {}).get("Idempotency-Key")
     if isinstance(key, str) and len(key) <= 255 and re.fullmatch(IDEMPOTENCY_KEY_PATTERN, key):
@@ -134,6 +134,18 @@ def test_real_answers_conform_to_the_document(gateway, api_schema):  # noqa: F81
     answers.append((show, found))
     answers.append((show, requests.get(f"{url}/payments/pay_nope", headers=auth, timeout=10)))
     answers.append((show, requests.get(f"{url}/payments/{payment_id}", timeout=10)))
+    refund = api_schema["/payments/{payment_id}/refunds"]["POST"]
+    show_refund = api_schema["/payments/{payment_id}/refunds/{refund_id}"]["GET"]
+    refund_url = f"{url}/payments/{payment_id}/refunds"
+    for target, data in (
+        (refund_url, {"amount": 1}),
+        (refund_url, {"amount": 0}),
+        (f"{url}/payments/x/refunds", {"amount": 1}),
+    ):
+        # A Created payment cannot be refunded yet (409), a bad amount is 400, an unknown payment 404.
+        answers.append((refund, requests.post(target, json=data, headers={**auth, "Idempotency-Key": key}, timeout=10)))
+    assert [a.status_code for _, a in answers[-3:]] == [409, 400, 404]
+    answers.append((show_refund, requests.get(f"{refund_url}/re_nope", headers=auth, timeout=10)))
     for operation, answer in answers:
         assert str(answer.status_code) in operation.definition.raw["responses"], (operation.label, answer.status_code)
         operation.validate_response(answer)  # raises with the differences if the body is not the documented one
