@@ -14,6 +14,10 @@
    ``--concurrency`` with a fixed Idempotency-Key each, retrying every
    transient answer with the same key; a share is sent again (the replay
    check).
+   Meanwhile (``chaos_refunds``) the merchant refunds a share
+   (``--refund-share``) of each mix's Succeeded payments, once or twice in
+   part, with a fixed Idempotency-Key each (some sent twice, some over what
+   is left, which must be refused).
 3. Meanwhile the seeded schedule (``chaos_kills``) SIGKILLs a gateway worker,
    a consumer or a compensator every few seconds during the first part of the
    run, and SIGKILLs RabbitMQ and MariaDB once each, starting them again.
@@ -51,6 +55,7 @@ from chaos_invariants import Database, Row, core_rows, progress_sample, read_dat
 from chaos_kills import KillPlan, KillSchedule
 from chaos_load import LoadDriver
 from chaos_mix import Mix, RunContext, SandboxMix
+from chaos_refunds import RefundLoad, read_refunds
 from chaos_stack import ExternalServer, PrivateMariaDB, PrivateRabbitMQ, Supervised, free_port, remove_tree, wait_for
 from common import ROOT  # the bench directory is on sys.path when run as a script
 from sqlalchemy import create_engine, text
@@ -84,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=16, help="merchant threads (default 16)")
     p.add_argument("--rate", type=float, default=0.0, help="at most this many new payments per second (0: no limit)")
     p.add_argument("--replay-share", type=float, default=0.1, help="share of payments sent twice (default 0.1)")
+    p.add_argument(
+        "--refund-share", type=float, default=0.3, help="share of Succeeded payments refunded in part (default 0.3)"
+    )
     p.add_argument("--seed", type=int, default=1, help="seeds the kill schedule, the load and the sandbox's dice")
     p.add_argument("--kill-interval", type=float, default=3.0, help="mean seconds between process kills")
     p.add_argument("--kill-until", type=float, default=0.6, help="process kills stop at this share of payments")
@@ -162,6 +170,7 @@ def converged(sample: dict[str, Any] | None, created: int) -> bool:
         and sample["open"] == 0
         and sample["callbacks_waiting"] == 0
         and sample["outbox_pending"] == 0
+        and sample.get("refunds_open", 0) == 0
     )
 
 
@@ -203,6 +212,8 @@ class ChaosRun:
         """The settings every paysync process of the run gets (the mixes' commands run with them too)."""
         self.engine: Any = None
         self.mixes = build_mixes(args)
+        self.refund_loads: dict[str, RefundLoad] = {}
+        """mix name -> its refund merchant, for the mixes that take part in refunds."""
         self.started = time.monotonic()
 
     def clock(self) -> float:
@@ -290,6 +301,7 @@ class ChaosRun:
         self.schedule.start()
         load = threading.Thread(target=self.driver.run, args=(payments,), name="merchant", daemon=True)
         load.start()
+        self.start_refunds(load)
         self.next_line = 0.0
         while load.is_alive() or not self.schedule.done:
             self.progress()
@@ -297,6 +309,29 @@ class ChaosRun:
         self.load_seconds = self.driver.result.finished - self.driver.result.started
         self.load_end = self.clock()
         print(f"load done in {self.load_seconds:.1f} s; waiting for convergence (up to {args.deadline:.0f} s)")
+
+    def start_refunds(self, load: threading.Thread) -> None:
+        """A refund merchant per mix that takes part, watching the payments the load creates for it."""
+        result = self.driver.result
+        for mix in self.mixes:
+            if not mix.refunds or self.args.refund_share <= 0:
+                continue
+            refunds = RefundLoad(
+                self.ctx.gateway_url,
+                MERCHANT_TOKEN,
+                run_id=self.run_id,
+                mix=mix.name,
+                seed=self.args.seed,
+                share=self.args.refund_share,
+                deadline=self.args.deadline + 600,
+            )
+
+            def created(name: str = mix.name) -> dict[str, str]:
+                requests_ = result.requests
+                return {k: p for k, p in dict(result.created).items() if k in requests_ and requests_[k].mix == name}
+
+            refunds.start(created, lambda: not load.is_alive())
+            self.refund_loads[mix.name] = refunds
 
     def progress(self) -> None:
         """Print the progress line when it is due."""
@@ -309,7 +344,8 @@ class ChaosRun:
         created = len(self.driver.result.created)
         try:
             while self.clock() - self.load_end < self.args.deadline:
-                if converged(self.sampler.latest, created) and all(m.quiet() for m in self.mixes):
+                refunds_done = all(r.done for r in self.refund_loads.values())
+                if refunds_done and converged(self.sampler.latest, created) and all(m.quiet() for m in self.mixes):
                     if event_deliveries_pending(self.engine) == 0 and converged(self.sampler.latest, created):
                         return self.clock()
                 self.progress()
@@ -325,6 +361,7 @@ class ChaosRun:
             mix.after_convergence(lambda command: subprocess_run(command, self.paysync_env))
             mix.observe()
         rows, explained = evaluate(read_database(self.engine), self.driver, self.mixes)
+        rows += self.refund_rows()
         secrets = [MERCHANT_TOKEN, OPS_TOKEN] + [s for m in self.mixes for s in m.secrets()]
         leaks = scan_logs(sorted(self.log_dir.glob("*.log")), secrets)
         rows.append(
@@ -353,6 +390,8 @@ class ChaosRun:
         print(f"\n  merchant retries: {retries or 'none'}")
         for mix in self.mixes:
             print(f"  {mix.name}: {json.dumps(mix.summary())}")
+        for name, refunds in self.refund_loads.items():
+            print(f"  {name} refunds: {json.dumps(refunds.summary())}")
         ok = all(r.ok for r in rows)
         print(f"\nchaos run {self.run_id}: {'every invariant held' if ok else 'INVARIANTS VIOLATED'}")
         if args.json_out:
@@ -371,12 +410,26 @@ class ChaosRun:
                 "restarts": {p.label: p.starts - 1 for p in self.procs},
                 "merchant_retries": retries,
                 "mixes": {m.name: m.summary() for m in self.mixes},
+                "refunds": {name: r.summary() for name, r in self.refund_loads.items()},
                 "timeseries": self.sampler.series,
             }
             args.json_out.parent.mkdir(parents=True, exist_ok=True)
             args.json_out.write_text(json.dumps(result, indent=1))
             print(f"json: {args.json_out}")
         return ok
+
+    def refund_rows(self) -> list[Row]:
+        """Each taking part mix's refund rows, against its platform's refunds."""
+        if not self.refund_loads:
+            return []
+        refunds = read_refunds(self.engine)
+        payments = read_database(self.engine).payments
+        rows = []
+        for mix in self.mixes:
+            load = self.refund_loads.get(mix.name)
+            if load is not None:
+                rows += load.rows(refunds, payments, mix.refund_truth(), mix.name)
+        return rows
 
     def print_logs(self) -> None:
         """The tail of every process log, after a harness failure."""

@@ -125,6 +125,9 @@ def progress_sample(engine: Engine) -> dict[str, int]:
         by_status = dict(conn.execute(text("SELECT status, COUNT(*) FROM payment GROUP BY status")).tuples().all())
         waiting = conn.execute(text("SELECT COUNT(*) FROM payment_callback_log WHERE status IN (0, 2)")).scalar_one()
         outbox = conn.execute(text("SELECT COUNT(*) FROM outbox WHERE status = 0")).scalar_one()
+        refunds_open = conn.execute(
+            text("SELECT COUNT(*) FROM refund WHERE status NOT IN ('Succeeded', 'Failed')")
+        ).scalar_one()
     total = sum(by_status.values())
     terminal = sum(n for s, n in by_status.items() if s in TERMINAL)
     return {
@@ -134,6 +137,7 @@ def progress_sample(engine: Engine) -> dict[str, int]:
         "unknown": by_status.get("Unknown", 0),
         "callbacks_waiting": waiting,
         "outbox_pending": outbox,
+        "refunds_open": refunds_open,
     }
 
 

@@ -14,9 +14,11 @@ A ``Mix`` is one provider (or one capability) in the run. It
 - adds the invariant rows that need its platform's own truth (``rows``) and
   explains the manual-review items it expects (``explain_review``).
 
-Today there is one: ``SandboxMix``. Refunds and each real provider's fake
-platform are meant to be further mixes (or extensions of one), added in
-``build_mixes`` in ``bench/chaos.py``.
+Today there is one: ``SandboxMix``. Each real provider's fake platform is
+meant to be a further mix, added in ``build_mixes`` in ``bench/chaos.py``.
+Refunds are not a mix but something every mix can take part in: a mix with
+``refunds = True`` gets a ``chaos_refunds.RefundLoad`` over its payments, and
+its ``refund_truth`` (the platform's refunds) feeds the refund rows.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class Mix:
 
     name = "mix"
     provider = ""
+    refunds = False
+    """Partial refunds of a share of this mix's Succeeded payments run beside its load (``chaos_refunds``)."""
 
     def paysync_env(self) -> dict[str, str]:
         """Settings paysync's processes need to talk to this mix's platform."""
@@ -93,6 +97,11 @@ class Mix:
 
     def explain_review(self, review: dict[str, Any], db: Database) -> str | None:
         """Why a manual-review item is expected under this mix's faults, or None if it is not."""
+        return None
+
+    def refund_truth(self) -> dict[str, list[dict[str, Any]]] | None:
+        """The platform's refunds by our refund number (``id``, ``status`` succeeded|failed|processing,
+        ``amount``, ``charge``: the charge's id), read by ``observe``; None when the platform cannot say."""
         return None
 
     def secrets(self) -> list[str]:
@@ -131,6 +140,7 @@ class SandboxMix(Mix):
     api_key: str = "sk_test_chaos_sandbox_api_key_0123456789"
     name: str = "sandbox"
     provider: str = "sandbox"
+    refunds: bool = True
     port: int = field(default_factory=free_port)
     truth: dict[str, Any] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -197,14 +207,14 @@ class SandboxMix(Mix):
         return response.json()
 
     def quiet(self) -> bool:
-        """No webhook event still pending and no charge still processing."""
+        """No webhook event still pending and no charge or refund still processing."""
         try:
             events = self._get("/_sandbox/deliveries")["events"]
             truth = self._get("/_sandbox/truth")
         except requests.RequestException:
             return False
         pending = any(e["status"] == "pending" for e in events)
-        processing = any(c["status"] == "processing" for c in truth["charges"])
+        processing = any(c["status"] == "processing" for c in truth["charges"] + truth.get("refunds", []))
         return not pending and not processing
 
     def days(self) -> list[str]:
@@ -349,6 +359,13 @@ class SandboxMix(Mix):
                 section,
             ),
         ]
+
+    def refund_truth(self) -> dict[str, list[dict[str, Any]]] | None:
+        """The sandbox's refunds (``/_sandbox/truth``) by merchant refund id."""
+        made: dict[str, list[dict[str, Any]]] = {}
+        for r in self.truth.get("refunds", []):
+            made.setdefault(r["merchant_refund_id"], []).append(r)
+        return made
 
     def secrets(self) -> list[str]:
         """The webhook secret and the API key."""
