@@ -29,6 +29,7 @@ sys.path.append(str(ROOT / "bench"))
 from chaos_invariants import Database, core_rows  # noqa: E402
 from chaos_load import LoadResult, PaymentRequest, Replay  # noqa: E402
 from chaos_mix import UNEXPLAINED, SandboxMix  # noqa: E402
+from chaos_refunds import OVER_LIMIT, RefundAnswer, RefundDatabase, RefundLoad  # noqa: E402
 
 SERVERS = ["mariadb-install-db", "mariadbd", "/usr/lib/rabbitmq/bin/rabbitmq-server"]
 
@@ -235,3 +236,78 @@ def test_the_chaos_command_line_names_its_options():
     )
     for option in ("--payments", "--concurrency", "--seed", "--database-url", "--amqp-url", "--json-out"):
         assert option in answer.stdout
+
+
+# --- the refund rows can fail ---------------------------------------------------------------------------------
+
+
+def _refund_load(*answers: RefundAnswer) -> RefundLoad:
+    load = RefundLoad("http://127.0.0.1:1", "t", run_id="r", mix="sandbox", seed=1)
+    load.answers = list(answers) or [
+        RefundAnswer("rk_1", "pay_a", 30, 201, None, "re_1", replay_same=True),
+        RefundAnswer("rk_2", "pay_a", 20, 201, None, "re_2"),
+        RefundAnswer("rk_over", "pay_a", 51, 422, OVER_LIMIT, over_limit=True),
+    ]
+    load.candidates = 1
+    load._done.set()
+    return load
+
+
+def _refund_db(**refunds) -> RefundDatabase:
+    rows = {
+        "re_1": {"refund_id": "re_1", "payment_id": "pay_a", "status": "Succeeded", "amount_minor": 30,
+                 "provider_refund_id": "rf_1"},
+        "re_2": {"refund_id": "re_2", "payment_id": "pay_a", "status": "Succeeded", "amount_minor": 20,
+                 "provider_refund_id": "rf_2"},
+    }  # fmt: skip
+    for refund_id, changes in refunds.items():
+        rows[refund_id] = {**rows.get(refund_id, {"refund_id": refund_id, "payment_id": "pay_a"}), **changes}
+    ledger = {r: Counter({"RefundRequested": 1, "RefundConfirmed": 1}) for r in rows}
+    return RefundDatabase(rows, ledger)
+
+
+def _refund_truth(**changes) -> dict:
+    truth = {
+        "re_1": [{"id": "rf_1", "status": "succeeded", "amount": 30, "charge": "ch_a"}],
+        "re_2": [{"id": "rf_2", "status": "succeeded", "amount": 20, "charge": "ch_a"}],
+    }
+    truth.update(changes)
+    return truth
+
+
+def test_clean_refunds_pass_every_refund_row():
+    assert _failing(_refund_load().rows(_refund_db(), _db().payments, _refund_truth(), "sandbox")) == set()
+
+
+@pytest.mark.parametrize(
+    ("load", "db", "truth", "row"),
+    [
+        (_refund_load(RefundAnswer("rk_1", "pay_a", 30, 503, None)), _refund_db(), _refund_truth(),
+         "refunds requested and answered 201"),
+        (_refund_load(RefundAnswer("rk_1", "pay_a", 30, 201, None, "re_9")), _refund_db(), _refund_truth(),
+         "acknowledged refunds missing from the refund table"),
+        (_refund_load(RefundAnswer("rk_1", "pay_a", 30, 201, None, "re_1", replay_same=False)), _refund_db(),
+         _refund_truth(), "refund replays naming the same refund"),
+        (_refund_load(RefundAnswer("rk_over", "pay_a", 51, 201, None, "re_3", over_limit=True)), _refund_db(),
+         _refund_truth(), "refunds over what is left refused (422 amount_exceeds_refundable)"),
+        (_refund_load(), _refund_db(re_2={"status": "Unknown"}), _refund_truth(), "refunds terminal"),
+        (_refund_load(), _refund_db(), _refund_truth(re_2=[{"id": "rf_2", "status": "failed", "charge": "ch_a"}]),
+         "refund status equal to the platform's truth"),
+        (_refund_load(), _refund_db(re_2={"provider_refund_id": "rf_other"}), _refund_truth(),
+         "refund status equal to the platform's truth"),
+        (_refund_load(), _refund_db(re_3={"status": "Succeeded", "amount_minor": 51}), _refund_truth(),
+         "payments refunded more than they were charged (ours or the platform's books)"),
+        (_refund_load(), _refund_db(),
+         _refund_truth(re_x=[{"id": "rf_x", "status": "succeeded", "amount": 51, "charge": "ch_a"}]),
+         "payments refunded more than they were charged (ours or the platform's books)"),
+    ],
+)  # fmt: skip
+def test_each_refund_row_fails_on_its_fault(load, db, truth, row):
+    assert row in _failing(load.rows(db, _db().payments, truth, "sandbox"))
+
+
+def test_a_refund_booked_twice_fails_the_ledger_row():
+    db = _refund_db()
+    db.ledger["re_1"]["RefundConfirmed"] = 2
+    failing = _failing(_refund_load().rows(db, _db().payments, _refund_truth(), "sandbox"))
+    assert failing == {"refunds whose ledger effects are not exactly once"}
