@@ -506,6 +506,7 @@ def progress_line(t: float, sample: dict[str, Any] | None, driver: LoadDriver, t
         f"[{t:7.1f}s] answered {driver.answered}/{total}  in db {s.get('payments', '?')}  "
         f"terminal {s.get('terminal', '?')}  open {s.get('open', '?')}  unknown {s.get('unknown', '?')}  "
         f"callbacks waiting {s.get('callbacks_waiting', '?')}  outbox {s.get('outbox_pending', '?')}  "
+        f"refunds open {s.get('refunds_open', '?')}  "
         f"kills {len(kills)}{last}"
     )
 
