@@ -1,7 +1,8 @@
 """The transactional outbox: work to send, written in the caller's transaction.
 
 Two jobs claim due rows: ``relay_outbox`` takes the commands
-(``ChargeRequested``, sent to the provider by ``payments.relay``) and
+(``ChargeRequested`` and ``RefundRequested``, sent to the provider by
+``payments.relay``) and
 ``publish_events`` the domain events (``payments.events``). Each marks a row
 done in the same transaction as the effect of sending it, so a crash anywhere
 means the row is simply claimed again.
