@@ -279,6 +279,8 @@ class Settings:
     """Our public POST /callbacks/alipay URL, sent as notify_url with each precreate; empty: none sent."""
     alipay_source_cidrs: tuple[str, ...] = ()
     """Comma-separated networks Alipay notifications may come from; empty: any source."""
+    alipay_order_expire_seconds: int = 7200
+    """time_expire of a precreate, counted from the payment's creation; past it the order is closed and Failed."""
     seal_interval_seconds: float = 2.0
     """How often seal_ledger chains newly committed ledger events."""
     reconcile_time: str = "02:30"
@@ -453,6 +455,7 @@ _PARSERS = {
     "alipay_gateway_url": lambda n, v: _url(n, v, ("http://", "https://")) or "https://openapi.alipay.com/gateway.do",
     "alipay_notify_url": lambda n, v: _url(n, v, ("http://", "https://")),
     "alipay_source_cidrs": lambda n, v: _cidrs(n, v),
+    "alipay_order_expire_seconds": lambda n, v: _int(n, v, 60, 15 * 86400),
     "seal_interval_seconds": lambda n, v: _float(n, v, 0.1, 3600),
     "reconcile_time": lambda n, v: _time_of_day(n, v),
     "reconcile_days_back": lambda n, v: _int(n, v, 1, 90),
