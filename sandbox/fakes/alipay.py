@@ -27,7 +27,9 @@ caught by the other. What it does, as Alipay does:
   queued for the next calls (``POST /_fake/faults``).
 
 The control surface ``/_fake/…`` answers only to this machine: ``scan``,
-``pay``, ``faults``, ``requests``, ``notifications``, ``trades/<no>``, ``reset``.
+``pay``, ``faults``, ``requests``, ``notifications``, ``trades`` (all),
+``trades/<no>``, ``reset``. A precreate's ``time_expire`` is kept: past it the
+code takes no payment.
 
 Run it: ``python -m sandbox.fakes.alipay --port 8200 --app-id 2021000000000001
 --app-public-keys app_pub.pem --platform-private-key alipay_priv.pem
@@ -652,6 +654,8 @@ class FakeAlipay:
                 return _json(self.requests)
             if path == "notifications":
                 return _json(self.notifications)
+            if path == "trades":
+                return _json({no: self._trade_json(t) for no, t in self.trades.items()})
             if path.startswith("trades/"):
                 trade = self.trades.get(path[len("trades/") :])
                 return _json(self._trade_json(trade)) if trade else _json({"error": "no such trade"}, 404)
@@ -671,6 +675,8 @@ class FakeAlipay:
             "total_amount": _fmt(trade.total_amount),
             "qr_code": trade.qr_code,
             "refunds": {k: _fmt(v.amount) for k, v in trade.refunds.items()},
+            "closed_unscanned": trade.closed_unscanned,
+            "time_expire": trade.time_expire,
         }
 
     # ----------------------------------------------------------------------------------------- notifications
