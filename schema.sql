@@ -295,6 +295,16 @@ CREATE TABLE provider_cursor (
 	PRIMARY KEY (provider, name)
 )ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Where a job reading a provider''s API left off (Stripe catch_up: created time of the newest event listed).' COLLATE utf8mb4_bin;
 
+CREATE TABLE query_hint (
+	provider VARCHAR(32) NOT NULL COMMENT 'the adapter the payment was made through',
+	payment_id VARCHAR(40) NOT NULL,
+	hinted_at DATETIME(6) NOT NULL COMMENT 'when a hint last brought the payment''s query forward',
+	callback_log_id BIGINT COMMENT 'the refused delivery that hinted it',
+	PRIMARY KEY (provider, payment_id)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Unverified notifications that scheduled a query (payments.hints): the per-payment and per-provider rate limits read it.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_query_hint_provider_time ON query_hint (provider, hinted_at);
+
 CREATE TABLE reconciliation_item (
 	id BIGINT NOT NULL AUTO_INCREMENT,
 	run_id BIGINT NOT NULL,

@@ -55,6 +55,7 @@ from chaos_invariants import Database, Row, core_rows, progress_sample, read_dat
 from chaos_kills import KillPlan, KillSchedule
 from chaos_load import LoadDriver
 from chaos_mix import Mix, RunContext, SandboxMix
+from chaos_providers import PROVIDER_MIXES
 from chaos_refunds import RefundLoad, read_refunds
 from chaos_stack import ExternalServer, PrivateMariaDB, PrivateRabbitMQ, Supervised, free_port, remove_tree, wait_for
 from common import ROOT  # the bench directory is on sys.path when run as a script
@@ -62,6 +63,8 @@ from sqlalchemy import create_engine, text
 
 from tests.leaks import scan_logs  # the same scan the security tests make
 
+DEFAULT_PROVIDERS = ("sandbox", "alipay", "wechatpay", "stripe")
+"""Every provider paysync has, each with its platform (the sandbox, or a real provider's fake)."""
 MERCHANT_TOKEN = "chaos-merchant-token-0123456789abcdef"
 OPS_TOKEN = "chaos-ops-token-0123456789abcdef"
 
@@ -105,6 +108,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--database-url", help="use this database (emptied first) instead of a private MariaDB")
     p.add_argument("--amqp-url", help="use this RabbitMQ (queues of the run's own) instead of a private node")
     p.add_argument("--faults", help="JSON object of sandbox fault knobs replacing the defaults")
+    p.add_argument(
+        "--providers",
+        default=",".join(DEFAULT_PROVIDERS),
+        help=f"comma-separated providers sharing the payments equally (default {','.join(DEFAULT_PROVIDERS)})",
+    )
     p.add_argument("--json-out", type=Path, help="write the table, kills and time series here as JSON")
     p.add_argument("--work-dir", type=Path, help="keep data and logs here (default: a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the work directory at the end")
@@ -113,11 +121,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_mixes(args: argparse.Namespace) -> list[Mix]:
-    """The capabilities in the run. Each later one (refunds, a real provider's fake) joins here."""
-    sandbox = SandboxMix()
-    if args.faults:
-        sandbox.faults = json.loads(args.faults)
-    return [sandbox]
+    """The capabilities in the run: each provider of ``--providers`` (refunds join here too).
+
+    The real providers come before the sandbox, whose checks after convergence
+    end with sealing and verifying the ledger: that then covers what their
+    reconciliations booked too.
+    """
+    names = [n.strip() for n in args.providers.split(",") if n.strip()]
+    unknown = [n for n in names if n != "sandbox" and n not in PROVIDER_MIXES]
+    if unknown or not names:
+        raise SystemExit(f"--providers: unknown {unknown} (known: sandbox, {', '.join(PROVIDER_MIXES)})")
+    mixes: list[Mix] = [PROVIDER_MIXES[n]() for n in names if n != "sandbox"]
+    if "sandbox" in names:
+        sandbox = SandboxMix()
+        if args.faults:
+            sandbox.faults = json.loads(args.faults)
+        mixes.append(sandbox)
+    return mixes
 
 
 def base_env() -> dict[str, str]:
@@ -253,8 +273,8 @@ class ChaosRun:
             paysync["AMQP_QUEUE"] = f"paysync_chaos_{self.run_id}"
             paysync["EVENTS_EXCHANGE"] = f"paysync_chaos_events_{self.run_id}"
         for mix in self.mixes:
+            self.procs += mix.start(self.ctx)  # first: a fake platform's keys are made as it starts
             paysync.update(mix.paysync_env())
-            self.procs += mix.start(self.ctx)
         self.paysync_env = paysync
         self.gateway = Supervised("web", "web", paysync, self.log_dir)
         self.gateway.start()

@@ -22,6 +22,9 @@ from typing import Any, Protocol
 
 from chaos_stack import Supervised, children
 
+PROCESS_KINDS = ("gateway_worker", "consumer", "compensator")
+"""The kinds of process the schedule SIGKILLs, one shuffled round of them at a time."""
+
 
 class Server(Protocol):
     """A private server the schedule may kill and start again."""
@@ -98,6 +101,8 @@ class KillSchedule:
             if wanted and server is not None and server.killable:
                 self.server_points.append((point, kind))
         self._round: list[str] = []
+        self._tried: set[str] = set()
+        """Process kinds a kill was attempted on (a gateway with no worker to kill counts: it was tried)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kill-schedule", daemon=True)
 
@@ -128,10 +133,12 @@ class KillSchedule:
         return last.at + (last.down_seconds or 0.0)
 
     def _process_kills_left(self) -> bool:
-        made = sum(1 for k in self.kills if k.kind in ("gateway_worker", "consumer", "compensator"))
+        made = sum(1 for k in self.kills if k.kind in PROCESS_KINDS)
         if self.plan.process_kills > 0:
             return made < self.plan.process_kills
-        return self.progress() < self.plan.kill_until
+        # A load that is over in a few seconds must still see each kind hit once (the "kills made" row):
+        # past kill_until the schedule goes on until every kind was tried.
+        return self.progress() < self.plan.kill_until or len(self._tried) < len(PROCESS_KINDS)
 
     def _run(self) -> None:
         next_kill = self.clock() + self._pause()
@@ -154,9 +161,10 @@ class KillSchedule:
 
     def _kill_process(self) -> None:
         if not self._round:
-            self._round = ["gateway_worker", "consumer", "compensator"]
+            self._round = list(PROCESS_KINDS)
             self.rng.shuffle(self._round)
         kind = self._round.pop()
+        self._tried.add(kind)
         if kind == "gateway_worker":
             master = self.gateway.pid
             workers = children(master) if master else []

@@ -308,6 +308,8 @@ class Supervised:
     env: dict[str, str]
     log_dir: Path
     popen: subprocess.Popen | None = None
+    command: list[str] | None = None
+    """What to run instead of the Procfile line (a fake platform has none)."""
     starts: int = 0
     stopping: bool = False
     _thread: threading.Thread | None = None
@@ -328,7 +330,7 @@ class Supervised:
         with self._lock:
             log = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it
             self.popen = subprocess.Popen(
-                procfile_command(self.procfile_name),
+                self.command or procfile_command(self.procfile_name),
                 cwd=ROOT,
                 env=self.env,
                 stdin=subprocess.DEVNULL,

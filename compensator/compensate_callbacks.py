@@ -24,6 +24,7 @@ from sqlalchemy import Engine, select
 from compensator.ratelimit import RateLimiter
 from payments.callbacks import CallbackResult, process_callback
 from payments.db import claim_rows, is_sqlite, utcnow
+from payments.hints import HintLimits
 from payments.runtime import Runtime
 from payments.schema import payment_callback_log
 from payments.settings import Settings
@@ -72,8 +73,10 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
     workers = 1 if is_sqlite(runtime.engine) else settings.compensator_concurrency
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sweep") if workers > 1 else None
 
+    hints = HintLimits.from_settings(settings)
+
     def process(log_id: int) -> CallbackResult:
-        return process_callback(runtime.engine, runtime.providers, log_id, runtime.callback_policy)
+        return process_callback(runtime.engine, runtime.providers, log_id, runtime.callback_policy, hints=hints)
 
     try:
         while time.monotonic() - started < budget:

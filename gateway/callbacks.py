@@ -17,10 +17,12 @@ from werkzeug.exceptions import ClientDisconnected
 
 from gateway import error_response, ext
 from payments import failpoints
-from payments.callbacks import reject_callback, store_callback, verify_callback
+from payments.callbacks import hint_rejected, reject_callback, store_callback, verify_callback
 from payments.db import utcnow
 from payments.delivery import encode_message
-from payments.errors import BodyTooLarge, CallbackRejected, EventIgnored
+from payments.errors import BodyTooLarge, CallbackRejected, EventIgnored, SourceNotAllowed
+from payments.hints import HintLimits
+from payments.sources import client_address, source_allowed
 
 bp = Blueprint("callbacks", __name__)
 log = logging.getLogger("paysync.gateway.callbacks")
@@ -34,8 +36,10 @@ def receive(provider_name: str) -> Any:
         return error_response("unknown_provider", f"no provider named {provider_name[:32]!r}", 404)
     body, too_large = _read_body(ext("settings").callback_max_body_bytes)
     headers = {name: request.headers[name] for name in provider.callback_headers if name in request.headers}
+    settings = ext("settings")
+    remote_addr, refused = _source(settings, provider_name)
 
-    # 1. The raw delivery is committed before anything else may fail.
+    # 1. The raw delivery is committed before anything else may fail (one from elsewhere: committed as refused).
     engine = ext("engine")
     received_at = utcnow()
     try:
@@ -44,16 +48,24 @@ def receive(provider_name: str) -> Any:
             provider=provider_name,
             body=body,
             headers=headers,
-            remote_addr=request.remote_addr,
+            remote_addr=remote_addr,
             index={} if too_large else provider.peek_callback(body),
             now=received_at,
+            rejected=f"{refused.code}: {refused}" if refused else None,
         )
     except SQLAlchemyError as exc:
         log.error("callback not stored, answering 503: %s", type(exc).__name__)
         return error_response("storage_unavailable", "callback not stored; retry later", 503, {"Retry-After": "5"})
     failpoints.hit("gateway.after_store")
 
-    # 2. Verify. A rejected row stays for audit (status 3).
+    hints = HintLimits.from_settings(settings)
+    if refused is not None:
+        log.info("callback %s refused: %s", log_id, refused.code)
+        _hint_quietly(engine, log_id, hints)
+        answer = provider.reject(refused)
+        return Response(answer.body, answer.status, content_type=answer.content_type)
+
+    # 2. Verify. A rejected row stays for audit (status 3); the payment it names may be queried (a hint).
     try:
         if too_large:
             raise BodyTooLarge(f"body over {len(body)} bytes (CALLBACK_MAX_BODY_BYTES): only the first were kept")
@@ -61,7 +73,7 @@ def receive(provider_name: str) -> Any:
     except CallbackRejected as exc:
         log.info("callback %s rejected: %s", log_id, exc.code)
         try:
-            reject_callback(engine, log_id, f"{exc.code}: {exc}")
+            reject_callback(engine, log_id, f"{exc.code}: {exc}", providers=ext("providers"), hints=hints)
         except SQLAlchemyError:
             # The row stays status 0; the sweep re-verifies it and rejects it then.
             log.warning("callback %s rejected but not marked; the sweep will", log_id)
@@ -75,7 +87,7 @@ def receive(provider_name: str) -> Any:
     # 3. The delivery itself to the broker: the consumer's fast path, and a copy that outlives a lost row.
     publisher = ext("publisher")
     if publisher.enabled:
-        message = encode_message(log_id, provider_name, received_at, body, headers, request.remote_addr)
+        message = encode_message(log_id, provider_name, received_at, body, headers, remote_addr)
         publisher.publish(log_id, message)
 
     # 3b. Processed here, within the budget; whatever happens, the row is already safe.
@@ -86,6 +98,28 @@ def receive(provider_name: str) -> Any:
     # 4. Acknowledge in the provider's dialect.
     answer = provider.ack()
     return Response(answer.body, answer.status, content_type=answer.content_type)
+
+
+def _source(settings: Any, provider_name: str) -> tuple[str | None, SourceNotAllowed | None]:
+    """(the client's address, the refusal when the provider's allow-list does not hold it).
+
+    The client is the peer, or the rightmost hop of X-Forwarded-For not inside
+    TRUSTED_PROXIES when the peer is one of them (``payments.sources``).
+    """
+    forwarded = ",".join(request.headers.getlist("X-Forwarded-For"))
+    client = client_address(request.remote_addr, forwarded, settings.trusted_proxies)
+    allowed = getattr(settings, f"{provider_name}_source_cidrs", ())
+    if source_allowed(client, allowed):
+        return client, None
+    return client, SourceNotAllowed(f"source {client!s:.64} is outside {provider_name.upper()}_SOURCE_CIDRS")
+
+
+def _hint_quietly(engine: Any, log_id: int, hints: HintLimits) -> None:
+    """The hint of a refused delivery; it is only a hint, so a database error loses nothing that matters."""
+    try:
+        hint_rejected(engine, ext("providers"), log_id, hints)
+    except SQLAlchemyError:
+        log.warning("callback %s refused; its hint was not recorded", log_id)
 
 
 def _read_body(limit: int) -> tuple[bytes, bool]:

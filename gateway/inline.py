@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from payments.callbacks import CallbackResult, process_callback
+from payments.hints import HintLimits
 from payments.runtime import Runtime
 
 log = logging.getLogger("paysync.gateway.inline")
@@ -53,7 +54,8 @@ class InlineProcessor:
     def _run(self, log_id: int) -> CallbackResult:
         try:
             rt = self.runtime
-            return process_callback(rt.engine, rt.providers, log_id, rt.callback_policy)
+            hints = HintLimits.from_settings(rt.settings)
+            return process_callback(rt.engine, rt.providers, log_id, rt.callback_policy, hints=hints)
         finally:
             with self._lock:
                 self._busy -= 1

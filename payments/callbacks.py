@@ -24,6 +24,7 @@ from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from payments.backoff import RetryPolicy
 from payments.db import insert_ignore, utcnow
 from payments.errors import CallbackRejected, EventIgnored, PaysyncError, TargetNotFound, UnsupportedContentType
+from payments.hints import HintLimits, hint_query
 from payments.providers import get_provider
 from payments.providers.base import CallbackEvent, Provider
 from payments.review import escalate
@@ -85,11 +86,14 @@ def store_callback(
     index: Mapping[str, str | None] | None = None,
     now: datetime | None = None,
     source: str = SOURCE_WEBHOOK,
+    rejected: str | None = None,
 ) -> int:
     """INSERT the raw delivery with status 0 and COMMIT; return its id. Raises if the database is unavailable.
 
     ``source`` is ``webhook`` for what the gateway received and ``api`` for an
     event a paysync job fetched from the provider itself (never set from a request).
+    ``rejected``: refused before it was stored (its source is not allowed): stored
+    with status 3 and this reason in the same INSERT, so no sweep can ever take it for pending.
     """
     now = now or utcnow()
     index = index or {}
@@ -107,7 +111,8 @@ def store_callback(
                 "payment_order_no": index.get("payment_order_no"),
                 "provider_event_id": index.get("provider_event_id"),
                 "event_type": index.get("event_type"),
-                "status": CallbackStatus.PENDING,
+                "status": CallbackStatus.PENDING if rejected is None else CallbackStatus.REJECTED,
+                "result": None if rejected is None else f"rejected: {rejected}"[:500],
                 "retry_count": 0,
                 "next_retry_at": now,
                 "create_time": now,
@@ -133,8 +138,20 @@ def verify_callback(provider: Provider, body: bytes, headers: Mapping[str, str],
     return provider.parse_callback(body, headers, now=now)
 
 
-def reject_callback(engine: Engine, log_id: int, reason: str, now: datetime | None = None) -> bool:
-    """Mark a stored row as rejected (status 3) with the reason; True if it was still pending."""
+def reject_callback(
+    engine: Engine,
+    log_id: int,
+    reason: str,
+    now: datetime | None = None,
+    *,
+    providers: Mapping[str, Provider] | None = None,
+    hints: HintLimits | None = None,
+) -> bool:
+    """Mark a stored row as rejected (status 3) with the reason; True if it was still pending.
+
+    With ``providers``, the payment the row names (unverified) gets its query
+    brought forward in the same transaction (``payments.hints``).
+    """
     now = now or utcnow()
     with engine.begin() as conn:
         result = conn.execute(
@@ -142,7 +159,28 @@ def reject_callback(engine: Engine, log_id: int, reason: str, now: datetime | No
             .where(payment_callback_log.c.id == log_id, payment_callback_log.c.status == CallbackStatus.PENDING)
             .values(status=CallbackStatus.REJECTED, result=f"rejected: {reason}"[:500], update_time=now)
         )
+        if result.rowcount == 1 and providers is not None:
+            _hint(conn, providers, log_id, now, hints or HintLimits())
         return result.rowcount == 1
+
+
+def hint_rejected(
+    engine: Engine, providers: Mapping[str, Provider], log_id: int, hints: HintLimits, now: datetime | None = None
+) -> None:
+    """The hint of a row stored already rejected (``store_callback(rejected=…)``), in its own transaction."""
+    with engine.begin() as conn:
+        _hint(conn, providers, log_id, now or utcnow(), hints)
+
+
+def _hint(conn: Connection, providers: Mapping[str, Provider], log_id: int, now: datetime, hints: HintLimits) -> None:
+    """A refused delivery is a hint: bring the query of the payment it names forward (rate-limited)."""
+    row = conn.execute(
+        select(payment_callback_log.c.provider, payment_callback_log.c.order_no).where(
+            payment_callback_log.c.id == log_id
+        )
+    ).first()
+    if row is not None:
+        hint_query(conn, providers, row.provider, row.order_no, now, hints, callback_log_id=log_id)
 
 
 def process_callback(
@@ -153,6 +191,7 @@ def process_callback(
     *,
     now: datetime | None = None,
     expect: tuple[str, datetime] | None = None,
+    hints: HintLimits | None = None,
 ) -> CallbackResult:
     """Process one stored callback in ONE transaction; on any error record a retry (or give up).
 
@@ -160,13 +199,14 @@ def process_callback(
     is a no-op, so redeliveries and concurrent workers are harmless. With
     ``expect`` (the body digest and receipt time the broker's copy names), a
     row holding another delivery is MISSING: this one was lost and its id
-    handed out again. Raises
+    handed out again. A row rejected here is a hint like one the gateway
+    rejected (``hints``: its rate limits). Raises
     only when even recording the failure is impossible (database down).
     """
     now = now or utcnow()
     try:
         with engine.begin() as conn:
-            return _process_locked(conn, providers, log_id, now, expect)
+            return _process_locked(conn, providers, log_id, now, expect, hints or HintLimits())
     except Exception as exc:  # noqa: BLE001 - every failure is recorded on the row, then retried
         return _record_failure(engine, log_id, exc, policy, now)
 
@@ -177,6 +217,7 @@ def _process_locked(
     log_id: int,
     now: datetime,
     expect: tuple[str, datetime] | None,
+    hints: HintLimits,
 ) -> CallbackResult:
     row = conn.execute(_LOCK_ROW, {"log_id": log_id}).first()
     if row is None:
@@ -202,6 +243,8 @@ def _process_locked(
         if not exc.permanent:
             raise
         _finish(conn, log_id, CallbackStatus.REJECTED, f"rejected: {exc.code}: {exc}", now)
+        if isinstance(exc, CallbackRejected):
+            _hint(conn, providers, log_id, now, hints)
         return CallbackResult.REJECTED
 
     indexed = {

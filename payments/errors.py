@@ -43,6 +43,13 @@ class TimestampOutOfTolerance(SignatureInvalid):
     code = "stale_timestamp"
 
 
+class SourceNotAllowed(CallbackRejected):
+    """The delivery came from outside its provider's allowed networks (``<PROVIDER>_SOURCE_CIDRS``)."""
+
+    code = "source_not_allowed"
+    http_status = 403
+
+
 class MalformedCallback(CallbackRejected):
     """The body is signed correctly but is not an event we can read."""
 

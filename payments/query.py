@@ -40,7 +40,7 @@ from payments.calls import (
 )
 from payments.charges import CHARGE_REQUESTED
 from payments.db import utcnow
-from payments.providers.base import ChargeRequest, NotFound, Provider, RefundRequest
+from payments.providers.base import ChargeRequest, NotFound, Pending, Provider, QueryOutcome, RefundRequest
 from payments.refunds import REFUND_REQUESTED
 from payments.schema import outbox as outbox_table
 from payments.schema import payment, refund
@@ -90,6 +90,9 @@ def query_payment(
     )
     outcome = provider.query(payment_id, ctx.settings.provider_timeout_seconds, expected)
     now = utcnow()
+    if _unpaid_past_expiry(provider, outcome, current, now):
+        call_id, outcome = _close_expired(ctx, provider, call_id, outcome, expected)
+        now = utcnow()
     with ctx.engine.begin() as conn:
         provider_calls.finish(conn, call_id, outcome, now)
         current = lock_payment(conn, payment_id)
@@ -99,6 +102,41 @@ def query_payment(
             result = apply_outcome(ctx, conn, current, provider, outcome, f"query:{call_id}", now, query=True)
     count(ctx, provider, outcome, gate)
     return result
+
+
+EXPIRY_MARGIN = timedelta(seconds=30)
+"""How long past an order's expiry (by our clock) before we close it: the provider's clock is the one that counts."""
+
+
+def _unpaid_past_expiry(provider: Provider, outcome: QueryOutcome, current: Mapping[str, Any], now: datetime) -> bool:
+    """True when a payer-driven order (a QR code) is still unpaid, or was never made, past its expiry."""
+    if not isinstance(outcome, NotFound | Pending):
+        return False
+    expires_at = provider.order_expires_at(current["created_at"])
+    return expires_at is not None and now >= expires_at + EXPIRY_MARGIN
+
+
+def _close_expired(
+    ctx: Context, provider: Provider, query_call_id: int, found: QueryOutcome, expected: ChargeRequest
+) -> tuple[int, QueryOutcome]:
+    """Close the unpaid order at the provider before it is marked Failed; return (close call id, its outcome).
+
+    The query that found it unpaid is recorded first; the close is its own
+    provider_call (operation ``close``), and what the adapter's close-then-query
+    says is what gets applied: Failed only once the provider confirms it.
+    """
+    payment_id = expected.payment_id
+    with ctx.engine.begin() as conn:
+        provider_calls.finish(conn, query_call_id, found, utcnow())
+        close_id = provider_calls.start(
+            conn,
+            provider=provider.name,
+            operation="close",
+            params={"merchant_transaction_id": payment_id},
+            now=utcnow(),
+            payment_id=payment_id,
+        )
+    return close_id, provider.expire(payment_id, ctx.settings.provider_timeout_seconds, expected)
 
 
 def _prepare(

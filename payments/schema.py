@@ -304,6 +304,19 @@ provider_breaker = Table(
     **MYSQL,
 )
 
+query_hint = Table(
+    "query_hint",
+    metadata,
+    Column("provider", String(32), primary_key=True, comment="the adapter the payment was made through"),
+    Column("payment_id", String(40), primary_key=True),
+    Column("hinted_at", TS, nullable=False, comment="when a hint last brought the payment's query forward"),
+    Column("callback_log_id", ID, nullable=True, comment="the refused delivery that hinted it"),
+    Index("idx_query_hint_provider_time", "provider", "hinted_at"),
+    comment="Unverified notifications that scheduled a query (payments.hints): the per-payment and per-provider "
+    "rate limits read it.",
+    **MYSQL,
+)
+
 provider_cursor = Table(
     "provider_cursor",
     metadata,

@@ -108,6 +108,8 @@ class Settings:
     SANDBOX_API_KEY it enables the sandbox provider."""
     sandbox_api_url: str = "http://127.0.0.1:8100"
     """Where paysync calls the sandbox payment platform."""
+    sandbox_source_cidrs: tuple[str, ...] = ()
+    """Networks sandbox notifications may come from (empty: any), as for the real providers."""
     sandbox_api_key: tuple[str, ...] = ()
     """API key paysync presents to the sandbox platform (``Authorization: Bearer …``), like a provider's secret
     key; comma-separated, the first is presented (the sandbox accepts every listed one: rotation)."""
@@ -235,6 +237,12 @@ class Settings:
     """Cap on one query delay."""
     query_not_found_grace_seconds: float = 60.0
     """A NotFound this soon after the last send is not believed yet (the charge may not be visible): no re-send."""
+    hint_query_interval_seconds: float = 60.0
+    """An unverified notification brings its payment's query forward at most once this often (per payment)."""
+    hint_queries_per_minute: int = 60
+    """At most this many queries a minute are brought forward by unverified notifications, per provider."""
+    trusted_proxies: tuple[str, ...] = ()
+    """Networks of the proxies in front of the gateway: only their X-Forwarded-For is believed (source checks)."""
     payment_deadline_seconds: int = 86400
     """A payment unresolved this long after creation goes to manual review with an alert."""
     refund_deadline_seconds: int = 86400
@@ -273,6 +281,8 @@ class Settings:
     """Our public POST /callbacks/alipay URL, sent as notify_url with each precreate; empty: none sent."""
     alipay_source_cidrs: tuple[str, ...] = ()
     """Comma-separated networks Alipay notifications may come from; empty: any source."""
+    alipay_order_expire_seconds: int = 7200
+    """time_expire of a precreate, counted from the payment's creation; past it the order is closed and Failed."""
     seal_interval_seconds: float = 2.0
     """How often seal_ledger chains newly committed ledger events."""
     reconcile_time: str = "02:30"
@@ -362,6 +372,7 @@ _PARSERS = {
     "metrics_settled_cache_seconds": lambda n, v: _float(n, v, 0, 3600),
     "sandbox_webhook_secret": lambda n, v: _secrets(n, v),
     "sandbox_api_url": lambda n, v: _url(n, v, ("http://", "https://")),
+    "sandbox_source_cidrs": lambda n, v: _cidrs(n, v),
     "sandbox_api_key": lambda n, v: _secrets(n, v),
     "callback_max_body_bytes": lambda n, v: _int(n, v, 1024, 16 * 1024 * 1024),
     "callback_tolerance_seconds": lambda n, v: _int(n, v, 1, 86400),
@@ -425,6 +436,9 @@ _PARSERS = {
     "query_base_seconds": lambda n, v: _float(n, v, 0.001, 86400),
     "query_max_seconds": lambda n, v: _float(n, v, 0.001, 7 * 86400),
     "query_not_found_grace_seconds": lambda n, v: _float(n, v, 0, 86400),
+    "hint_query_interval_seconds": lambda n, v: _float(n, v, 0, 86400),
+    "hint_queries_per_minute": lambda n, v: _int(n, v, 0, 1_000_000),
+    "trusted_proxies": lambda n, v: _cidrs(n, v),
     "payment_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),
     "refund_deadline_seconds": lambda n, v: _int(n, v, 1, 90 * 86400),
     "breaker_failure_threshold": lambda n, v: _int(n, v, 1, 100_000),
@@ -444,6 +458,7 @@ _PARSERS = {
     "alipay_gateway_url": lambda n, v: _url(n, v, ("http://", "https://")) or "https://openapi.alipay.com/gateway.do",
     "alipay_notify_url": lambda n, v: _url(n, v, ("http://", "https://")),
     "alipay_source_cidrs": lambda n, v: _cidrs(n, v),
+    "alipay_order_expire_seconds": lambda n, v: _int(n, v, 60, 15 * 86400),
     "seal_interval_seconds": lambda n, v: _float(n, v, 0.1, 3600),
     "reconcile_time": lambda n, v: _time_of_day(n, v),
     "reconcile_days_back": lambda n, v: _int(n, v, 1, 90),

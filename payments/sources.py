@@ -43,3 +43,21 @@ def in_networks(remote_addr: str | None, cidrs: Sequence[str]) -> bool:
 def source_allowed(remote_addr: str | None, cidrs: Sequence[str]) -> bool:
     """A provider's allow-list: True when none is configured, or ``remote_addr`` lies in it."""
     return not cidrs or in_networks(remote_addr, cidrs)
+
+
+def client_address(peer: str | None, forwarded_for: str | None, trusted_proxies: Sequence[str]) -> str | None:
+    """The client's address: the peer's, or, when the peer is a trusted proxy, the rightmost untrusted hop.
+
+    ``X-Forwarded-For`` is a list each proxy appends to, so only the part our
+    own proxies wrote can be believed: walking it from the right, every hop
+    inside ``trusted_proxies`` is one of ours, and the first that is not is
+    the client (anything left of it, the client may have written itself). A
+    peer that is not a trusted proxy is the client, whatever it claims.
+    """
+    if not forwarded_for or not in_networks(peer, trusted_proxies):
+        return peer
+    hops = [h.strip() for h in forwarded_for.split(",") if h.strip()]
+    for hop in reversed(hops):
+        if not in_networks(hop, trusted_proxies):
+            return hop[:64]
+    return hops[0][:64] if hops else peer  # every hop is ours: the first one is as close to the client as we get

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import select, update
@@ -81,6 +82,20 @@ def claim_for_query(engine, payment_id):
         conn.execute(update(payment).where(payment.c.payment_id == payment_id).values(next_query_at=utcnow()))
     claimed = {p: lease for p, _, lease, _ in query_unresolved.claim_batch(engine, utcnow(), 100, 30, 3600)}
     return claimed[payment_id]
+
+
+def push_query_out(engine, payment_id):
+    """As right after a query: the payment's next one is an hour off (a hint is what may bring it forward)."""
+    with engine.begin() as conn:
+        later = utcnow() + timedelta(hours=1)
+        conn.execute(update(payment).where(payment.c.payment_id == payment_id).values(next_query_at=later))
+
+
+def query_due_now(engine, payment_id) -> bool:
+    """True when the payment's query is due (a hint brought it forward)."""
+    with engine.connect() as conn:
+        due = conn.execute(select(payment.c.next_query_at).where(payment.c.payment_id == payment_id)).scalar()
+    return due is not None and due <= utcnow()
 
 
 def expire_leases(rt):

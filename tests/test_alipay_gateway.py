@@ -22,11 +22,9 @@ from compensator import query_unresolved, relay_outbox
 from gateway import create_app
 from payments.backoff import RetryPolicy
 from payments.callbacks import CallbackResult, process_callback
-from payments.calls import Context, Result
 from payments.db import utcnow
 from payments.providers import alipay_sign as sig
 from payments.providers.base import ChargeRequest
-from payments.query import query_payment
 from payments.runtime import build_runtime
 from payments.schema import ledger_event, payment, provider_call
 from payments.states import CallbackStatus
@@ -37,7 +35,7 @@ from tests.alipay_support import (  # noqa: F401
     notify_fields,
     signed_notify,
 )
-from tests.outbound_support import claim_for_query
+from tests.outbound_support import push_query_out, query_due_now
 from tests.stack import callback_rows, db_url, payment_status
 from tests.support import create_payment, make_settings
 
@@ -144,6 +142,7 @@ def test_an_unverified_notify_changes_nothing_and_the_query_it_triggers_finds_th
     provider = runtime.providers["alipay"]
     provider.charge(ChargeRequest(payment_id, 1000, "CNY"), None, 5)
     fake_alipay.control("pay", {"out_trade_no": payment_id})  # paid at Alipay; its notify went nowhere
+    push_query_out(mariadb, payment_id)
 
     # A notify signed with a key we do not trust (a forgery, or Alipay mid-rotation): refused, no state change.
     forged = signed_notify(notify_fields(payment_id), keys.stranger)
@@ -151,14 +150,23 @@ def test_an_unverified_notify_changes_nothing_and_the_query_it_triggers_finds_th
     row = callback_rows(mariadb)[-1]
     assert row.status == CallbackStatus.REJECTED and payment_status(mariadb, payment_id) == "Pending"
 
-    # The adapter's side of the hint: the unverified row still names the payment (peek_callback → order_no),
-    # and the query by that number is what may change the state (the lead's query job rate-limits it).
-    assert row.order_no == payment_id
-    lease = claim_for_query(mariadb, row.order_no)
-    assert query_payment(Context(mariadb, runtime.providers, settings), row.order_no, "alipay", lease) == Result.APPLIED
+    # The hint: the unverified row names the payment (peek_callback → order_no), whose query is now due;
+    # the query by that number is what changes the state.
+    assert row.order_no == payment_id and query_due_now(mariadb, payment_id)
+    assert query_unresolved.run_once(runtime) == 1
     with mariadb.connect() as conn:
         source = conn.execute(select(payment.c.status_source).where(payment.c.payment_id == payment_id)).scalar()
     assert payment_status(mariadb, payment_id) == "Succeeded" and source.startswith("query:")
+
+    # Rate-limited per payment: a flood of forgeries for it brings no further query forward.
+    other = create_payment(mariadb, provider="alipay", amount=1000)
+    push_query_out(mariadb, other)
+    for _ in range(2):
+        post(app.test_client(), signed_notify(notify_fields(other), keys.stranger))
+    assert query_due_now(mariadb, other)
+    push_query_out(mariadb, other)
+    post(app.test_client(), signed_notify(notify_fields(other), keys.stranger))
+    assert not query_due_now(mariadb, other)
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from payments.providers.base import (
     Succeeded,
     Unknown,
 )
-from payments.providers.stripe import API_VERSION, EVENT_TYPES, StripeProvider
+from payments.providers.stripe import API_VERSION, EVENT_TYPES, StripeProvider, successor_key
 from payments.settlement import checked
 from sandbox.fakes.stripe import IdempotencyRecord
 from tests.stripe_support import API_KEY, OLD_SECRET, FakeServer, charge_request, new_fake
@@ -180,14 +180,33 @@ def test_ambiguous_answers_are_unknown_and_a_query_then_says_what_happened(strip
     assert len(fake.payment_intents) == 1
 
 
-def test_an_api_error_is_saved_under_the_key_like_stripe_does_and_stays_unknown_until_the_key_expires(stripe, fake):
+def test_an_api_error_is_saved_under_the_key_and_a_resend_looks_first_then_charges_under_the_next_key(stripe, fake):
+    """Stripe replays a saved 500 for 24 hours: that key can never charge. A re-send sees the replay
+    (``Idempotent-Replayed``), looks the payment up, and only when nothing is found sends the next key of a
+    chain every worker derives alike (``successor_key``), so Stripe still dedupes concurrent re-sends."""
     fake.fail_next("api_error", path="POST /v1/payment_intents")
     assert stripe.charge(charge_request(), "k-500", TIMEOUT).reason == "http_500:api_error"
-    assert stripe.charge(charge_request(), "k-500", TIMEOUT).reason == "http_500:api_error", "the saved 500 replays"
     assert isinstance(stripe.query("pay_1", TIMEOUT, charge_request()), NotFound)
-    fake.clock.advance(DAY + 60)
-    outcome = stripe.charge(charge_request(age=DAY + 60), "k-500", TIMEOUT)
+    outcome = stripe.charge(charge_request(), "k-500", TIMEOUT)
     assert isinstance(outcome, Succeeded) and len(fake.payment_intents) == 1
+    assert [r["idempotency_key"] for r in posts(fake)] == ["k-500", "k-500", successor_key("k-500", 1)]
+    # Once more (a worker that lost the answer): the saved 500 again, the lookup finds the PaymentIntent.
+    again = stripe.charge(charge_request(), "k-500", TIMEOUT)
+    assert isinstance(again, Succeeded) and again.provider_transaction_id == outcome.provider_transaction_id
+    assert len(fake.payment_intents) == 1 and len(posts(fake)) == 4
+
+
+def test_a_chain_of_saved_api_errors_is_walked_and_a_failed_lookup_sends_nothing_new(stripe, fake):
+    # Scripted faults also hit replays: the first send, its replay, then the first successor all answer 500.
+    fake.fail_next("api_error", count=3, path="POST /v1/payment_intents")
+    stripe.charge(charge_request(), "k-chain", TIMEOUT)  # k-chain saves a 500
+    assert stripe.charge(charge_request(), "k-chain", TIMEOUT).reason == "http_500:api_error"  # so does k-chain~1
+    fake.fail_next("5xx", path="GET /v1/payment_intents/search")
+    blind = stripe.charge(charge_request(), "k-chain", TIMEOUT)
+    assert blind.reason.startswith("lookup_after_saved_error") and not fake.payment_intents
+    outcome = stripe.charge(charge_request(), "k-chain", TIMEOUT)
+    assert isinstance(outcome, Succeeded) and len(fake.payment_intents) == 1
+    assert posts(fake)[-1]["idempotency_key"] == successor_key("k-chain", 2)
 
 
 # --------------------------------------------------------------------------------------------- 24 hours

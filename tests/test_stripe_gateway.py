@@ -16,10 +16,8 @@ from sqlalchemy import func, insert, select, update
 
 from compensator import catch_up, compensate_callbacks, query_unresolved, relay_outbox
 from gateway import create_app
-from payments.calls import Context, Result
 from payments.charges import CreatePayment, create_payment
 from payments.db import utcnow
-from payments.query import query_payment
 from payments.runtime import build_runtime
 from payments.schema import (
     ledger_event,
@@ -32,7 +30,7 @@ from payments.schema import (
 )
 from payments.states import CallbackStatus
 from sandbox.fakes.stripe import IdempotencyRecord
-from tests.outbound_support import claim_for_query
+from tests.outbound_support import push_query_out, query_due_now
 from tests.stripe_support import (
     NEW_SECRET,
     OLD_SECRET,
@@ -237,13 +235,12 @@ def test_refund_events_settle_our_refund_by_metadata_refund_id(engine, client):
 
 
 def test_an_unverified_notification_is_a_hint_that_leads_to_a_query_never_a_state_change(engine, client):
-    """The adapter side of "an unverified notification triggers a rate-limited query".
+    """An unverified notification triggers a rate-limited query, never a state change.
 
     The rejected row keeps the payment it names (``order_no``, read unverified
-    by ``peek_callback``); the query job's wiring (the lead's) turns that into
-    a query of the payment, done here with ``payments.query.query_payment``. The
-    forged body says Succeeded; Stripe says the charge was declined: the query's
-    answer is what is applied.
+    by ``peek_callback``); the gateway brings that payment's query forward
+    (``payments.hints``) and query_unresolved asks Stripe. The forged body says
+    Succeeded; Stripe says the charge was declined: the query's answer is what is applied.
     """
     served = FakeServer(new_fake())
     try:
@@ -251,6 +248,7 @@ def test_an_unverified_notification_is_a_hint_that_leads_to_a_query_never_a_stat
         stripe = rt.providers["stripe"]
         payment_id = stripe_payment(engine)
         declined = stripe.charge(charge_request(payment_id, pm="pm_card_chargeDeclined"), "k-forged", 5)
+        push_query_out(engine, payment_id)
         forged = event("payment_intent.succeeded", payment_intent(payment_id, pi_id=declined.provider_transaction_id))
         assert post(client, *signed(forged, (STRANGER_SECRET,))).status_code == 401
 
@@ -259,11 +257,20 @@ def test_an_unverified_notification_is_a_hint_that_leads_to_a_query_never_a_stat
         compensate_callbacks.run_once(rt)
         assert payment_row(engine, payment_id)["status"] == "Pending", "the forged success changed nothing"
 
-        lease = claim_for_query(engine, row["order_no"])
-        ctx = Context(engine, rt.providers, rt.settings)
-        assert query_payment(ctx, row["order_no"], "stripe", lease) == Result.APPLIED
+        # The hint brought the payment's query forward; the query job asks Stripe, whose answer is applied.
+        assert query_due_now(engine, payment_id)
+        assert query_unresolved.run_once(rt) == 1
         p = payment_row(engine, payment_id)
         assert (p["status"], p["error_code"]) == ("Failed", "generic_decline")
+        assert p["status_source"].startswith("query:")
+
+        # Rate-limited per payment: the second forgery for another payment within the interval moves nothing.
+        other = stripe_payment(engine)
+        for expected in (True, False):
+            push_query_out(engine, other)
+            forged = event("payment_intent.succeeded", payment_intent(other))
+            assert post(client, *signed(forged, (STRANGER_SECRET,))).status_code == 401
+            assert query_due_now(engine, other) is expected
     finally:
         served.close()
 

@@ -20,17 +20,18 @@ import pytest
 import requests
 from sqlalchemy import insert, select
 
-from compensator import compensate_callbacks, relay_outbox
+from compensator import compensate_callbacks, query_unresolved, relay_outbox
 from gateway import create_app
 from payments.backoff import RetryPolicy
 from payments.callbacks import CallbackResult, process_callback
 from payments.db import utcnow
 from payments.providers import build_providers
-from payments.providers.base import ChargeRequest, Succeeded
+from payments.providers.base import ChargeRequest
 from payments.runtime import build_runtime
 from payments.schema import ledger_event, payment, refund
 from payments.states import CallbackStatus
 from sandbox.fakes import wechatpay as fake
+from tests.outbound_support import push_query_out, query_due_now
 from tests.stack import callback_rows, db_url
 from tests.support import create_payment, wait_until
 from tests.wechatpay_support import (
@@ -236,14 +237,18 @@ def test_a_refund_notification_settles_the_refund(engine, wx_keys):
 
 @pytest.mark.mariadb
 def test_an_unverified_notification_changes_nothing_but_names_the_payment_a_query_then_settles(mariadb, wx_keys):
-    """Adapter side of invariant 11: the refused row names our payment (from the resource), the query decides."""
+    """Invariant 11: the refused row names our payment (from the resource), its query is brought forward, it decides."""
     platform = fake.FakeWechatPay(fake_config(wx_keys))
     with FakeServer(platform) as server:
-        client, providers = gateway(mariadb, wx_keys, api_base=server.url)
-        adapter = providers["wechatpay"]
+        settings = wx_settings(
+            wx_keys, database_url=db_url(mariadb), api_base=server.url, callback_process_inline=False
+        )
+        client, runtime = create_app(settings, engine=mariadb).test_client(), build_runtime(settings, mariadb)
+        adapter = runtime.providers["wechatpay"]
         payment_id = pending_wechat_payment(mariadb)
         adapter.charge(ChargeRequest(payment_id, 1000, "CNY"), None, 5)
         paid = platform.pay(payment_id, notify=False)
+        push_query_out(mariadb, payment_id)
         # WeChat has moved to a key we were not given yet: the genuine notification fails verification.
         body, headers = notification(
             wx_keys, transaction(payment_id, transaction_id=paid.transaction_id), signer=wx_keys.stranger
@@ -251,9 +256,22 @@ def test_an_unverified_notification_changes_nothing_but_names_the_payment_a_quer
         assert client.post("/callbacks/wechatpay", data=body, headers=headers).status_code == 401
         (row,) = callback_rows(mariadb)
         assert row.status == CallbackStatus.REJECTED and status_of(mariadb, payment_id) == "Pending"
-        assert row.order_no == payment_id and row.provider_event_id  # the hint the query job acts on
-        found = adapter.query(row.order_no, 5, ChargeRequest(payment_id, 1000, "CNY"))
-        assert isinstance(found, Succeeded) and found.provider_transaction_id == paid.transaction_id
+        assert row.order_no == payment_id and row.provider_event_id  # the hint the query acts on
+        assert query_due_now(mariadb, payment_id)
+        assert query_unresolved.run_once(runtime) == 1
+        assert status_of(mariadb, payment_id) == "Succeeded"
+        with mariadb.connect() as conn:
+            p = conn.execute(select(payment).where(payment.c.payment_id == payment_id)).mappings().one()
+        assert p["provider_transaction_id"] == paid.transaction_id and p["status_source"].startswith("query:")
+
+        # Rate-limited per payment: more forgeries for another payment bring its query forward once.
+        other = pending_wechat_payment(mariadb)
+        push_query_out(mariadb, other)
+        for expected in (True, False):
+            body, headers = notification(wx_keys, transaction(other), signer=wx_keys.stranger)
+            assert client.post("/callbacks/wechatpay", data=body, headers=headers).status_code == 401
+            assert query_due_now(mariadb, other) is expected
+            push_query_out(mariadb, other)
 
 
 @pytest.mark.mariadb

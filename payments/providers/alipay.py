@@ -36,6 +36,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta, timezone
 from typing import IO, Any
 
 import requests
@@ -108,7 +109,7 @@ class AlipayProvider(Provider):
         *,
         notify_url: str = "",
         tolerance_seconds: int = 300,
-        order_timeout_minutes: int = 120,
+        order_expire_seconds: int = 7200,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._app_id = app_id
@@ -117,8 +118,8 @@ class AlipayProvider(Provider):
         self._gateway_url = gateway_url
         self._notify_url = notify_url
         self._tolerance = tolerance_seconds
-        self.order_timeout_minutes = order_timeout_minutes
-        """Sent as timeout_express: Alipay closes an unpaid order by itself this long after it was made."""
+        self.order_expire_seconds = order_expire_seconds
+        """ALIPAY_ORDER_EXPIRE_SECONDS: the trade's time_expire, counted from the payment's creation."""
         self._clock = clock
         self._local = threading.local()  # one requests.Session (connection pool) per thread
 
@@ -170,8 +171,13 @@ class AlipayProvider(Provider):
             "out_trade_no": payment.payment_id,
             "total_amount": sig.minor_to_yuan(payment.amount_minor),
             "subject": payment.payment_id,
-            "timeout_express": f"{self.order_timeout_minutes}m",
         }
+        if payment.created_at is not None:
+            # Absolute, so every re-send names the same moment. timeout_express would count from the trade's
+            # creation, which for a precreate is when the buyer scans: a code scanned late stays payable late.
+            biz["time_expire"] = alipay_time(self.order_expires_at(payment.created_at))
+        else:
+            biz["timeout_express"] = f"{max(1, self.order_expire_seconds // 60)}m"
         return self._call(PRECREATE, biz, timeout, lambda node: read_precreate(node, payment))
 
     def query(self, payment_id: str, timeout: float, expected: ChargeRequest | None = None) -> QueryOutcome:
@@ -202,11 +208,31 @@ class AlipayProvider(Provider):
 
         Failed("TRADE_CLOSED"): closed, nothing can be paid any more: mark it
         Failed. NotFound: Alipay never made the trade (the QR code was not
-        scanned); after ``order_timeout_minutes`` from the precreate it cannot
+        scanned); past the time_expire the precreate named it cannot
         be paid either. Unknown (incl. ACQ.TRADE_STATUS_ERROR: paid meanwhile):
         query before deciding.
         """
         return self._call(CLOSE, {"out_trade_no": payment_id}, timeout, lambda node: read_close(node, payment_id))
+
+    def order_expires_at(self, created_at: datetime) -> datetime:
+        """The trade's time_expire (naive UTC): ALIPAY_ORDER_EXPIRE_SECONDS after the payment's creation."""
+        return created_at + timedelta(seconds=self.order_expire_seconds)
+
+    def expire(self, payment_id: str, timeout: float, expected: ChargeRequest | None = None) -> QueryOutcome:
+        """alipay.trade.close past the expiry, then alipay.trade.query: what the trade is now decides.
+
+        Paid meanwhile: Succeeded. Closed: Failed("TRADE_CLOSED"). Never made
+        (the code was not scanned; close and query both say TRADE_NOT_EXIST):
+        past its time_expire it cannot be paid any more, Failed("expired_unpaid").
+        Anything unclear is Unknown, and the query job asks again.
+        """
+        closed = self.close(payment_id, timeout)
+        found = self.query(payment_id, timeout, expected)
+        if isinstance(found, NotFound) and isinstance(closed, NotFound):
+            return Failed("expired_unpaid", definitive=True, raw=found.raw, evidence=found.evidence)
+        if isinstance(found, Pending | NotFound):
+            return closed if isinstance(closed, Unknown) else Unknown("close_not_confirmed", raw=found.raw)
+        return found
 
     def settlement(self, day: str, timeout: float) -> Iterator[bytes]:
         """The trade-bill zip for ``day`` (YYYY-MM-DD, Beijing) as Alipay serves it, streamed in chunks.
@@ -346,7 +372,16 @@ def from_settings(settings: Any) -> AlipayProvider:
         settings.alipay_gateway_url,
         notify_url=settings.alipay_notify_url,
         tolerance_seconds=settings.callback_tolerance_seconds,
+        order_expire_seconds=settings.alipay_order_expire_seconds,
     )
+
+
+_BEIJING = timezone(timedelta(hours=8))
+
+
+def alipay_time(moment: datetime) -> str:
+    """A naive-UTC moment as Alipay writes times: ``yyyy-MM-dd HH:mm:ss``, Beijing time."""
+    return moment.replace(tzinfo=UTC).astimezone(_BEIJING).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _ms(started: float) -> int:

@@ -292,6 +292,22 @@ class Provider:
         """
         return Unknown("refund_query_not_supported")
 
+    def order_expires_at(self, created_at: datetime) -> datetime | None:
+        """When an unpaid order for a payment created at ``created_at`` (naive UTC) can no longer be paid.
+
+        None (the default): the provider's charges do not wait for a payer, nothing expires.
+        """
+        return None
+
+    def expire(self, payment_id: str, timeout: float, expected: ChargeRequest | None = None) -> QueryOutcome:
+        """Close an unpaid order past its expiry at the provider, then say what it is now.
+
+        Failed only once the provider confirms nothing can be paid any more;
+        Succeeded if it was paid meanwhile; Unknown when that cannot be told.
+        Only called where ``order_expires_at`` is not None.
+        """
+        raise NotImplementedError
+
     def settlement(self, day: str, timeout: float) -> Iterator[bytes]:
         """The settlement file for ``day`` (YYYY-MM-DD), streamed: its bytes exactly as served, in chunks.
 

@@ -168,6 +168,8 @@ class Reply:
     evidence: Evidence
     error: str | None = None
     """The network error's name when ``status`` is None."""
+    replayed: bool = False
+    """Stripe answered ``Idempotent-Replayed: true``: this is the saved answer of the key's first attempt."""
 
 
 def _error(data: Any) -> dict[str, Any]:
@@ -251,6 +253,20 @@ def _canceled_code(pi: Mapping[str, Any]) -> str:
 
 def _decline_code(error: Mapping[str, Any]) -> str:
     return _short(error.get("decline_code")) or _short(error.get("code")) or "declined"
+
+
+MAX_KEY_SUCCESSORS = 3
+"""How many successor keys one charge call may walk past keys whose saved answer is a 500."""
+
+
+def successor_key(key: str, n: int) -> str:
+    """The ``n``-th key after ``key`` (pure): every worker derives the same chain, so Stripe dedupes each link."""
+    return f"{key[:240]}~{n}"
+
+
+def _saved_api_error(reply: Reply) -> bool:
+    """A replayed 500: the key's first attempt failed inside Stripe, and every re-send under it will say so."""
+    return reply.replayed and reply.status is not None and reply.status >= 500
 
 
 def read_charge_answer(reply: Reply, payment_id: str, expected: ChargeRequest | None) -> Outcome:
@@ -578,7 +594,8 @@ class StripeProvider(Provider):
             response=scrub(_CLIENT_SECRET.sub(r"\1[REDACTED]\2", text))[:MAX_RESPONSE_CHARS],
             latency_ms=latency,
         )
-        return Reply(response.status_code, data, evidence)
+        replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"
+        return Reply(response.status_code, data, evidence, replayed=replayed)
 
     # ----------------------------------------------------------------------------------------- charges
 
@@ -611,6 +628,20 @@ class StripeProvider(Provider):
         if payment.description:
             form["description"] = payment.description
         reply = self._call("POST", "/v1/payment_intents", timeout, form=form, idempotency_key=idempotency_key)
+        for attempt in range(1, MAX_KEY_SUCCESSORS + 1):
+            if not _saved_api_error(reply):
+                break
+            # Stripe saved a 500 under this key and replays it for 24 hours: the key can never charge. Only
+            # when a lookup finds no PaymentIntent for our number does the next key of the chain go out.
+            if attempt == 1:
+                found = self._find(payment.payment_id, timeout, payment)
+                if not isinstance(found, NotFound):
+                    if isinstance(found, Unknown):
+                        return replace(found, reason=f"lookup_after_saved_error:{found.reason}")
+                    self._finish_decline(found, timeout)
+                    return found
+            key = successor_key(idempotency_key, attempt)
+            reply = self._call("POST", "/v1/payment_intents", timeout, form=form, idempotency_key=key)
         outcome = read_charge_answer(reply, payment.payment_id, payment)
         self._finish_decline(outcome, timeout)
         return replace(outcome, evidence=reply.evidence)

@@ -531,6 +531,14 @@ class WechatPayProvider(Provider):
         """True once an order for a payment created at ``created_at`` (naive UTC) can no longer be paid."""
         return now >= created_at + timedelta(seconds=self.config.order_expire_seconds)
 
+    def order_expires_at(self, created_at: datetime) -> datetime | None:
+        """The order's time_expire (naive UTC): WECHATPAY_ORDER_EXPIRE_SECONDS after the payment's creation."""
+        return created_at + timedelta(seconds=self.config.order_expire_seconds)
+
+    def expire(self, payment_id: str, timeout: float, expected: ChargeRequest | None = None) -> QueryOutcome:
+        """WeChat's close, confirmed by query (``close_expired``)."""
+        return self.close_expired(payment_id, timeout, expected)
+
     # ----------------------------------------------------------------------------------------- refunds
 
     def refund(self, request: RefundRequest, idempotency_key: str | None, timeout: float) -> Outcome:

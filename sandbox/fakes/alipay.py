@@ -27,7 +27,9 @@ caught by the other. What it does, as Alipay does:
   queued for the next calls (``POST /_fake/faults``).
 
 The control surface ``/_fake/…`` answers only to this machine: ``scan``,
-``pay``, ``faults``, ``requests``, ``notifications``, ``trades/<no>``, ``reset``.
+``pay``, ``faults``, ``requests``, ``notifications``, ``trades`` (all),
+``trades/<no>``, ``reset``. A precreate's ``time_expire`` is kept: past it the
+code takes no payment.
 
 Run it: ``python -m sandbox.fakes.alipay --port 8200 --app-id 2021000000000001
 --app-public-keys app_pub.pem --platform-private-key alipay_priv.pem
@@ -170,7 +172,13 @@ class Trade:
     created: str = field(default_factory=beijing_now)
     paid_at: str | None = None
     closed_unscanned: bool = False
+    time_expire: str | None = None
+    """The precreate's time_expire (Beijing, yyyy-MM-dd HH:mm:ss): past it the code takes no payment."""
     refunds: dict[str, Refund] = field(default_factory=dict)
+
+    def expired(self) -> bool:
+        """Past its time_expire (the strings compare in time order)."""
+        return self.time_expire is not None and beijing_now() >= self.time_expire
 
     @property
     def refunded(self) -> Decimal:
@@ -408,6 +416,7 @@ class FakeAlipay:
                 subject,
                 qr_code=f"https://qr.alipay.com/bax{secrets.token_hex(10)}",
                 notify_url=params.get("notify_url") or self.notify_url,
+                time_expire=biz.get("time_expire") if isinstance(biz.get("time_expire"), str) else None,
             )
             self.trades[out_trade_no] = trade
         return {"code": "10000", "msg": "Success", "out_trade_no": out_trade_no, "qr_code": trade.qr_code}
@@ -623,6 +632,8 @@ class FakeAlipay:
                 trade = self.trades.get(str(data.get("out_trade_no")))
                 if trade is None or trade.closed_unscanned or trade.status not in ("PRECREATED", "WAIT_BUYER_PAY"):
                     return _json({"error": "no payable trade with that out_trade_no"}, 404)
+                if trade.expired():
+                    return _json({"error": "订单已超时，不能付款 (past time_expire)"}, 409)
                 if trade.trade_no is None:
                     serial = f"{self.rng.getrandbits(53):016d}"[-16:]
                     trade.trade_no = datetime.now(BEIJING).strftime("%Y%m%d") + "2200" + serial
@@ -643,6 +654,8 @@ class FakeAlipay:
                 return _json(self.requests)
             if path == "notifications":
                 return _json(self.notifications)
+            if path == "trades":
+                return _json({no: self._trade_json(t) for no, t in self.trades.items()})
             if path.startswith("trades/"):
                 trade = self.trades.get(path[len("trades/") :])
                 return _json(self._trade_json(trade)) if trade else _json({"error": "no such trade"}, 404)
@@ -662,6 +675,8 @@ class FakeAlipay:
             "total_amount": _fmt(trade.total_amount),
             "qr_code": trade.qr_code,
             "refunds": {k: _fmt(v.amount) for k, v in trade.refunds.items()},
+            "closed_unscanned": trade.closed_unscanned,
+            "time_expire": trade.time_expire,
         }
 
     # ----------------------------------------------------------------------------------------- notifications

@@ -36,7 +36,7 @@ can be tested without a network:
 
 Control surface (``/_fake/…``, this machine only): move the clock, set faults,
 script faults, complete processing PaymentIntents and pending refunds, change
-the signing secrets, read the deliveries.
+the signing secrets, read the deliveries and every PaymentIntent (``payment_intents``).
 
 ``python -m sandbox.fakes.stripe --port N`` serves it, configured from
 ``STRIPE_FAKE_API_KEY``, ``STRIPE_FAKE_WEBHOOK_SECRETS`` (comma-separated),
@@ -730,6 +730,14 @@ class FakeStripe:
             return {"count": len(self.config.webhook_secrets)}
         if action == "deliveries":
             return {"deliveries": list(self.deliveries)}
+        if action == "payment_intents":
+            with self.lock:
+                return {
+                    "payment_intents": [
+                        {k: pi.get(k) for k in ("id", "status", "amount", "currency", "metadata", "latest_charge")}
+                        for pi in self.payment_intents.values()
+                    ]
+                }
         raise KeyError(f"no control action {action!r}")
 
     def _serve(self, path: str) -> Response:
