@@ -247,14 +247,15 @@ PUBLIC_ENDPOINTS = ("ops.login", "ops.static")
 def _guard() -> Any:
     """Login, CSRF and role checks for every /ops route."""
     g.ops_user = current_user()
-    if request.method == "POST" and not _csrf_ok():
-        abort(400, description="missing or wrong CSRF token: reload the page and try again")
-    if request.endpoint in PUBLIC_ENDPOINTS:
-        return None
-    if g.ops_user is None:
+    public = request.endpoint in PUBLIC_ENDPOINTS
+    if g.ops_user is None and not public:
         if request.method == "GET":
             return redirect(url_for("ops.login", next=request.full_path.rstrip("?")))
         abort(401, description="log in first")
+    if request.method == "POST" and not _csrf_ok():
+        abort(400, description="missing or wrong CSRF token: reload the page and try again")
+    if public:
+        return None
     if request.method == "POST" and request.endpoint != "ops.logout" and g.ops_user["role"] != ROLE_OPERATOR:
         abort(403, description="this login may only read")
     return None
