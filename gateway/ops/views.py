@@ -87,7 +87,8 @@ def login() -> Any:
     if matched is None or actor is None:
         if matched is None:
             throttle.failed(addr)
-            log.warning("ops login failed: unknown token", extra={"remote_addr": addr, "actor": name[:64]})
+            # Neither the token nor the name field: a token typed into the wrong box must not reach the logs.
+            log.warning("ops login failed: unknown token", extra={"remote_addr": addr})
         error = "Unknown token." if matched is None else "Give your name (1 to 64 characters): it is recorded."
         return render_template("ops/login.html", next=next_url, error=error), 401 if matched is None else 400
     throttle.succeeded(addr)
