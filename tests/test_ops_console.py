@@ -262,3 +262,11 @@ def test_the_console_pages_render_on_mariadb(mariadb):
         "/ops/actions",
     ):
         assert client.get(path).status_code == 200, path
+
+
+@pytest.mark.parametrize("target", ["https://evil.example/ops/", "//evil.example/ops/", "/payments", "/ops/reviews"])
+def test_login_returns_only_to_a_page_of_the_console(app, target):
+    client = app.test_client()
+    page = client.get("/ops/login")
+    response = client.post("/ops/login", data={"csrf": _csrf(page.text), "name": "alice", "token": OPS, "next": target})
+    assert response.headers["Location"] == (target if target == "/ops/reviews" else "/ops/")
