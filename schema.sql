@@ -150,6 +150,7 @@ CREATE TABLE manual_review (
 	created_at DATETIME(6) NOT NULL,
 	last_seen_at DATETIME(6) NOT NULL COMMENT 'the latest escalation of this subject',
 	resolved_at DATETIME(6),
+	alert_key VARCHAR(191) COMMENT 'dedupe key of the alert the review raised: resolving the review resolves it',
 	PRIMARY KEY (id),
 	CONSTRAINT uq_manual_review_open_key UNIQUE (open_key)
 )ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='The manual queue: what automation refused to decide.' COLLATE utf8mb4_bin;
@@ -157,6 +158,32 @@ CREATE TABLE manual_review (
 CREATE INDEX idx_manual_review_payment ON manual_review (payment_id);
 
 CREATE INDEX idx_manual_review_status ON manual_review (status, created_at);
+
+CREATE TABLE ops_action (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	action VARCHAR(16) NOT NULL COMMENT 'replay, apply, adjust, close',
+	actor VARCHAR(64) NOT NULL COMMENT 'who: the name given at console login, or --actor',
+	via VARCHAR(16) NOT NULL COMMENT 'console or cli',
+	subject VARCHAR(150) NOT NULL COMMENT 'what it acted on: callback:<id> or review:<id>',
+	manual_review_id BIGINT,
+	callback_log_id BIGINT,
+	payment_id VARCHAR(40),
+	refund_id VARCHAR(40),
+	reason VARCHAR(500) NOT NULL COMMENT 'why: the operator''s note',
+	outcome VARCHAR(500) NOT NULL COMMENT 'what it did',
+	details TEXT COMMENT 'JSON: previous status, ledger event posted, provider call, …',
+	created_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (id),
+	CONSTRAINT ck_ops_action_action CHECK (action IN ('replay', 'apply', 'adjust', 'close'))
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Every ops console and review-command action: who, when, why and what it did; append-only (triggers).' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_ops_action_callback ON ops_action (callback_log_id);
+
+CREATE INDEX idx_ops_action_created ON ops_action (created_at);
+
+CREATE INDEX idx_ops_action_payment ON ops_action (payment_id);
+
+CREATE INDEX idx_ops_action_review ON ops_action (manual_review_id);
 
 CREATE TABLE outbox (
 	id BIGINT NOT NULL AUTO_INCREMENT,
@@ -442,4 +469,8 @@ CREATE TRIGGER IF NOT EXISTS ledger_seal_no_delete BEFORE DELETE ON ledger_seal 
 CREATE TRIGGER IF NOT EXISTS settlement_line_no_update BEFORE UPDATE ON settlement_line FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'settlement_line is append-only';
 
 CREATE TRIGGER IF NOT EXISTS settlement_line_no_delete BEFORE DELETE ON settlement_line FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'settlement_line is append-only';
+
+CREATE TRIGGER IF NOT EXISTS ops_action_no_update BEFORE UPDATE ON ops_action FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'ops_action is append-only';
+
+CREATE TRIGGER IF NOT EXISTS ops_action_no_delete BEFORE DELETE ON ops_action FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'ops_action is append-only';
 

@@ -17,6 +17,8 @@ Commands for operators (each exits 0 when all is well, 1 when not, 2 on bad usag
 - ``aging [--format text|json]``: callback log vs local status vs settlement, by age
 - ``alerts test --channel NAME``: send a test notification through one alert channel
   (compensator/alerts_cli.py)
+- ``review list|show|resolve``: the manual queue, as the ops console works it
+  (compensator/review_cli.py)
 """
 
 from __future__ import annotations
@@ -224,12 +226,16 @@ def main(argv: list[str] | None = None) -> int:
         from compensator import alerts_cli
 
         return alerts_cli.main(argv[1:])
+    if argv[:1] == ["review"]:
+        from compensator import review_cli
+
+        return review_cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m compensator")
     jobs = sorted([*_jobs(), *_daily_jobs(), *ALIASES])
     parser.add_argument(
         "job",
         nargs="?",
-        help="one job to run: " + ", ".join(jobs) + "; or " + ", ".join(["reverify", *COMMANDS, "alerts"]),
+        help="one job to run: " + ", ".join(jobs) + "; or " + ", ".join(["reverify", *COMMANDS, "alerts", "review"]),
     )
     parser.add_argument("--once", action="store_true", help="run the job once and exit (for cron)")
     args = parser.parse_args(argv)

@@ -60,6 +60,7 @@ def create_app(
     from gateway.health import bp as health_bp
     from gateway.metrics import bp as metrics_bp
     from gateway.openapi import bp as openapi_bp
+    from gateway.ops import bp as ops_bp
     from gateway.payments_api import bp as payments_bp
 
     app.register_blueprint(callbacks_bp)
@@ -67,6 +68,7 @@ def create_app(
     app.register_blueprint(metrics_bp)
     app.register_blueprint(payments_bp)
     app.register_blueprint(openapi_bp)
+    app.register_blueprint(ops_bp)
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Any:

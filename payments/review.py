@@ -74,6 +74,7 @@ def escalate(
             "refund_id": refund_id,
             "callback_log_id": callback_log_id,
             "status": ReviewStatus.OPEN,
+            "alert_key": (alert_key or open_key)[:191],
             "occurrences": 1,
             "created_at": now,
             "last_seen_at": now,
@@ -99,7 +100,12 @@ def escalate(
 
 
 def resolve(conn: Connection, review_id: int, *, resolution: str, resolved_by: str, now: datetime) -> bool:
-    """Close an open review, freeing its subject for a later escalation; False if it was not open."""
+    """Close an open review, freeing its subject for a later escalation, and resolve its alert; False if not open."""
+    row = conn.execute(
+        select(manual_review.c.kind, manual_review.c.subject, manual_review.c.alert_key).where(
+            manual_review.c.id == review_id
+        )
+    ).first()
     changed = conn.execute(
         update(manual_review)
         .where(manual_review.c.id == review_id, manual_review.c.status == ReviewStatus.OPEN)
@@ -111,4 +117,8 @@ def resolve(conn: Connection, review_id: int, *, resolution: str, resolved_by: s
             resolved_at=now,
         )
     ).rowcount
+    if changed == 1:
+        # A person decided: the incident the review raised is over. Reviews from before alert_key existed
+        # raised their alert under the review's own key (the default of ``escalate``).
+        alerts.clear(conn, key=row.alert_key or f"{row.kind}:{row.subject}"[:191], now=now)
     return changed == 1

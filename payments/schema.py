@@ -586,6 +586,12 @@ manual_review = Table(
     Column("created_at", TS, nullable=False),
     Column("last_seen_at", TS, nullable=False, comment="the latest escalation of this subject"),
     Column("resolved_at", TS, nullable=True),
+    Column(
+        "alert_key",
+        String(191),
+        nullable=True,
+        comment="dedupe key of the alert the review raised: resolving the review resolves it",
+    ),
     UniqueConstraint("open_key", name="uq_manual_review_open_key"),
     Index("idx_manual_review_status", "status", "created_at"),
     Index("idx_manual_review_payment", "payment_id"),
@@ -647,10 +653,35 @@ alert_notification = Table(
     **MYSQL,
 )
 
+ops_action = Table(
+    "ops_action",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("action", String(16), nullable=False, comment="replay, apply, adjust, close"),
+    Column("actor", String(64), nullable=False, comment="who: the name given at console login, or --actor"),
+    Column("via", String(16), nullable=False, comment="console or cli"),
+    Column("subject", String(150), nullable=False, comment="what it acted on: callback:<id> or review:<id>"),
+    Column("manual_review_id", BigInteger, nullable=True),
+    Column("callback_log_id", BigInteger, nullable=True),
+    Column("payment_id", String(40), nullable=True),
+    Column("refund_id", String(40), nullable=True),
+    Column("reason", String(500), nullable=False, comment="why: the operator's note"),
+    Column("outcome", String(500), nullable=False, comment="what it did"),
+    Column("details", Text, nullable=True, comment="JSON: previous status, ledger event posted, provider call, …"),
+    Column("created_at", TS, nullable=False),
+    CheckConstraint("action IN ('replay', 'apply', 'adjust', 'close')", name="ck_ops_action_action"),
+    Index("idx_ops_action_review", "manual_review_id"),
+    Index("idx_ops_action_callback", "callback_log_id"),
+    Index("idx_ops_action_payment", "payment_id"),
+    Index("idx_ops_action_created", "created_at"),
+    comment="Every ops console and review-command action: who, when, why and what it did; append-only (triggers).",
+    **MYSQL,
+)
 
-# The ledger, its seals and the providers' settlement lines are append-only; the database itself refuses changes
-# (invariant 8).
-APPEND_ONLY_TABLES = ("ledger_event", "ledger_entry", "ledger_seal", "settlement_line")
+
+# The ledger, its seals, the providers' settlement lines and the operators' actions are append-only; the database
+# itself refuses changes (invariant 8).
+APPEND_ONLY_TABLES = ("ledger_event", "ledger_entry", "ledger_seal", "settlement_line", "ops_action")
 
 
 def trigger_ddl(dialect_name: str) -> list[str]:

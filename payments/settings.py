@@ -92,6 +92,10 @@ class Settings:
     """Bearer token(s) of the merchant API, comma-separated for rotation: every one is accepted."""
     ops_token: tuple[str, ...] = ()
     """Bearer token(s) for /ops/… and /metrics from outside METRICS_ALLOW_CIDRS."""
+    ops_readonly_token: tuple[str, ...] = ()
+    """Token(s) that log in to the ops console to read only (no replay, no review actions); empty: no such role."""
+    trusted_proxy_cidrs: tuple[str, ...] = ()
+    """Peers whose X-Forwarded-Proto is believed (a TLS-terminating load balancer): the ops cookie is then Secure."""
     metrics_allow_cidrs: tuple[str, ...] = (
         "127.0.0.0/8",
         "::1/128",
@@ -368,6 +372,8 @@ _PARSERS = {
     "web_read_timeout_seconds": lambda n, v: _float(n, v, 0.1, 300),
     "merchant_api_token": lambda n, v: _secrets(n, v),
     "ops_token": lambda n, v: _secrets(n, v),
+    "ops_readonly_token": lambda n, v: _secrets(n, v),
+    "trusted_proxy_cidrs": lambda n, v: _cidrs(n, v),
     "metrics_allow_cidrs": lambda n, v: _cidrs(n, v),
     "metrics_settled_cache_seconds": lambda n, v: _float(n, v, 0, 3600),
     "sandbox_webhook_secret": lambda n, v: _secrets(n, v),
@@ -696,6 +702,9 @@ MIN_SECRET_LENGTH = 24
 ALWAYS_REQUIRED_SECRETS = ("merchant_api_token", "ops_token")
 """Secrets every deployment needs, whatever providers it enables."""
 
+OPTIONAL_SECRETS = ("ops_readonly_token",)
+"""Secrets a deployment may leave empty; once set, production holds them to the same rules."""
+
 
 @dataclass(frozen=True)
 class ProviderSettings:
@@ -785,8 +794,8 @@ def _weakness(settings: Settings, field_name: str) -> str | None:
 def check_deployment(settings: Settings) -> str | None:
     """Refuse (ConfigError) what must not run in production; in development return the one warning, if any.
 
-    Checked: MERCHANT_API_TOKEN, OPS_TOKEN and the secrets of every enabled
-    provider are set, not a development default, and at least
+    Checked: MERCHANT_API_TOKEN, OPS_TOKEN, OPS_READONLY_TOKEN (when set) and
+    the secrets of every enabled provider are set, not a development default, and at least
     MIN_SECRET_LENGTH characters long (every value of a rotation list). A
     provider with some of its secrets set and others empty is refused in
     either environment.
@@ -798,7 +807,7 @@ def check_deployment(settings: Settings) -> str | None:
             PROVIDERS[name].check(settings)
     if settings.sandbox_legacy_enabled and "sandbox_legacy" not in enabled:
         raise ConfigError("SANDBOX_LEGACY_ENABLED=true needs SANDBOX_WEBHOOK_SECRET and SANDBOX_API_KEY")
-    names = list(ALWAYS_REQUIRED_SECRETS)
+    names = list(ALWAYS_REQUIRED_SECRETS) + [f for f in OPTIONAL_SECRETS if getattr(settings, f)]
     for name in enabled:
         names += [f for f in PROVIDERS[name].secrets if f not in names]
     problems = [(env_name(f), why) for f in names if (why := _weakness(settings, f))]
@@ -875,6 +884,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         # publish_events stops starting deliveries once the slowest one could outlive the lease.
         raise ConfigError("EVENTS_LEASE_SECONDS must be >= 2 * MERCHANT_WEBHOOK_TIMEOUT_SECONDS + 30")
     _check_complete(settings)
+    if set(settings.ops_readonly_token) & set(settings.ops_token):
+        # One token in both lists would make its holder's role a matter of which list is read first.
+        raise ConfigError("OPS_READONLY_TOKEN repeats a value of OPS_TOKEN: the read-only role needs its own token")
     if settings.merchant_webhook_url and not settings.merchant_webhook_secret:
         raise ConfigError("MERCHANT_WEBHOOK_SECRET (whsec_…) is required when MERCHANT_WEBHOOK_URL is set")
     if settings.alert_notify_retry_max_seconds < settings.alert_notify_retry_base_seconds:

@@ -10,6 +10,7 @@ up in any log line.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 
@@ -286,14 +287,19 @@ PUBLIC = {"/healthz", "/readyz", "/metrics", "/openapi.json", "/callbacks/<provi
 """Routes that answer without a token: the load balancer's, Prometheus' (by source address), and providers'."""
 
 
-def _protected_routes() -> list[tuple[str, str]]:
-    """Every (method, path) of the gateway outside PUBLIC: merchant routes today, ops routes when they exist."""
+OPS_PUBLIC = {"/ops/login", "/ops/static/<path:filename>"}
+"""The ops console's login form and stylesheet; its other routes need a session (a browser's cookie, not a token)."""
+
+
+def _protected_routes(ops: bool = False) -> list[tuple[str, str]]:
+    """Every (method, path) of the gateway outside PUBLIC: the token-protected ones, or (``ops``) the console's."""
     app = create_app(make_settings(database_url="sqlite://"))
     found = []
     for rule in app.url_map.iter_rules():
-        if rule.rule in PUBLIC:
+        if rule.rule in PUBLIC or rule.rule in OPS_PUBLIC or rule.rule.startswith("/ops") != ops:
             continue
-        path = rule.rule.replace("<payment_id>", "pay_x").replace("<refund_id>", "re_x")
+        path = rule.rule.replace("<payment_id>", "pay_x").replace("<refund_id>", "re_x").replace("<int:", "<1")
+        path = re.sub(r"<1[a-z_]+>", "1", path)
         path = path.replace("<", "").replace(">", "")
         for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
             found.append((method, path))
@@ -326,6 +332,24 @@ def test_protected_routes_refuse_a_missing_or_wrong_token(gateway, method, path)
         assert answer.json()["error"]["code"]
     with gateway.engine.connect() as conn:
         assert conn.execute(select(func.count()).where(payment.c.order_no == "o")).scalar_one() == 0
+
+
+@pytest.mark.parametrize(("method", "path"), _protected_routes(ops=True))
+def test_ops_routes_refuse_a_request_without_a_session_whatever_its_token(gateway, method, path):  # noqa: F811
+    for authorization in [*BAD_AUTHORIZATION, f"Bearer {OPS_TOKEN}"]:
+        headers = {"Authorization": authorization} if authorization is not None else {}
+        answer = gateway.request(method, path, data={"note": "n", "id": "1"}, headers=headers, allow_redirects=False)
+        if method == "GET":
+            assert answer.status_code == 302 and answer.headers["Location"].startswith("/ops/login"), path
+        else:
+            assert answer.status_code == 401, (path, authorization, answer.status_code)
+        assert 'id="logout"' not in answer.text  # nothing of a logged-in page
+
+
+def test_the_ops_routes_are_among_the_session_protected_ones():
+    routes = _protected_routes(ops=True)
+    assert ("GET", "/ops/") in routes and ("POST", "/ops/callbacks/replay") in routes
+    assert ("POST", "/ops/reviews/1/resolve") in routes
 
 
 def test_the_merchant_routes_are_among_the_protected_ones():

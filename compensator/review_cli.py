@@ -1,0 +1,173 @@
+"""``python -m compensator review list|show|resolve``: the ops console's manual queue for scripts.
+
+- ``review list [--status open|resolved|all] [--kind KIND] [--limit N] [--format text|json]``
+- ``review show ID [--format text|json]``: the item and its evidence
+- ``review resolve ID --action apply|adjust|close --note TEXT --actor NAME [--amount MINOR] [--currency CUR]``
+
+The actions are ``payments.ops_actions``'s, the console's own, recorded in
+``ops_action`` with ``via = cli``. Exit status: 0 done, 1 refused (nothing
+changed; the reason on stderr), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+
+from payments import ops_actions
+from payments.ops_actions import Actor, OpsRefused
+from payments.runtime import Runtime, build_runtime
+from payments.settings import start_process
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m compensator review", description="the manual queue")
+    sub = parser.add_subparsers(dest="command", required=True)
+    listing = sub.add_parser("list", help="items of the manual queue, newest first")
+    listing.add_argument("--status", choices=("open", "resolved", "all"), default="open")
+    listing.add_argument("--kind", help="only this kind (callback_gave_up, conflicting_report, …)")
+    listing.add_argument("--limit", type=int, default=ops_actions.PAGE_SIZE)
+    listing.add_argument("--format", choices=("text", "json"), default="text")
+    show = sub.add_parser("show", help="one item with its evidence")
+    show.add_argument("id", type=int)
+    show.add_argument("--format", choices=("text", "json"), default="text")
+    resolve = sub.add_parser("resolve", help="apply the provider's verdict, book an adjustment, or close")
+    resolve.add_argument("id", type=int)
+    resolve.add_argument("--action", choices=ops_actions.REVIEW_ACTIONS, required=True)
+    resolve.add_argument("--note", required=True, help="why (recorded)")
+    resolve.add_argument("--actor", required=True, help="who (recorded)")
+    resolve.add_argument("--amount", type=int, help="adjust: signed minor units (positive: the provider holds more)")
+    resolve.add_argument("--currency", help="adjust: the currency (default: the payment's)")
+    resolve.add_argument("--format", choices=("text", "json"), default="text")
+    return parser
+
+
+def main(argv: list[str], runtime: Runtime | None = None) -> int:
+    """Entry point (``runtime``: tests pass their own)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "list" and not 1 <= args.limit <= 500:
+        parser.error("--limit must be between 1 and 500")
+    if args.command == "resolve":
+        if args.action == "adjust" and args.amount is None:
+            parser.error("--action adjust needs --amount (signed minor units)")
+        if args.action != "adjust" and (args.amount is not None or args.currency):
+            parser.error("--amount and --currency go with --action adjust only")
+        try:
+            actor = Actor(args.actor, ops_actions.VIA_CLI)
+            ops_actions.clean_note(args.note)
+        except OpsRefused as exc:
+            parser.error(str(exc))
+    own = runtime is None
+    runtime = runtime or build_runtime(start_process("compensator"), pool_size=2)
+    try:
+        if args.command == "list":
+            return _list(runtime, args)
+        if args.command == "show":
+            return _show(runtime, args)
+        return _resolve(runtime, args, actor)
+    finally:
+        if own:
+            runtime.engine.dispose()
+
+
+def _list(runtime: Runtime, args: argparse.Namespace) -> int:
+    with runtime.engine.connect() as conn:
+        rows, _ = ops_actions.list_reviews(
+            conn, status=None if args.status == "all" else args.status, kind=args.kind, limit=args.limit
+        )
+    if args.format == "json":
+        print(json.dumps(rows, indent=2, sort_keys=True, default=str))
+        return 0
+    if not rows:
+        print(f"no {args.status if args.status != 'all' else ''} reviews".replace("  ", " "))
+        return 0
+    print(f"{'id':>6}  {'status':<8}  {'kind':<28}  {'subject':<40}  reason")
+    for r in rows:
+        print(f"{r['id']:>6}  {r['status']:<8}  {r['kind']:<28}  {(r['subject'] or ''):<40}  {r['reason'][:100]}")
+    return 0
+
+
+def _show(runtime: Runtime, args: argparse.Namespace) -> int:
+    with runtime.engine.connect() as conn:
+        item = ops_actions.review_detail(conn, args.id)
+    if item is None:
+        print(f"review: no manual review {args.id}", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        print(json.dumps(item, indent=2, sort_keys=True, default=str))
+        return 0
+    print(describe(item))
+    return 0
+
+
+def describe(item: dict[str, Any]) -> str:
+    """The text form of ``review show``: the item, then each kind of evidence, then its actions."""
+    out = [f"review {item['id']}: {item['kind']} ({item['status']})", f"  subject  {item['subject'] or '-'}"]
+    out.append(f"  reason   {item['reason']}")
+    out.append(f"  opened   {item['created_at']}, seen {item['occurrences']}x, last {item['last_seen_at']}")
+    if item["resolved_at"]:
+        out.append(f"  resolved {item['resolved_at']} by {item['resolved_by']}: {item['resolution']}")
+    for kind in ("payment", "refund"):
+        row = item[kind]
+        if row:
+            ref = row["payment_id"] if kind == "payment" else row["refund_id"]
+            out.append(
+                f"  {kind:<8} {ref} {row['status']} {row['currency']} {row['amount_minor']} at {row['provider']}"
+                f" (status from {row.get('status_source') or '-'})"
+            )
+    evidence = item["evidence"]
+    out.append(f"  callbacks ({len(evidence['callbacks'])})")
+    out += [
+        f"    {c['id']}: {c['status']} {c['status_name']} {c['event_type'] or ''} {c['result'] or ''}"
+        for c in evidence["callbacks"]
+    ]
+    for name in ("provider_calls", "queries"):
+        out.append(f"  {name.replace('_', ' ')} ({len(evidence[name])})")
+        out += [
+            f"    {c['id']}: {c['operation']} {c['outcome'] or 'no answer'} {c['error_code'] or ''} {c['started_at']}"
+            for c in evidence[name]
+        ]
+    out.append(f"  ledger events ({len(evidence['ledger_events'])})")
+    out += [f"    {e['event_type']} {e['currency']} {e['amount']} ({e['source']})" for e in evidence["ledger_events"]]
+    out.append(f"  reconciliation items ({len(evidence['reconciliation_items'])})")
+    for i in evidence["reconciliation_items"]:
+        line = i["settlement_line"]
+        raw = f" line {line['line_no']}: {line['raw'][:80]}" if line else ""
+        out.append(f"    {i['id']}: run {i['run_id']} {i['category']} provider {i['provider_status'] or '-'}{raw}")
+    out.append(f"  actions ({len(item['actions'])})")
+    out += [
+        f"    {a['created_at']} {a['actor']} ({a['via']}) {a['action']}: {a['reason']} -> {a['outcome']}"
+        for a in item["actions"]
+    ]
+    return "\n".join(out)
+
+
+def _resolve(runtime: Runtime, args: argparse.Namespace, actor: Actor) -> int:
+    try:
+        result = ops_actions.resolve(
+            runtime.engine,
+            runtime.providers,
+            args.id,
+            args.action,
+            actor=actor,
+            note=args.note,
+            amount_minor=args.amount,
+            currency=args.currency,
+            timeout=runtime.settings.provider_timeout_seconds,
+        )
+    except OpsRefused as exc:
+        print(f"review {args.id}: refused: {exc}", file=sys.stderr)
+        return 1
+    except IntegrityError:
+        print(f"review {args.id}: refused: already adjusted (one adjustment per review)", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        print(json.dumps(result.as_dict(), indent=2, sort_keys=True, default=str))
+    else:
+        print(f"review {args.id}: {result.action}: {result.outcome} (ops_action {result.ops_action_id})")
+    return 0

@@ -1,0 +1,332 @@
+"""The console's pages and actions: each a thin view over ``payments.ops_actions`` (the CLI's module too)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from flask import abort, flash, g, redirect, render_template, request, session, url_for
+from sqlalchemy.exc import IntegrityError
+
+from gateway import ext
+from gateway.ops import bp, client_addr, match_token, safe_next, throttle
+from payments import aging, ops_actions
+from payments.callbacks import process_callback
+from payments.db import utcnow
+from payments.ops_actions import Actor, CallbackSearch, OpsRefused
+from payments.schema import RECON_CATEGORIES
+from payments.states import CallbackStatus, PaymentStatus, ReviewStatus
+
+log = logging.getLogger("paysync.gateway.ops")
+
+
+def _engine() -> Any:
+    return ext("engine")
+
+
+def _actor() -> Actor:
+    return Actor(g.ops_user["actor"], ops_actions.VIA_CONSOLE)
+
+
+def _int_arg(name: str, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
+    raw = request.values.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        abort(400, description=f"{name} must be a whole number, got {raw[:32]!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        abort(400, description=f"{name} must be between {minimum} and {maximum}, got {value}")
+    return value
+
+
+def _time_arg(name: str) -> datetime | None:
+    raw = request.args.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = datetime.fromisoformat(raw)
+    except ValueError:
+        abort(400, description=f"{name} must be an ISO time such as 2026-12-01T09:30 (UTC), got {raw[:40]!r}")
+    # Stored times are naive UTC: a time with an offset is converted, one without is taken as UTC.
+    return value.astimezone(UTC).replace(tzinfo=None) if value.tzinfo else value
+
+
+def _text_arg(name: str, limit: int = 128) -> str | None:
+    value = request.args.get(name, "").strip()
+    return value[:limit] or None
+
+
+# ------------------------------------------------------------------------------------------- login
+
+
+@bp.route("/login", methods=["GET", "POST"])
+def login() -> Any:
+    """The login form; POST checks the token (constant time), throttles failures, opens the session."""
+    settings = ext("settings")
+    next_url = safe_next(request.values.get("next"))
+    if request.method == "GET":
+        if g.ops_user is not None:
+            return redirect(next_url)
+        return render_template("ops/login.html", next=next_url, error=None)
+    addr = client_addr(settings)
+    wait = throttle.blocked_for(addr)
+    if wait > 0:
+        log.warning("ops login refused: too many failures", extra={"remote_addr": addr})
+        body = render_template("ops/login.html", next=next_url, error="Too many failed logins; try again later.")
+        return body, 429, {"Retry-After": str(int(wait) + 1)}
+    name = request.form.get("name", "")
+    matched = match_token(request.form.get("token", ""), settings)
+    try:
+        actor = ops_actions.clean_actor(name)
+    except OpsRefused:
+        actor = None
+    if matched is None or actor is None:
+        if matched is None:
+            throttle.failed(addr)
+            # Neither the token nor the name field: a token typed into the wrong box must not reach the logs.
+            log.warning("ops login failed: unknown token", extra={"remote_addr": addr})
+        error = "Unknown token." if matched is None else "Give your name (1 to 64 characters): it is recorded."
+        return render_template("ops/login.html", next=next_url, error=error), 401 if matched is None else 400
+    throttle.succeeded(addr)
+    role, tk = matched
+    session.clear()  # a fresh session (and CSRF token) for the new login: no fixation
+    session.update({"role": role, "actor": actor, "tk": tk, "iat": int(time.time())})
+    log.info("ops login", extra={"actor": actor, "role": role, "remote_addr": addr})
+    return redirect(next_url)
+
+
+@bp.post("/logout")
+def logout() -> Any:
+    """End the session."""
+    if g.ops_user:
+        log.info("ops logout", extra={"actor": g.ops_user["actor"]})
+    session.clear()
+    return redirect(url_for("ops.login"))
+
+
+# ------------------------------------------------------------------------------------------- overview
+
+
+@bp.get("/")
+def overview() -> Any:
+    """Backlog by status, rates, open alerts, Unknown payments by age."""
+    with _engine().connect() as conn:
+        data = ops_actions.overview(conn, utcnow())
+        data["suspense"] = ops_actions.suspense_balances(conn)
+        recent = ops_actions.actions(conn, limit=10)
+    return render_template("ops/overview.html", data=data, recent=recent, buckets=ops_actions.BUCKETS)
+
+
+@bp.get("/aging")
+def aging_report() -> Any:
+    """The aging report (payments/aging.py) as a table."""
+    report = aging.aging(_engine())
+    return render_template("ops/aging.html", report=report, buckets=aging.BUCKETS)
+
+
+@bp.get("/actions")
+def action_log() -> Any:
+    """The latest ops actions (the append-only record)."""
+    with _engine().connect() as conn:
+        rows = ops_actions.actions(conn, limit=200)
+    return render_template("ops/actions.html", rows=rows)
+
+
+# ------------------------------------------------------------------------------------------- callbacks
+
+
+@bp.get("/callbacks")
+def callbacks() -> Any:
+    """Search the callback log: order number, payment id, provider event id, status, time; paginated."""
+    search = CallbackSearch(
+        order_no=_text_arg("order_no"),
+        payment_id=_text_arg("payment_id"),
+        provider_event_id=_text_arg("provider_event_id"),
+        status=_int_arg("status", minimum=0, maximum=max(CallbackStatus)),
+        provider=_text_arg("provider", 32),
+        since=_time_arg("since"),
+        until=_time_arg("until"),
+        before_id=_int_arg("before_id", minimum=1),
+    )
+    with _engine().connect() as conn:
+        rows, next_before = ops_actions.search_callbacks(conn, search)
+    args = {k: v for k, v in request.args.items() if k != "before_id" and v}
+    return render_template(
+        "ops/callbacks.html", rows=rows, next_before=next_before, args=args, statuses=list(CallbackStatus)
+    )
+
+
+@bp.get("/callbacks/<int:log_id>")
+def callback(log_id: int) -> Any:
+    """One callback: its row, body and headers with secrets redacted, the actions taken on it."""
+    with _engine().connect() as conn:
+        row = ops_actions.callback(conn, log_id)
+    if row is None:
+        abort(404, description=f"no callback {log_id}")
+    return render_template("ops/callback.html", row=row)
+
+
+@bp.post("/callbacks/replay")
+def replay() -> Any:
+    """Replay the selected rows (status 2, 3 or 4 back to 0), then process each at once as the sweep would."""
+    ids = []
+    for raw in request.form.getlist("id"):
+        try:
+            ids.append(int(raw))
+        except ValueError:
+            abort(400, description=f"callback id must be a whole number, got {raw[:32]!r}")
+    back = safe_next(request.form.get("back"))
+    try:
+        results = ops_actions.replay_callbacks(_engine(), ids, actor=_actor(), note=request.form.get("note", ""))
+    except OpsRefused as exc:
+        flash(str(exc), "error")
+        return redirect(back)
+    runtime = ext("runtime")
+    for result in results:
+        message = f"{result.subject}: {result.outcome}"
+        if result.ops_action_id is not None:
+            # The row is status 0 now, committed; processing it here only saves waiting for the sweep.
+            log_id = int(result.subject.split(":")[1])
+            done = process_callback(runtime.engine, runtime.providers, log_id, runtime.callback_policy)
+            message += f"; processed: {done.value}"
+        flash(message, "ok" if result.ops_action_id is not None else "error")
+    return redirect(back)
+
+
+# ------------------------------------------------------------------------------------------- the manual queue
+
+
+@bp.get("/reviews")
+def reviews() -> Any:
+    """The manual queue, open items first by default."""
+    status = request.args.get("status", ReviewStatus.OPEN.value)
+    if status not in (*(s.value for s in ReviewStatus), "all"):
+        abort(400, description="status must be open, resolved or all")
+    with _engine().connect() as conn:
+        rows, next_before = ops_actions.list_reviews(
+            conn,
+            status=None if status == "all" else status,
+            kind=_text_arg("kind", 40),
+            before_id=_int_arg("before_id", minimum=1),
+        )
+    return render_template("ops/reviews.html", rows=rows, next_before=next_before, status=status)
+
+
+@bp.get("/reviews/<int:review_id>")
+def review(review_id: int) -> Any:
+    """One item with its evidence and the actions a person can take."""
+    with _engine().connect() as conn:
+        item = ops_actions.review_detail(conn, review_id)
+    if item is None:
+        abort(404, description=f"no manual review {review_id}")
+    return render_template("ops/review.html", item=item)
+
+
+@bp.post("/reviews/<int:review_id>/resolve")
+def resolve_review(review_id: int) -> Any:
+    """Apply the provider's verdict, book an adjustment, or close with a note."""
+    action = request.form.get("action", "")
+    if action not in ops_actions.REVIEW_ACTIONS:
+        abort(400, description=f"action must be one of {', '.join(ops_actions.REVIEW_ACTIONS)}")
+    amount = _int_arg("amount_minor", minimum=-ops_actions.MAX_ADJUSTMENT, maximum=ops_actions.MAX_ADJUSTMENT)
+    runtime = ext("runtime")
+    try:
+        result = ops_actions.resolve(
+            runtime.engine,
+            runtime.providers,
+            review_id,
+            action,
+            actor=_actor(),
+            note=request.form.get("note", ""),
+            amount_minor=amount,
+            currency=request.form.get("currency") or None,
+            timeout=runtime.settings.provider_timeout_seconds,
+        )
+    except OpsRefused as exc:
+        flash(f"review {review_id}: {exc}", "error")
+    except IntegrityError:
+        flash(f"review {review_id}: already adjusted (one adjustment per review)", "error")
+    else:
+        flash(f"review {review_id}: {result.outcome}", "ok")
+    return redirect(url_for("ops.review", review_id=review_id))
+
+
+# ------------------------------------------------------------------------------------------- payments, refunds, recon
+
+
+@bp.get("/payments")
+def payments() -> Any:
+    """Payments, newest first: by status, or find one by payment id, order number or provider transaction id."""
+    return _targets("payment")
+
+
+@bp.get("/refunds")
+def refunds() -> Any:
+    """Refunds, newest first, by status or number."""
+    return _targets("refund")
+
+
+def _targets(kind: str) -> Any:
+    status = _text_arg("status", 16)
+    if status and status not in {s.value for s in PaymentStatus}:
+        abort(400, description=f"status must be one of {', '.join(s.value for s in PaymentStatus)}")
+    with _engine().connect() as conn:
+        rows, next_before = ops_actions.list_targets(
+            conn, kind, status=status, query=_text_arg("q"), before_id=_int_arg("before_id", minimum=1)
+        )
+    args = {k: v for k, v in request.args.items() if k != "before_id" and v}
+    return render_template(
+        "ops/targets.html",
+        kind=kind,
+        rows=rows,
+        next_before=next_before,
+        args=args,
+        statuses=[s.value for s in PaymentStatus],
+    )
+
+
+@bp.get("/payments/<payment_id>")
+def payment(payment_id: str) -> Any:
+    """A payment with its ledger history, refunds, provider calls, callbacks, reviews and actions."""
+    with _engine().connect() as conn:
+        data = ops_actions.payment_detail(conn, payment_id[:40])
+    if data is None:
+        abort(404, description="no such payment")
+    return render_template("ops/payment.html", data=data)
+
+
+@bp.get("/refunds/<refund_id>")
+def refund(refund_id: str) -> Any:
+    """A refund with its ledger events and provider calls."""
+    with _engine().connect() as conn:
+        data = ops_actions.refund_detail(conn, refund_id[:40])
+    if data is None:
+        abort(404, description="no such refund")
+    return render_template("ops/refund.html", data=data)
+
+
+@bp.get("/reconciliation")
+def reconciliation() -> Any:
+    """Reconciliation runs, newest first."""
+    with _engine().connect() as conn:
+        rows, next_before = ops_actions.reconciliation_runs(conn, before_id=_int_arg("before_id", minimum=1))
+    return render_template("ops/recon_runs.html", rows=rows, next_before=next_before)
+
+
+@bp.get("/reconciliation/<int:run_id>")
+def reconciliation_run(run_id: int) -> Any:
+    """One run and its items, by category."""
+    category = _text_arg("category", 24)
+    if category and category not in RECON_CATEGORIES:
+        abort(400, description=f"category must be one of {', '.join(RECON_CATEGORIES)}")
+    with _engine().connect() as conn:
+        data = ops_actions.reconciliation_run_detail(
+            conn, run_id, category=category, after_id=_int_arg("after_id", minimum=0)
+        )
+    if data is None:
+        abort(404, description=f"no reconciliation run {run_id}")
+    return render_template("ops/recon_run.html", data=data, category=category, categories=RECON_CATEGORIES)

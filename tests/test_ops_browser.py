@@ -1,0 +1,134 @@
+"""The ops console end to end in headless Chromium (Debian's ``chromium``, driven by Playwright; nothing downloaded).
+
+An operator logs in, finds the given-up callback, replays it, resolves a
+manual item by applying the provider's verdict, and sees the overview change.
+The gateway runs on a real HTTP server over MariaDB. Screenshots of each step
+go to ``var/test-artefacts/ops-browser/`` (the path is printed). Skips when
+Chromium or Playwright is missing, except under CI=true, where it fails.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from werkzeug.serving import make_server
+
+from gateway import create_app
+from payments.schema import ops_action, payment
+from tests.conftest import IN_CI
+from tests.ops_support import given_up_callback, settled_review
+from tests.support import ROOT, create_payment, free_port, make_settings
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTEFACTS = ROOT / "var" / "test-artefacts" / "ops-browser"
+
+pytestmark = [pytest.mark.mariadb, pytest.mark.slow]
+
+
+def _need(condition: bool, reason: str) -> None:
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"{reason} and CI=true", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def browser():
+    _need(Path(CHROMIUM).exists(), f"no chromium at {CHROMIUM} (apt-get install -y chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _need(False, "playwright is not installed (pip install -r requirements-dev.txt)")
+    with sync_playwright() as p:
+        # --no-sandbox: CI containers run as root, where Chromium's sandbox cannot start.
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture
+def console(mariadb):
+    settings = make_settings(database_url=mariadb.url.render_as_string(hide_password=False))
+    app = create_app(settings, engine=mariadb)
+    port = free_port()
+    server = make_server("127.0.0.1", port, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.shutdown()
+        thread.join(10)
+
+
+def test_an_operator_replays_a_given_up_callback_resolves_an_item_and_sees_the_overview_change(
+    mariadb, console, browser
+):
+    late = "pay_browser0000000001"
+    log_id = given_up_callback(mariadb, late)  # its payment row arrived after the callback gave up
+    create_payment(mariadb, payment_id=late)
+    unknown = create_payment(mariadb, status="Unknown")
+    settled_review(mariadb, unknown, line_status="succeeded", category="resolved")
+    ARTEFACTS.mkdir(parents=True, exist_ok=True)
+    print(f"\nscreenshots: {ARTEFACTS}")
+    page = browser.new_page()
+
+    def shot(name: str) -> None:
+        page.screenshot(path=str(ARTEFACTS / f"{name}.png"), full_page=True)
+
+    page.goto(f"{console}/ops/")
+    assert "/ops/login" in page.url
+    page.fill("#name", "dana")
+    page.fill("#token", "dev-ops-token")
+    page.click("#login")
+    page.wait_for_selector("#gave-up")
+    assert page.inner_text("#gave-up").strip() == "1" and page.inner_text("#reviews-open").strip() == "2"
+    assert "callback_gave_up" in page.inner_text("#alerts")
+    shot("1-overview-before")
+
+    page.click("text=Callbacks")
+    page.select_option("#status", "4")
+    page.click("#search-button")
+    rows = page.locator("tr.callback-row")
+    assert rows.count() == 1 and rows.first.get_attribute("data-id") == str(log_id)
+    shot("2-given-up-callbacks")
+    page.click(f"tr.callback-row a:text-is('{log_id}')")
+    assert "gave_up" in page.inner_text("#callback-status")
+    page.fill("#replay-note", "payment row arrived late; replaying")
+    page.click("#replay")
+    page.wait_for_selector(".flash.ok")
+    assert "processed: applied" in page.inner_text(".flash.ok")
+    assert "processed" in page.inner_text("#callback-status")
+    shot("3-replayed")
+
+    page.click("text=Manual queue")
+    review_rows = page.locator("tr.review-row")
+    assert review_rows.count() == 1  # the callback's review was resolved by the replay
+    review_rows.first.locator("a").click()
+    page.fill("#apply-form input[name=note]", "settlement file says it settled")
+    page.click("#apply")
+    page.wait_for_selector(".flash.ok")
+    assert "Unknown -> Succeeded" in page.inner_text(".flash.ok")
+    assert page.inner_text("#review-status").strip() == "resolved"
+    shot("4-review-resolved")
+
+    page.click("text=Overview")
+    page.wait_for_selector("#gave-up")
+    assert page.inner_text("#gave-up").strip() == "0" and page.inner_text("#reviews-open").strip() == "0"
+    assert page.inner_text("#alerts-open").strip() == "0"
+    assert "dana" in page.inner_text(".actions-table")
+    shot("5-overview-after")
+
+    with mariadb.connect() as conn:
+        statuses = dict(conn.execute(select(payment.c.payment_id, payment.c.status)).all())
+        actors = conn.execute(select(ops_action.c.action, ops_action.c.actor).order_by(ops_action.c.id)).all()
+    assert statuses == {late: "Succeeded", unknown: "Succeeded"}
+    assert [tuple(a) for a in actors] == [("replay", "dana"), ("apply", "dana")]
+    assert all((ARTEFACTS / f"{n}.png").stat().st_size > 0 for n in ("1-overview-before", "5-overview-after"))

@@ -1,0 +1,272 @@
+"""The ops console's auth and actions through the Flask test client: login, roles, CSRF, cookie flags, pages."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import replace
+
+import pytest
+from sqlalchemy import select
+
+from compensator import review_cli
+from gateway import create_app
+from gateway.ops import LOGIN_FAILURES, throttle
+from payments.errors import ConfigError
+from payments.runtime import build_runtime
+from payments.schema import manual_review, ops_action, payment_callback_log
+from payments.settings import check_deployment, load_settings
+from payments.states import CallbackStatus
+from tests.ops_support import given_up_callback, review_for, settled_review
+from tests.support import create_payment, make_settings
+
+OPS = "dev-ops-token"
+READONLY = "readonly-token-for-tests-0001"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_throttle():
+    throttle._failures.clear()
+    yield
+    throttle._failures.clear()
+
+
+def _app(engine, **overrides):
+    values = {"ops_readonly_token": (READONLY,), **overrides}
+    settings = make_settings(database_url=engine.url.render_as_string(hide_password=False), **values)
+    return create_app(settings, engine=engine)
+
+
+def _csrf(page: str) -> str:
+    return re.search(r'name="csrf" value="([^"]+)"', page).group(1)
+
+
+def _login(client, token=OPS, name="alice", **kw):
+    page = client.get("/ops/login", **kw)
+    return client.post("/ops/login", data={"csrf": _csrf(page.text), "name": name, "token": token}, **kw)
+
+
+def _cookie(response) -> str:
+    return next(v for k, v in response.headers.items() if k == "Set-Cookie" and v.startswith("paysync_ops="))
+
+
+@pytest.fixture
+def app(sqlite):
+    return _app(sqlite)
+
+
+def test_every_page_redirects_to_login_without_a_session(app):
+    client = app.test_client()
+    for path in ("/ops/", "/ops/callbacks", "/ops/reviews", "/ops/reviews/1", "/ops/payments", "/ops/aging"):
+        response = client.get(path)
+        assert response.status_code == 302 and response.headers["Location"].startswith("/ops/login?next=")
+    assert client.post("/ops/callbacks/replay", data={"id": "1", "note": "x"}).status_code == 401
+
+
+def test_login_with_the_ops_token_opens_an_httponly_samesite_session_scoped_to_ops(app):
+    client = app.test_client()
+    response = _login(client)
+    assert response.status_code == 302 and response.headers["Location"] == "/ops/"
+    cookie = _cookie(response)
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/ops" in cookie
+    assert "Secure" not in cookie  # plain http: a Secure cookie would never come back
+    page = client.get("/ops/")
+    assert page.status_code == 200 and "alice (operator)" in page.text
+    assert (
+        page.headers["Cache-Control"] == "no-store"
+        and "frame-ancestors 'none'" in page.headers["Content-Security-Policy"]
+    )
+    assert "Set-Cookie" not in client.get("/healthz").headers  # no session outside /ops
+
+
+def test_the_cookie_is_secure_over_tls_and_behind_a_trusted_proxy_only(sqlite):
+    direct = _app(sqlite).test_client()
+    assert "Secure" in _cookie(_login(direct, base_url="https://ops.example"))
+
+    proxied = _app(sqlite, trusted_proxy_cidrs=("127.0.0.0/8",)).test_client()
+    assert "Secure" in _cookie(_login(proxied, headers={"X-Forwarded-Proto": "https"}))
+
+    untrusted = _app(sqlite, trusted_proxy_cidrs=("10.0.0.0/8",)).test_client()
+    assert "Secure" not in _cookie(_login(untrusted, headers={"X-Forwarded-Proto": "https"}))
+
+
+def test_a_wrong_token_is_refused_logged_without_the_token_and_throttled(app, caplog):
+    client = app.test_client()
+    caplog.set_level(logging.WARNING, logger="paysync.gateway.ops")
+    for _ in range(LOGIN_FAILURES):
+        assert _login(client, token="guess-the-ops-token").status_code == 401
+    assert "guess-the-ops-token" not in caplog.text and "ops login failed" in caplog.text
+    blocked = _login(client)  # even the right token, from this address, until the window passes
+    assert blocked.status_code == 429 and int(blocked.headers["Retry-After"]) > 0
+    assert client.get("/ops/").status_code == 302
+
+
+def test_a_name_is_required_to_log_in(app):
+    assert _login(app.test_client(), name="  ").status_code == 400
+
+
+def test_the_readonly_token_reads_but_cannot_act(sqlite):
+    app = _app(sqlite)
+    log_id = given_up_callback(sqlite, "pay_console000000001")
+    review_id = review_for(sqlite, callback_log_id=log_id)
+    client = app.test_client()
+    _login(client, token=READONLY, name="auditor")
+    page = client.get(f"/ops/reviews/{review_id}")
+    assert page.status_code == 200 and 'id="close-form"' not in page.text
+    csrf = _csrf(page.text)  # the logout form's
+    replay = client.post("/ops/callbacks/replay", data={"csrf": csrf, "id": str(log_id), "note": "n"})
+    close = client.post(f"/ops/reviews/{review_id}/resolve", data={"csrf": csrf, "action": "close", "note": "n"})
+    assert replay.status_code == 403 and close.status_code == 403
+    with sqlite.connect() as conn:
+        assert conn.execute(select(ops_action)).first() is None
+        assert conn.execute(select(manual_review.c.status)).scalar() == "open"
+
+
+def test_a_post_without_or_with_a_wrong_csrf_token_is_refused(sqlite):
+    app = _app(sqlite)
+    log_id = given_up_callback(sqlite, "pay_console000000002")
+    client = app.test_client()
+    _login(client)
+    for data in ({"id": str(log_id), "note": "n"}, {"csrf": "forged", "id": str(log_id), "note": "n"}):
+        assert client.post("/ops/callbacks/replay", data=data).status_code == 400
+    with sqlite.connect() as conn:
+        status = conn.execute(select(payment_callback_log.c.status)).scalar()
+    assert status == CallbackStatus.GAVE_UP
+
+
+def test_replay_and_close_through_the_console_record_the_logged_in_name(sqlite):
+    app = _app(sqlite)
+    payment_id = "pay_console000000003"
+    log_id = given_up_callback(sqlite, payment_id)
+    create_payment(sqlite, payment_id=payment_id)
+    client = app.test_client()
+    _login(client, name="carol")
+    page = client.get(f"/ops/callbacks/{log_id}")
+    response = client.post(
+        "/ops/callbacks/replay",
+        data={"csrf": _csrf(page.text), "id": str(log_id), "note": "payment restored", "back": "https://evil.example/"},
+    )
+    assert response.status_code == 302 and response.headers["Location"] == "/ops/"  # never off-site
+    assert "processed: applied" in client.get("/ops/").text
+    with sqlite.connect() as conn:
+        assert conn.execute(select(payment_callback_log.c.status)).scalar() == CallbackStatus.PROCESSED
+        [action] = conn.execute(select(ops_action)).mappings().all()
+    assert (action["actor"], action["via"], action["action"]) == ("carol", "console", "replay")
+
+    other = create_payment(sqlite, status="Failed")
+    review_id, _ = settled_review(sqlite, other)
+    page = client.get(f"/ops/reviews/{review_id}")
+    assert "abc123secret" not in page.text and "settlement line" in page.text
+    client.post(f"/ops/reviews/{review_id}/resolve", data={"csrf": _csrf(page.text), "action": "apply", "note": "n"})
+    assert "state machine refuses" in client.get(f"/ops/reviews/{review_id}").text
+    bad = client.post(
+        f"/ops/reviews/{review_id}/resolve",
+        data={"csrf": _csrf(page.text), "action": "adjust", "amount_minor": "1.5", "note": "n"},
+    )
+    assert bad.status_code == 400
+    client.post(f"/ops/reviews/{review_id}/resolve", data={"csrf": _csrf(page.text), "action": "close", "note": "ok"})
+    assert "resolved" in client.get(f"/ops/reviews/{review_id}").text
+
+
+def test_bad_search_input_is_a_400(app):
+    client = app.test_client()
+    _login(client)
+    for query in ("status=9", "status=x", "since=yesterday", "before_id=-1"):
+        assert client.get(f"/ops/callbacks?{query}").status_code == 400
+    assert client.get("/ops/reviews?status=maybe").status_code == 400
+    assert client.get("/ops/payments?status=Lost").status_code == 400
+
+
+def test_logout_ends_the_session(app):
+    client = app.test_client()
+    _login(client)
+    page = client.get("/ops/")
+    assert client.post("/ops/logout", data={"csrf": _csrf(page.text)}).status_code == 302
+    assert client.get("/ops/").status_code == 302
+
+
+def test_a_session_ends_when_its_token_leaves_the_settings_and_survives_rotation(sqlite):
+    old, new = "old-ops-token-000000000000001", "new-ops-token-000000000000002"
+    client = _app(sqlite, ops_token=(old,)).test_client()
+    _login(client, token=old)
+    client.application = _app(sqlite, ops_token=(new, old))
+    assert client.get("/ops/").status_code == 200  # signed with old's key: a fallback now
+    client.application = _app(sqlite, ops_token=(new,))
+    assert client.get("/ops/").status_code == 302
+
+
+def test_a_readonly_session_ends_when_its_token_is_removed(sqlite):
+    client = _app(sqlite).test_client()
+    _login(client, token=READONLY)
+    assert client.get("/ops/").status_code == 200
+    client.application = _app(sqlite, ops_readonly_token=("another-readonly-token-00001",))  # same signing key
+    assert client.get("/ops/").status_code == 302
+
+
+def test_a_readonly_token_is_held_to_production_rules_and_must_differ_from_ops_token():
+    strong = "x" * 30
+    base = make_settings(paysync_env="production", merchant_api_token=("m" * 30,), ops_token=(strong,))
+    base = replace(base, sandbox_webhook_secret=(), sandbox_api_key=())
+    assert check_deployment(base) is None
+    with pytest.raises(ConfigError, match="OPS_READONLY_TOKEN is shorter"):
+        check_deployment(replace(base, ops_readonly_token=("short",)))
+    with pytest.raises(ConfigError, match="OPS_READONLY_TOKEN repeats"):
+        load_settings({"PAYSYNC_ENV": "development", "OPS_TOKEN": strong, "OPS_READONLY_TOKEN": strong})
+    with pytest.raises(ConfigError, match="TRUSTED_PROXY_CIDRS"):
+        load_settings({"PAYSYNC_ENV": "development", "TRUSTED_PROXY_CIDRS": "10.0.0.1/8"})
+
+
+def test_review_command_lists_shows_and_resolves(sqlite, capsys):
+    runtime = build_runtime(make_settings(database_url=str(sqlite.url)), sqlite)
+    log_id = given_up_callback(sqlite, "pay_cli0000000000001")
+    review_id = review_for(sqlite, callback_log_id=log_id)
+
+    assert review_cli.main(["list"], runtime) == 0
+    assert f"callback:{log_id}" in capsys.readouterr().out
+    assert review_cli.main(["show", str(review_id)], runtime) == 0
+    shown = capsys.readouterr().out
+    assert f"review {review_id}: callback_gave_up (open)" in shown and "callbacks (1)" in shown
+    assert review_cli.main(["show", "999"], runtime) == 1
+    with pytest.raises(SystemExit) as usage:
+        review_cli.main(["resolve", str(review_id), "--action", "adjust", "--note", "n", "--actor", "ci"], runtime)
+    assert usage.value.code == 2
+    args = ["resolve", str(review_id), "--action", "close", "--note", "known duplicate", "--actor", "ci-bot"]
+    assert review_cli.main([*args, "--format", "json"], runtime) == 0
+    assert '"action": "close"' in capsys.readouterr().out
+    assert review_cli.main(args, runtime) == 1
+    assert "already resolved" in capsys.readouterr().err
+    with sqlite.connect() as conn:
+        assert conn.execute(select(ops_action.c.actor, ops_action.c.via)).one() == ("ci-bot", "cli")
+    assert review_cli.main(["list", "--status", "resolved", "--format", "json"], runtime) == 0
+    assert f'"id": {review_id}' in capsys.readouterr().out
+
+
+@pytest.mark.mariadb
+def test_the_console_pages_render_on_mariadb(mariadb):
+    app = _app(mariadb)
+    payment_id = create_payment(mariadb, status="Unknown")
+    review_id, _ = settled_review(mariadb, payment_id)
+    client = app.test_client()
+    _login(client)
+    for path in (
+        "/ops/",
+        "/ops/callbacks",
+        "/ops/reviews",
+        f"/ops/reviews/{review_id}",
+        "/ops/payments",
+        f"/ops/payments/{payment_id}",
+        "/ops/refunds",
+        "/ops/reconciliation",
+        "/ops/reconciliation/1",
+        "/ops/aging",
+        "/ops/actions",
+    ):
+        assert client.get(path).status_code == 200, path
+
+
+@pytest.mark.parametrize("target", ["https://evil.example/ops/", "//evil.example/ops/", "/payments", "/ops/reviews"])
+def test_login_returns_only_to_a_page_of_the_console(app, target):
+    client = app.test_client()
+    page = client.get("/ops/login")
+    response = client.post("/ops/login", data={"csrf": _csrf(page.text), "name": "alice", "token": OPS, "next": target})
+    assert response.headers["Location"] == (target if target == "/ops/reviews" else "/ops/")
