@@ -94,8 +94,6 @@ class Settings:
     """Bearer token(s) for /ops/… and /metrics from outside METRICS_ALLOW_CIDRS."""
     ops_readonly_token: tuple[str, ...] = ()
     """Token(s) that log in to the ops console to read only (no replay, no review actions); empty: no such role."""
-    trusted_proxy_cidrs: tuple[str, ...] = ()
-    """Peers whose X-Forwarded-Proto is believed (a TLS-terminating load balancer): the ops cookie is then Secure."""
     metrics_allow_cidrs: tuple[str, ...] = (
         "127.0.0.0/8",
         "::1/128",
@@ -246,7 +244,8 @@ class Settings:
     hint_queries_per_minute: int = 60
     """At most this many queries a minute are brought forward by unverified notifications, per provider."""
     trusted_proxies: tuple[str, ...] = ()
-    """Networks of the proxies in front of the gateway: only their X-Forwarded-For is believed (source checks)."""
+    """Networks of the proxies in front of the gateway: only their X-Forwarded-For (source checks, the ops console's
+    client address) and X-Forwarded-Proto (the ops cookie's Secure flag) are believed."""
     payment_deadline_seconds: int = 86400
     """A payment unresolved this long after creation goes to manual review with an alert."""
     refund_deadline_seconds: int = 86400
@@ -373,7 +372,6 @@ _PARSERS = {
     "merchant_api_token": lambda n, v: _secrets(n, v),
     "ops_token": lambda n, v: _secrets(n, v),
     "ops_readonly_token": lambda n, v: _secrets(n, v),
-    "trusted_proxy_cidrs": lambda n, v: _cidrs(n, v),
     "metrics_allow_cidrs": lambda n, v: _cidrs(n, v),
     "metrics_settled_cache_seconds": lambda n, v: _float(n, v, 0, 3600),
     "sandbox_webhook_secret": lambda n, v: _secrets(n, v),

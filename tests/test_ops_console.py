@@ -83,10 +83,10 @@ def test_the_cookie_is_secure_over_tls_and_behind_a_trusted_proxy_only(sqlite):
     direct = _app(sqlite).test_client()
     assert "Secure" in _cookie(_login(direct, base_url="https://ops.example"))
 
-    proxied = _app(sqlite, trusted_proxy_cidrs=("127.0.0.0/8",)).test_client()
+    proxied = _app(sqlite, trusted_proxies=("127.0.0.0/8",)).test_client()
     assert "Secure" in _cookie(_login(proxied, headers={"X-Forwarded-Proto": "https"}))
 
-    untrusted = _app(sqlite, trusted_proxy_cidrs=("10.0.0.0/8",)).test_client()
+    untrusted = _app(sqlite, trusted_proxies=("10.0.0.0/8",)).test_client()
     assert "Secure" not in _cookie(_login(untrusted, headers={"X-Forwarded-Proto": "https"}))
 
 
@@ -212,8 +212,8 @@ def test_a_readonly_token_is_held_to_production_rules_and_must_differ_from_ops_t
         check_deployment(replace(base, ops_readonly_token=("short",)))
     with pytest.raises(ConfigError, match="OPS_READONLY_TOKEN repeats"):
         load_settings({"PAYSYNC_ENV": "development", "OPS_TOKEN": strong, "OPS_READONLY_TOKEN": strong})
-    with pytest.raises(ConfigError, match="TRUSTED_PROXY_CIDRS"):
-        load_settings({"PAYSYNC_ENV": "development", "TRUSTED_PROXY_CIDRS": "10.0.0.1/8"})
+    with pytest.raises(ConfigError, match="TRUSTED_PROXIES"):
+        load_settings({"PAYSYNC_ENV": "development", "TRUSTED_PROXIES": "10.0.0.1/8"})
 
 
 def test_review_command_lists_shows_and_resolves(sqlite, capsys):

@@ -9,7 +9,7 @@ Who may do what:
   address (LOGIN_FAILURES in LOGIN_WINDOW_SECONDS, then 429).
 - The session is a signed cookie (``paysync_ops``, path ``/ops``): HttpOnly,
   SameSite=Strict, Secure when the request came over TLS (directly, or by
-  X-Forwarded-Proto from a peer in TRUSTED_PROXY_CIDRS), valid for
+  X-Forwarded-Proto from a peer in TRUSTED_PROXIES), valid for
   SESSION_SECONDS. It names the token's role and a fingerprint of the token:
   a token removed from the settings ends its sessions at once.
 - The signing key is derived from the first OPS_TOKEN (HMAC, so the cookie
@@ -39,7 +39,7 @@ from itsdangerous import BadSignature
 from werkzeug.exceptions import HTTPException
 
 from payments.settings import Settings
-from payments.sources import in_networks
+from payments.sources import client_address, in_networks
 
 log = logging.getLogger("paysync.gateway.ops")
 
@@ -71,22 +71,16 @@ def is_tls(settings: Settings) -> bool:
     """True when the request reached us over TLS, directly or through a trusted proxy that says so."""
     if request.is_secure:
         return True
-    if settings.trusted_proxy_cidrs and in_networks(request.remote_addr, settings.trusted_proxy_cidrs):
+    if settings.trusted_proxies and in_networks(request.remote_addr, settings.trusted_proxies):
         proto = request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip().lower()
         return proto == "https"
     return False
 
 
 def client_addr(settings: Settings) -> str:
-    """The client's address: the peer, or behind trusted proxies the last X-Forwarded-For hop they did not add."""
-    peer = request.remote_addr or ""
-    if not (settings.trusted_proxy_cidrs and in_networks(peer, settings.trusted_proxy_cidrs)):
-        return peer
-    hops = [h.strip() for h in request.headers.get("X-Forwarded-For", "").split(",") if h.strip()]
-    for hop in reversed(hops):
-        if not in_networks(hop, settings.trusted_proxy_cidrs):
-            return hop[:64]
-    return peer
+    """The client's address: the peer, or behind trusted proxies the rightmost X-Forwarded-For hop not ours."""
+    client = client_address(request.remote_addr, request.headers.get("X-Forwarded-For"), settings.trusted_proxies)
+    return client or ""
 
 
 class OpsSessionInterface(SecureCookieSessionInterface):

@@ -4,8 +4,8 @@ Drafted by `python -m payments migration-diff` (on sqlite) from:
 - index idx_query_hint_provider_time on query_hint (provider, hinted_at): in payments/schema.py, not in the database
 - table query_hint: in payments/schema.py, not in the database
 
-Revision ID: 0011
-Revises: 0007
+Revision ID: 0009
+Revises: 0008
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import mysql
 
-revision = "0011"
-down_revision = "0007"
+revision = "0009"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 

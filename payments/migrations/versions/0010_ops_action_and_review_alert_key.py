@@ -8,8 +8,8 @@
   so resolving the review resolves its alert. Reviews opened before this
   revision have none; resolving one clears the alert keyed ``<kind>:<subject>``.
 
-Revision ID: 0009
-Revises: 0007 (the lead renumbers: 0008 belongs to the refunds branch)
+Revision ID: 0010
+Revises: 0009
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import mysql
 
-revision = "0009"
-down_revision = "0007"
+revision = "0010"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 
