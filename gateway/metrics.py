@@ -116,6 +116,15 @@ class _SnapshotCollector:
         for (provider, category), count in sorted(s.reconciliation_items.items()):
             items.add_metric([provider, category], count)
         yield items
+        yield _gauge(
+            "paysync_past_deadline", "payments and refunds not final after their deadline", "kind", s.past_deadline, []
+        )
+        open_alerts = GaugeMetricFamily(
+            "paysync_alert_open", "open paysync alerts by rule and status (pending, firing)", labels=["rule", "status"]
+        )
+        for (rule, status), count in sorted(s.open_alerts_by_rule.items()):
+            open_alerts.add_metric([rule, status], count)
+        yield open_alerts
 
 
 class _SettledCache:

@@ -62,6 +62,10 @@ class Snapshot:
     unknown_oldest_seconds: float = 0.0
     reconciliation_items: dict[tuple[str, str], int] = field(default_factory=dict)
     """(provider, category) -> items of each provider's latest completed run (filled in from Settled)."""
+    past_deadline: dict[str, int] = field(default_factory=dict)
+    """"payment" / "refund" -> not final after their deadline."""
+    open_alerts_by_rule: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(rule, status) -> open (pending or firing) alerts."""
 
 
 UNKNOWN_AGE_BUCKETS = (("5m", 300), ("1h", 3600), ("24h", 86400))
@@ -108,7 +112,20 @@ def live_counts(conn: Connection, now: datetime) -> Snapshot:
         select(func.min(outbox.c.created_at)).where(outbox.c.status == OutboxStatus.PENDING)
     ).scalar()
     unknown_by_age, unknown_oldest = _unknown_ages(conn, now)
+    past_deadline = {
+        name: conn.execute(
+            select(func.count()).where(table.c.status.in_(OPEN_PAYMENT), table.c.deadline_at < now)
+        ).scalar_one()
+        for name, table in (("payment", payment), ("refund", refund))
+    }
+    open_alerts = conn.execute(
+        select(alert.c.rule, alert.c.status, func.count())
+        .where(alert.c.open_key.is_not(None))
+        .group_by(alert.c.rule, alert.c.status)
+    )
     return Snapshot(
+        past_deadline=past_deadline,
+        open_alerts_by_rule={(rule, status): count for rule, status, count in open_alerts},
         outbox_oldest_pending_seconds=(now - outbox_oldest).total_seconds() if outbox_oldest else 0.0,
         unknown_by_age=unknown_by_age,
         unknown_oldest_seconds=unknown_oldest,
