@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gzip
-from datetime import UTC, timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from sqlalchemy import func, select, update
 
 from compensator import cleanup
@@ -172,3 +174,16 @@ def test_a_crash_between_archive_and_delete_loses_nothing_and_duplicates_harmles
             by_id.setdefault(row["id"], []).append(row)
     assert sorted(by_id) == ids
     assert all(copies == [before[i], before[i]] for i, copies in by_id.items())
+
+
+_value = st.one_of(st.none(), st.integers(-(2**62), 2**62), st.text(max_size=30))
+
+
+@given(
+    body=st.binary(max_size=200),
+    extras=st.dictionaries(st.sampled_from(["provider", "result", "headers", "order_no"]), _value),
+    when=st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2100, 1, 1)),
+)
+def test_an_archive_line_reads_back_as_the_row_it_was(body, extras, when):
+    row = {"id": 7, "callback_data": body, "create_time": when, "update_time": when, "last_retry_time": None, **extras}
+    assert retention.decode_row(retention.encode_row(row)) == row
