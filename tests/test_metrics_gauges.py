@@ -119,3 +119,36 @@ def test_empty_metrics_ports_mean_off():
     )
     assert settings.consumer_metrics_port == settings.compensator_metrics_port == 0
     assert make_settings().metrics_bind_address == "127.0.0.1"
+
+
+def test_the_gateway_counts_each_answer_by_provider_and_outcome(engine, settings):
+    from prometheus_client import REGISTRY
+
+    from tests.support import sandbox_event, signed
+
+    def count(provider: str, outcome: str) -> float:
+        labels = {"provider": provider, "outcome": outcome}
+        return REGISTRY.get_sample_value("paysync_callbacks_received_total", labels) or 0.0
+
+    def acks(provider: str) -> float:
+        return REGISTRY.get_sample_value("paysync_callback_ack_seconds_count", {"provider": provider}) or 0.0
+
+    before = {k: count(*k) for k in [("sandbox", "accepted"), ("sandbox", "rejected"), ("unknown", "rejected")]}
+    before_acks = acks("sandbox")
+    client = create_app(settings, engine=engine).test_client()
+    body, headers = signed(sandbox_event(create_payment(engine)))
+    assert client.post("/callbacks/sandbox", data=body, headers=headers).status_code == 200
+    body, headers = signed(sandbox_event(create_payment(engine)), secret="not-the-secret")
+    assert client.post("/callbacks/sandbox", data=body, headers=headers).status_code in (400, 401)
+    assert client.post("/callbacks/made-up-name", data=b"{}").status_code == 404  # one label for every such URL
+
+    assert count("sandbox", "accepted") - before[("sandbox", "accepted")] == 1
+    assert count("sandbox", "rejected") - before[("sandbox", "rejected")] == 1
+    assert count("unknown", "rejected") - before[("unknown", "rejected")] == 1
+    assert (
+        REGISTRY.get_sample_value(
+            "paysync_callbacks_received_total", {"provider": "made-up-name", "outcome": "rejected"}
+        )
+        is None
+    )
+    assert acks("sandbox") - before_acks == 2
