@@ -256,6 +256,7 @@ CREATE TABLE payment_callback_log (
 	next_retry_at DATETIME(6) NOT NULL COMMENT 'earliest time a sweep may take the row',
 	create_time DATETIME(6) NOT NULL,
 	update_time DATETIME(6) NOT NULL,
+	request_id VARCHAR(64) COMMENT 'the gateway request that stored it (X-Request-Id): log lines of every process carry it',
 	PRIMARY KEY (id),
 	CONSTRAINT ck_callback_status CHECK (status IN (0, 1, 2, 3, 4))
 )ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Every callback delivery exactly as received; the truth the consumer and compensator work from.' COLLATE utf8mb4_bin;

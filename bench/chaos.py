@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from chaos_invariants import Database, Row, core_rows, progress_sample, read_database
+from chaos_invariants import CHAOS_ALERT_RULES, Database, Row, alert_row, core_rows, progress_sample, read_database
 from chaos_kills import KillPlan, KillSchedule
 from chaos_load import LoadDriver
 from chaos_mix import Mix, RunContext, SandboxMix
@@ -268,6 +268,9 @@ class ChaosRun:
             "OPS_TOKEN": OPS_TOKEN,
             "PORT": str(gateway_port),
             "WEB_WORKERS": "3",
+            # Alerts with short windows, evaluated often, so the report can show each one firing and resolving.
+            "ALERT_RULES_FILE": str(self._alert_rules_file()),
+            "EVALUATE_ALERTS_INTERVAL_SECONDS": "1",
         }
         if args.amqp_url:  # someone else's broker: a queue and an exchange of this run's own
             paysync["AMQP_QUEUE"] = f"paysync_chaos_{self.run_id}"
@@ -285,6 +288,11 @@ class ChaosRun:
         for proc in self.consumers + self.compensators:
             proc.start()
             self.procs.append(proc)
+
+    def _alert_rules_file(self) -> Path:
+        path = self.work / "alert_rules.toml"
+        path.write_text(CHAOS_ALERT_RULES)
+        return path
 
     def drive(self) -> None:
         """The load and the kill schedule together, with a progress line; returns when both are done."""
@@ -382,6 +390,7 @@ class ChaosRun:
             mix.observe()
         rows, explained = evaluate(read_database(self.engine), self.driver, self.mixes)
         rows += self.refund_rows()
+        rows.append(alert_row(self.engine))
         secrets = [MERCHANT_TOKEN, OPS_TOKEN] + [s for m in self.mixes for s in m.secrets()]
         leaks = scan_logs(sorted(self.log_dir.glob("*.log")), secrets)
         rows.append(

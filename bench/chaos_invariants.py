@@ -9,6 +9,7 @@ own truth (``chaos_mix``).
 
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -252,3 +253,80 @@ def core_rows(db: Database, load: Any, explained: dict[int, str]) -> list[Row]:
         )
     )
     return rows
+
+
+CHAOS_ALERT_RULES = """\
+# make chaos: the shipped rules (ops/alert_rules.toml) with windows short enough that alerts fire during the
+# faults and clear within seconds of recovery, so the report can show each one resolved.
+[defaults]
+channels = []
+
+[rules.callback_backlog]
+threshold = 20
+sustain_seconds = 5
+
+[rules.callback_failure_rate]
+threshold = 0.05
+window_seconds = 20
+min_sample = 5
+
+[rules.compensation_success_rate]
+threshold = 0.8
+window_seconds = 30
+min_sample = 5
+sustain_seconds = 5
+
+[rules.past_deadline]
+threshold = 0
+
+[rules.signature_failures]
+threshold = 20
+window_seconds = 20
+
+[rules.provider_circuit_open]
+"""
+"""ALERT_RULES_FILE of a chaos run (written to its work directory)."""
+
+
+def _alerts(engine: Engine) -> tuple[list[dict[str, Any]], set[str]]:
+    """Every alert that fired, and the kinds of the manual reviews still open (their alerts stay open with them)."""
+    with engine.connect() as conn:
+        fired = [
+            dict(r._mapping)
+            for r in conn.execute(
+                text("SELECT rule, dedupe_key, status, fired_at, resolved_at FROM alert WHERE fired_at IS NOT NULL")
+            )
+        ]
+        reviewed = set(conn.execute(text("SELECT DISTINCT kind FROM manual_review WHERE status = 'open'")).scalars())
+    return fired, reviewed
+
+
+def alert_row(engine: Engine, wait_seconds: float = 90.0) -> Row:
+    """The alerts that fired during the run, and whether each resolved (waiting for the last windows to pass).
+
+    An alert raised with a manual review (callback_gave_up, conflicting_report, …) stays open while its
+    review does: those reviews are the rows above, so their alerts are counted, not required to resolve.
+    """
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        fired, reviewed = _alerts(engine)
+        waiting = [a for a in fired if a["resolved_at"] is None and a["rule"] not in reviewed]
+        if not waiting or time.monotonic() >= deadline:
+            break
+        time.sleep(2.0)
+    by_rule: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for a in fired:
+        by_rule[a["rule"]][0] += 1
+        by_rule[a["rule"]][1] += a["resolved_at"] is not None
+    figure = ", ".join(f"{rule} {done}/{n} resolved" for rule, (n, done) in sorted(by_rule.items())) or "none fired"
+    with_reviews = sum(1 for a in fired if a["resolved_at"] is None and a["rule"] in reviewed)
+    if with_reviews:
+        figure += f" ({with_reviews} open with their manual reviews)"
+    return Row(
+        "alerts that fired during the run",
+        "each resolved",
+        figure,
+        not waiting,
+        [f"{a['rule']} {a['dedupe_key']} fired {a['fired_at']}" for a in waiting][:5],
+        "alerts",
+    )

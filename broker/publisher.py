@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,8 +60,10 @@ class CallbackPublisher:
         timeout: float = 0.5,
         max_pending: int = 10_000,
         max_backoff: float = 5.0,
+        on_failure: Callable[[str, int], None] | None = None,
     ) -> None:
         self._url = amqp_url
+        self._on_failure = on_failure  # (reason, count): the gateway counts failures in its metrics
         self._queue_name = queue_name
         self._quorum = quorum
         self._timeout = timeout
@@ -238,7 +241,7 @@ class CallbackPublisher:
         try:
             self._channel.basic_publish("", self._queue_name, body, self._props)
         except Exception as exc:  # noqa: BLE001
-            self.stats.failed += 1
+            self._failed("publish_error", 1)
             self._pending.task_done()
             self._lost(exc)
             self._close_connection()
@@ -264,7 +267,7 @@ class CallbackPublisher:
             if acked:
                 self.stats.confirmed += 1
             else:
-                self.stats.failed += 1
+                self._failed("nack", 1)
                 log.warning("broker refused callback %s (nack); the sweep will pick it up", log_id)
             self._pending.task_done()
         if not self._pending.empty():
@@ -282,6 +285,14 @@ class CallbackPublisher:
         self._lost(reason)
         conn.ioloop.stop()
 
+    def _failed(self, reason: str, count: int) -> None:
+        self.stats.failed += count
+        if self._on_failure is not None:
+            try:
+                self._on_failure(reason, count)
+            except Exception:  # noqa: BLE001 - counting must never break publishing
+                log.warning("publish failure hook raised", exc_info=True)
+
     def _close_connection(self) -> None:
         conn = self._conn
         if conn is not None and not (conn.is_closing or conn.is_closed):
@@ -295,7 +306,8 @@ class CallbackPublisher:
         self._unconfirmed.clear()
         self._carried = []
         self._connected = self._ready = False
-        self.stats.failed += lost
+        if lost:
+            self._failed("connection_lost", lost)
         # Our own close (shutdown, or after a failed publish already counted) is not news.
         if (lost or not self._reported) and not isinstance(exc, _OUR_CLOSE):
             self._reported = True

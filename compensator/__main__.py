@@ -4,7 +4,8 @@ Jobs: compensate_callbacks (alias compensate), relay_outbox, query_unresolved,
 evaluate_alerts, notify_alerts (alerts to email, SMS and chat channels, every 5 s),
 publish_events (domain events to RabbitMQ and the merchant's webhook), catch_up
 (missed Stripe events; a no-op without Stripe settings) and seal_ledger, each on
-its interval setting, and reconcile (daily at RECONCILE_TIME). Each is registered
+its interval setting, cleanup (retention: archive, then delete, old processed and
+rejected callback rows; ``cleanup --dry-run`` counts them), and reconcile (daily at RECONCILE_TIME). Each is registered
 with ``max_instances=1`` and coalescing, so a slow sweep is never run twice at
 once in one process and missed runs collapse into one.
 
@@ -43,6 +44,7 @@ def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], flo
     """Job name -> (run_once, interval in seconds for these settings)."""
     from compensator import (
         catch_up,
+        cleanup,
         compensate_callbacks,
         evaluate_alerts,
         notify_alerts,
@@ -61,6 +63,7 @@ def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], flo
         "query_unresolved": (query_unresolved.run_once, lambda rt: rt.settings.query_interval_seconds),
         "catch_up": (catch_up.run_once, lambda rt: catch_up.INTERVAL_SECONDS),
         "seal_ledger": (seal_ledger.run_once, lambda rt: rt.settings.seal_interval_seconds),
+        "cleanup": (cleanup.run_once, lambda rt: rt.settings.cleanup_interval_seconds),
     }
 
 
@@ -124,8 +127,10 @@ def serve(runtime: Runtime) -> None:
     jobs = sorted([*_jobs(), *_daily_jobs()])
     log.info("compensator started", extra={"jobs": jobs, "broker": runtime.settings.has_broker})
     from compensator import notify_alerts
+    from payments import metrics
 
     notify_alerts.log_routing(runtime.settings)
+    metrics.serve_for(runtime.settings, runtime.settings.compensator_metrics_port, "compensator")
     scheduler.start()
 
 
@@ -222,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         return reverify_main(argv[1:])
     if argv and argv[0] in COMMANDS:
         return command(argv)
+    if argv[:1] == ["cleanup"]:
+        from compensator import cleanup
+
+        return cleanup.main(argv[1:])
     if argv[:1] == ["alerts"]:
         from compensator import alerts_cli
 

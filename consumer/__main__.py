@@ -15,7 +15,7 @@ import sys
 
 from broker.consume import Action, ConsumeLoop
 from consumer.handler import handle
-from payments import failpoints
+from payments import failpoints, metrics
 from payments.runtime import Runtime, build_runtime
 from payments.settings import start_process
 
@@ -62,7 +62,9 @@ class Consumer:
 
 def main() -> int:
     """Entry point."""
-    consumer = Consumer(build_runtime(start_process("consumer")))
+    settings = start_process("consumer")
+    metrics.serve_for(settings, settings.consumer_metrics_port, "consumer")
+    consumer = Consumer(build_runtime(settings))
     signal.signal(signal.SIGTERM, consumer.stop)
     signal.signal(signal.SIGINT, consumer.stop)
     consumer.run()

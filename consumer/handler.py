@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 
 from broker.consume import Action
+from payments import metrics
 from payments.callbacks import CallbackResult, process_callback
 from payments.delivery import UnreadableMessage, decode_message, process_delivery
+from payments.logs import REQUEST_ID
 from payments.runtime import Runtime
 
 log = logging.getLogger("paysync.consumer")
@@ -22,12 +24,20 @@ log = logging.getLogger("paysync.consumer")
 
 def handle(runtime: Runtime, body: bytes) -> tuple[Action, CallbackResult | None]:
     """Process one message; return what to tell the broker and what processing did."""
+    action, outcome = _handle(runtime, body)
+    metrics.CONSUMER_MESSAGES.labels(action.value).inc()
+    return action, outcome
+
+
+def _handle(runtime: Runtime, body: bytes) -> tuple[Action, CallbackResult | None]:
     try:
         message = decode_message(body, runtime.settings.callback_max_body_bytes)
     except UnreadableMessage as exc:
         log.warning("unreadable message sent to the dead-letter queue (%d bytes): %s", len(body), exc)
         return Action.DEAD_LETTER, None
     log_id = message if isinstance(message, int) else message.log_id
+    # The gateway request's id, for this consumer's own lines (processing binds the row's, the same one).
+    token = REQUEST_ID.set(None if isinstance(message, int) else message.request_id)
     try:
         if isinstance(message, int):
             outcome = process_callback(runtime.engine, runtime.providers, message, runtime.callback_policy)
@@ -36,4 +46,6 @@ def handle(runtime: Runtime, body: bytes) -> tuple[Action, CallbackResult | None
     except Exception as exc:  # noqa: BLE001 - database unreachable: not even the failure could be recorded
         log.error("callback %s: database unavailable (%s); message left for redelivery", log_id, type(exc).__name__)
         return Action.REQUEUE, None
+    finally:
+        REQUEST_ID.reset(token)
     return Action.ACK, outcome

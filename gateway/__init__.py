@@ -35,6 +35,7 @@ def create_app(
     """Build the gateway. ``gateway.wsgi`` passes the runtime; tests pass settings and their own engine or publisher."""
     from broker.publisher import CallbackPublisher
     from gateway.inline import InlineProcessor
+    from payments.metrics import publish_failed  # not `metrics`: gateway.metrics (the blueprint) takes that name
 
     if runtime is None:
         runtime = build_runtime(settings or load_settings(), engine)
@@ -52,6 +53,7 @@ def create_app(
             settings.amqp_queue,
             quorum=settings.amqp_quorum_queue,
             timeout=settings.publish_timeout_seconds,
+            on_failure=publish_failed,
         ),
         "inline": InlineProcessor(runtime) if settings.process_inline else None,
     }
@@ -70,6 +72,8 @@ def create_app(
     app.register_blueprint(openapi_bp)
     app.register_blueprint(ops_bp)
 
+    _request_ids(app)
+
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Any:
         code = (exc.name or "error").lower().replace(" ", "_")
@@ -82,6 +86,30 @@ def create_app(
         return error_response("internal_error", "internal error", 500)
 
     return app
+
+
+def _request_ids(app: Flask) -> None:
+    """Every request gets an id (a sane X-Request-Id, else a new one): in its log lines and its answer's header."""
+    from flask import g, request
+
+    from payments.logs import REQUEST_ID, new_request_id, sane_request_id
+
+    @app.before_request
+    def _bind() -> None:
+        g.request_id = sane_request_id(request.headers.get("X-Request-Id")) or new_request_id()
+        g.request_id_token = REQUEST_ID.set(g.request_id)
+
+    @app.after_request
+    def _answer(response: Any) -> Any:
+        if "request_id" in g:
+            response.headers["X-Request-Id"] = g.request_id
+        return response
+
+    @app.teardown_request
+    def _unbind(_exc: BaseException | None) -> None:
+        token = g.pop("request_id_token", None)
+        if token is not None:
+            REQUEST_ID.reset(token)
 
 
 def ext(name: str) -> Any:

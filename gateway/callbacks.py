@@ -11,12 +11,12 @@ import logging
 import time
 from typing import Any
 
-from flask import Blueprint, Response, request
+from flask import Blueprint, Response, g, request
 from sqlalchemy.exc import SQLAlchemyError
 from werkzeug.exceptions import ClientDisconnected
 
 from gateway import error_response, ext
-from payments import failpoints
+from payments import failpoints, metrics
 from payments.callbacks import hint_rejected, reject_callback, store_callback, verify_callback
 from payments.db import utcnow
 from payments.delivery import encode_message
@@ -26,6 +26,20 @@ from payments.sources import client_address, source_allowed
 
 bp = Blueprint("callbacks", __name__)
 log = logging.getLogger("paysync.gateway.callbacks")
+
+
+@bp.before_request
+def _started() -> None:
+    g.callback_started = time.perf_counter()
+
+
+@bp.after_request
+def _answered(response: Response) -> Response:
+    """Count the answer (outcome from its status) and its latency: at the edge, so ``receive`` stays as it is."""
+    name = (request.view_args or {}).get("provider_name", "")
+    provider = name if name in ext("providers") else "unknown"  # no label per made-up URL
+    metrics.callback_answered(provider, response.status_code, time.perf_counter() - g.callback_started)
+    return response
 
 
 @bp.post("/callbacks/<provider_name>")
@@ -52,6 +66,7 @@ def receive(provider_name: str) -> Any:
             index={} if too_large else provider.peek_callback(body),
             now=received_at,
             rejected=f"{refused.code}: {refused}" if refused else None,
+            request_id=g.get("request_id"),
         )
     except SQLAlchemyError as exc:
         log.error("callback not stored, answering 503: %s", type(exc).__name__)
@@ -87,8 +102,9 @@ def receive(provider_name: str) -> Any:
     # 3. The delivery itself to the broker: the consumer's fast path, and a copy that outlives a lost row.
     publisher = ext("publisher")
     if publisher.enabled:
-        message = encode_message(log_id, provider_name, received_at, body, headers, remote_addr)
-        publisher.publish(log_id, message)
+        message = encode_message(log_id, provider_name, received_at, body, headers, remote_addr, g.get("request_id"))
+        if not publisher.publish(log_id, message):
+            metrics.publish_failed("dropped")
 
     # 3b. Processed here, within the budget; whatever happens, the row is already safe.
     inline = ext("inline")

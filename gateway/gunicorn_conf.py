@@ -16,16 +16,44 @@ worker's last thread, and /healthz keeps answering (tests/test_hostile_clients.p
 The timeout is per read: a client trickling a byte every few seconds still
 holds a thread, so in front of the internet put a buffering proxy or load
 balancer (README "Deploying safely").
+
+Metrics: every worker counts into prometheus-client's multiprocess directory
+(WEB_METRICS_DIR, or a private temporary one per master), so ``/metrics``
+adds up all the workers whichever one answers. The directory is emptied here,
+before any worker starts (files of an earlier run would be added in), a dead
+worker's live files are marked in ``child_exit`` (its counts stay, as counters
+must), and a private directory is removed on exit. The variable must be set
+before a worker imports prometheus_client, which is why it is set here.
 """
 
+import os
+import shutil
 import socket
 import struct
+import tempfile
+from pathlib import Path
 
 from payments.logs import scrub_logger
 from payments.settings import start_process
 
 # Refuses weak secrets in production (exit 2, one line) before any worker forks; warns once in development.
 _settings = start_process("web")
+
+
+def _metrics_dir() -> tuple[str, bool]:
+    """(the multiprocess directory, made by us?), emptied of an earlier run's files."""
+    if _settings.web_metrics_dir:
+        path = Path(_settings.web_metrics_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        for stale in path.glob("*.db"):  # only prometheus-client's files: the directory may be shared with others
+            stale.unlink()
+        return str(path), False
+    return tempfile.mkdtemp(prefix="paysync-web-metrics-"), True
+
+
+_metrics_path, _metrics_private = _metrics_dir()
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = _metrics_path  # read by prometheus_client at import, in each worker
+os.environ["WEB_METRICS_DIR"] = _metrics_path  # and by the workers' settings: /metrics reads the directory
 
 bind = f"0.0.0.0:{_settings.port}"
 workers = _settings.web_workers
@@ -54,3 +82,16 @@ def when_ready(server) -> None:  # noqa: ANN001 - gunicorn's hook signature
         listener.sock.setsockopt(
             socket.SOL_SOCKET, socket.SO_RCVTIMEO, _read_timeout(_settings.web_read_timeout_seconds)
         )
+
+
+def child_exit(_server, worker) -> None:  # noqa: ANN001 - gunicorn's hook signature
+    """A worker is gone: its live-gauge files no longer count (its counters and histograms still do)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid, _metrics_path)
+
+
+def on_exit(_server) -> None:  # noqa: ANN001 - gunicorn's hook signature
+    """Remove the private metrics directory (an operator's WEB_METRICS_DIR stays, emptied at the next start)."""
+    if _metrics_private:
+        shutil.rmtree(_metrics_path, ignore_errors=True)

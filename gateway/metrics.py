@@ -1,6 +1,12 @@
 """``GET /metrics``: Prometheus text format, for allowed sources or the ops token.
 
-The numbers come from the database at scrape time, so they are the same
+Two parts. The event counters and histograms of ``payments.metrics``
+(callbacks received, ack latency, processing outcomes, …) are this gateway's
+own: under gunicorn every worker writes them to the multiprocess directory
+(``gateway/gunicorn_conf.py``) and the answering worker adds them all up; run
+any other way (tests, ``flask run``) they are this process's registry.
+
+The gauges come from the database at scrape time, so they are the same
 whichever gunicorn worker answers and they cover the consumer's and the
 compensator's work too, with no per-process counters to aggregate. What can
 pile up is read on every scrape (``payments.monitoring.live_counts``, index
@@ -20,14 +26,15 @@ import time
 from typing import Any
 
 from flask import Blueprint, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway import error_response, ext
 from gateway.auth import bearer_ok, source_allowed
 from payments.db import utcnow
-from payments.monitoring import Settled, Snapshot, combine, live_counts, settled_counts
+from payments.monitoring import UNKNOWN_AGE_BUCKETS, Settled, Snapshot, combine, live_counts, settled_counts
 from payments.states import AlertStatus, CallbackStatus, PaymentStatus
 
 bp = Blueprint("metrics", __name__)
@@ -87,6 +94,37 @@ class _SnapshotCollector:
         for provider in s.open_breakers:
             breakers.add_metric([provider], 1)
         yield breakers
+        yield GaugeMetricFamily(
+            "paysync_outbox_oldest_pending_seconds",
+            "outbox lag: age of the oldest pending outbox row",
+            value=s.outbox_oldest_pending_seconds,
+        )
+        ages = [label for label, _ in UNKNOWN_AGE_BUCKETS] + ["older"]
+        yield _gauge(
+            "paysync_unknown_payments", "Unknown payments by age (younger than)", "age", s.unknown_by_age, ages
+        )
+        yield GaugeMetricFamily(
+            "paysync_unknown_payment_oldest_seconds",
+            "age of the oldest Unknown payment",
+            value=s.unknown_oldest_seconds,
+        )
+        items = GaugeMetricFamily(
+            "paysync_reconciliation_items",
+            "items of each provider's latest completed reconciliation run, by category",
+            labels=["provider", "category"],
+        )
+        for (provider, category), count in sorted(s.reconciliation_items.items()):
+            items.add_metric([provider, category], count)
+        yield items
+        yield _gauge(
+            "paysync_past_deadline", "payments and refunds not final after their deadline", "kind", s.past_deadline, []
+        )
+        open_alerts = GaugeMetricFamily(
+            "paysync_alert_open", "open paysync alerts by rule and status (pending, firing)", labels=["rule", "status"]
+        )
+        for (rule, status), count in sorted(s.open_alerts_by_rule.items()):
+            open_alerts.add_metric([rule, status], count)
+        yield open_alerts
 
 
 class _SettledCache:
@@ -128,4 +166,13 @@ def metrics() -> Any:
         log.warning("metrics: database unreachable (%s)", type(exc).__name__)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(snap, ext("publisher").state))
-    return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+    return Response(_process_metrics(settings) + generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+
+
+def _process_metrics(settings: Any) -> bytes:
+    """The event counters: every gunicorn worker's from the multiprocess directory, else this process's."""
+    if not settings.web_metrics_dir:
+        return generate_latest(REGISTRY)
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=settings.web_metrics_dir)
+    return generate_latest(registry)

@@ -21,10 +21,12 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 
+from payments import metrics
 from payments.backoff import RetryPolicy
 from payments.db import insert_ignore, utcnow
 from payments.errors import CallbackRejected, EventIgnored, PaysyncError, TargetNotFound, UnsupportedContentType
 from payments.hints import HintLimits, hint_query
+from payments.logs import REQUEST_ID
 from payments.providers import get_provider
 from payments.providers.base import CallbackEvent, Provider
 from payments.review import escalate
@@ -64,6 +66,7 @@ _LOCK_ROW = (
         payment_callback_log.c.headers,
         payment_callback_log.c.create_time,
         payment_callback_log.c.source,
+        payment_callback_log.c.request_id,
     )
     .where(payment_callback_log.c.id == bindparam("log_id"))
     .with_for_update()
@@ -87,6 +90,7 @@ def store_callback(
     now: datetime | None = None,
     source: str = SOURCE_WEBHOOK,
     rejected: str | None = None,
+    request_id: str | None = None,
 ) -> int:
     """INSERT the raw delivery with status 0 and COMMIT; return its id. Raises if the database is unavailable.
 
@@ -117,6 +121,7 @@ def store_callback(
                 "next_retry_at": now,
                 "create_time": now,
                 "update_time": now,
+                "request_id": request_id,
             },
         )
         return int(result.inserted_primary_key[0])
@@ -204,11 +209,19 @@ def process_callback(
     only when even recording the failure is impossible (database down).
     """
     now = now or utcnow()
+    # The row's request id is bound while it is processed (_process_locked), so every log line of this
+    # callback names the gateway request that stored it; restored afterwards for whatever runs next.
+    token = REQUEST_ID.set(REQUEST_ID.get())
     try:
-        with engine.begin() as conn:
-            return _process_locked(conn, providers, log_id, now, expect, hints or HintLimits())
-    except Exception as exc:  # noqa: BLE001 - every failure is recorded on the row, then retried
-        return _record_failure(engine, log_id, exc, policy, now)
+        try:
+            with engine.begin() as conn:
+                outcome = _process_locked(conn, providers, log_id, now, expect, hints or HintLimits())
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded on the row, then retried
+            outcome = _record_failure(engine, log_id, exc, policy, now)
+    finally:
+        REQUEST_ID.reset(token)
+    metrics.callback_processed(outcome)
+    return outcome
 
 
 def _process_locked(
@@ -226,6 +239,8 @@ def _process_locked(
         return CallbackResult.MISSING
     if row.status not in CALLBACK_RETRYABLE:
         return CallbackResult.SKIPPED
+    if row.request_id:
+        REQUEST_ID.set(row.request_id)
     try:
         provider = get_provider(providers, row.provider)
         # Verified against the time it was received, so a row retried hours later still verifies.
@@ -280,6 +295,8 @@ def _process_locked(
 
     outcome, result = _apply_event(conn, providers, event, log_id, now)
     _finish(conn, log_id, CallbackStatus.PROCESSED, result, now, indexed)
+    if outcome is CallbackResult.APPLIED:
+        metrics.callback_applied(row.provider, row.create_time, now)
     return outcome
 
 

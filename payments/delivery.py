@@ -4,7 +4,7 @@ The gateway publishes, after the raw row committed, a JSON message::
 
     {"log_id": 42, "provider": "sandbox", "received_at": "2024-05-01T12:00:00.123456Z",
      "remote_addr": "203.0.113.7", "headers": {...}, "body": "<base64 of the raw body>",
-     "body_sha256": "<hex>"}
+     "body_sha256": "<hex>", "request_id": "<the gateway request's id>"}
 
 bounded by CALLBACK_MAX_BODY_BYTES (``max_message_bytes``). The row stays the
 truth; the message makes an acknowledged callback survive the database losing
@@ -23,7 +23,8 @@ from backup): DESIGN.md invariant 12.
   the business effect to one, whichever copy gets there first.
 
 A message of the earlier format, ``{"log_id": N}`` (queued before an upgrade),
-is still processed by its id.
+is still processed by its id; one without ``request_id`` (or with one that is
+not sane) is read as having none.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from sqlalchemy import Engine, insert, select
 from payments.backoff import RetryPolicy
 from payments.callbacks import CallbackResult, process_callback
 from payments.db import utcnow
+from payments.logs import sane_request_id
 from payments.providers.base import Provider
 from payments.schema import SOURCE_WEBHOOK, payment_callback_log
 from payments.states import CallbackStatus
@@ -71,6 +73,8 @@ class Delivery:
     headers: dict[str, str]
     remote_addr: str | None
     body_sha256: str
+    request_id: str | None = None
+    """The gateway request that stored it (absent from messages published before it was carried)."""
 
 
 def body_digest(body: bytes) -> str:
@@ -94,9 +98,10 @@ def encode_message(
     body: bytes,
     headers: Mapping[str, str],
     remote_addr: str | None = None,
+    request_id: str | None = None,
 ) -> bytes:
     """The message the gateway publishes for the row it just committed (``received_at`` = its create_time)."""
-    doc = {
+    doc: dict[str, Any] = {
         "log_id": log_id,
         "provider": provider,
         "received_at": _iso(received_at),
@@ -105,6 +110,8 @@ def encode_message(
         "body": base64.b64encode(body).decode("ascii"),
         "body_sha256": body_digest(body),
     }
+    if request_id:
+        doc["request_id"] = request_id
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
 
 
@@ -160,7 +167,9 @@ def decode_message(raw: bytes, max_body_bytes: int) -> Delivery | int:
     if not isinstance(digest, str) or digest != body_digest(body):
         # Not the delivery it claims to be: restoring it would store something nobody sent.
         raise UnreadableMessage("body_sha256 does not match the body")
-    return Delivery(log_id, provider, received_at, body, headers, remote_addr, digest)
+    return Delivery(
+        log_id, provider, received_at, body, headers, remote_addr, digest, sane_request_id(doc.get("request_id"))
+    )
 
 
 def _earlier_copy(conn: Any, delivery: Delivery, event_id: str | None) -> int | None:
@@ -205,6 +214,7 @@ def restore_callback(engine: Engine, providers: Mapping[str, Provider], delivery
                 next_retry_at=now,
                 create_time=delivery.received_at,
                 update_time=now,
+                request_id=delivery.request_id,
             )
         )
         log_id = int(result.inserted_primary_key[0])

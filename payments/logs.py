@@ -11,6 +11,8 @@ import json
 import logging
 import re
 import sys
+import uuid
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 
@@ -115,6 +117,29 @@ def scrub_value(value: Any, name: str = "") -> Any:
     return scrub(str(value))
 
 
+REQUEST_ID: ContextVar[str | None] = ContextVar("paysync_request_id", default=None)
+"""The request id of the work in hand (a gateway request, the callback it stored): every log line carries it."""
+_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+
+
+def sane_request_id(raw: object) -> str | None:
+    """``raw`` when it is a usable request id (1-64 of letters, digits and ``. _ : -``), else None.
+
+    A client-supplied X-Request-Id ends up in every log line and in the
+    database: anything longer or odder (spaces, quotes, control characters)
+    is replaced rather than trusted, and so is one the scrubber would alter
+    (a card number sent as a request id must not reach the logs).
+    """
+    if isinstance(raw, str) and _REQUEST_ID.fullmatch(raw) and scrub(raw) == raw:
+        return raw
+    return None
+
+
+def new_request_id() -> str:
+    """A fresh request id (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
 class JsonFormatter(logging.Formatter):
     """Format a record as one JSON line: time, level, logger, message, extras, exception; every part scrubbed."""
 
@@ -125,6 +150,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": scrub(record.getMessage()),
         }
+        request_id = REQUEST_ID.get()
+        if request_id is not None:
+            doc["request_id"] = request_id
         for key, value in vars(record).items():
             if key not in _STANDARD and not key.startswith("_"):
                 doc[key] = scrub_value(value, key)

@@ -17,9 +17,9 @@ The gateway renders the two as ``/metrics``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, case, func, select
 
 from payments.schema import (
     alert,
@@ -28,9 +28,19 @@ from payments.schema import (
     payment,
     payment_callback_log,
     provider_breaker,
+    reconciliation_item,
+    reconciliation_run,
     refund,
 )
-from payments.states import CALLBACK_RETRYABLE, BreakerState, CallbackStatus, OutboxStatus, PaymentStatus, ReviewStatus
+from payments.states import (
+    CALLBACK_RETRYABLE,
+    BreakerState,
+    CallbackStatus,
+    OutboxStatus,
+    PaymentStatus,
+    ReconciliationRunStatus,
+    ReviewStatus,
+)
 
 
 @dataclass
@@ -45,6 +55,21 @@ class Snapshot:
     manual_review_open: int = 0
     alerts_by_status: dict[str, int] = field(default_factory=dict)
     open_breakers: list[str] = field(default_factory=list)
+    outbox_oldest_pending_seconds: float = 0.0
+    """Outbox lag: how long the oldest pending outbox row has waited."""
+    unknown_by_age: dict[str, int] = field(default_factory=dict)
+    """Unknown payments by age bucket (UNKNOWN_AGE_BUCKETS labels)."""
+    unknown_oldest_seconds: float = 0.0
+    reconciliation_items: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(provider, category) -> items of each provider's latest completed run (filled in from Settled)."""
+    past_deadline: dict[str, int] = field(default_factory=dict)
+    """"payment" / "refund" -> not final after their deadline."""
+    open_alerts_by_rule: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(rule, status) -> open (pending or firing) alerts."""
+
+
+UNKNOWN_AGE_BUCKETS = (("5m", 300), ("1h", 3600), ("24h", 86400))
+"""Unknown payments are counted as younger than 5 minutes, 1 hour, 24 hours, or older ("older")."""
 
 
 SETTLED_CALLBACK = (CallbackStatus.PROCESSED, CallbackStatus.REJECTED, CallbackStatus.GAVE_UP)
@@ -62,11 +87,48 @@ def _grouped(conn: Connection, column, where=None) -> dict:  # noqa: ANN001
     return {key: count for key, count in conn.execute(query)}
 
 
+def _unknown_ages(conn: Connection, now: datetime) -> tuple[dict[str, int], float]:
+    """Unknown payments by age bucket, and the oldest one's age, in one range over the status index."""
+    unknown = payment.c.status == PaymentStatus.UNKNOWN.value
+    columns = [
+        func.coalesce(func.sum(case((payment.c.created_at > now - timedelta(seconds=limit), 1), else_=0)), 0)
+        for _, limit in UNKNOWN_AGE_BUCKETS
+    ]
+    row = conn.execute(select(func.count(), func.min(payment.c.created_at), *columns).where(unknown)).one()
+    total, oldest, within = row[0], row[1], [int(v) for v in row[2:]]
+    ages, below = {}, 0
+    for (label, _), count in zip(UNKNOWN_AGE_BUCKETS, within, strict=True):
+        ages[label] = count - below
+        below = count
+    ages["older"] = total - below
+    return ages, (now - oldest).total_seconds() if oldest else 0.0
+
+
 def live_counts(conn: Connection, now: datetime) -> Snapshot:
     """What can pile up, by index ranges over the few rows not yet settled (no settled counts filled in)."""
     t = payment_callback_log
     oldest = conn.execute(select(func.min(t.c.create_time)).where(t.c.status.in_(CALLBACK_RETRYABLE))).scalar()
+    outbox_oldest = conn.execute(
+        select(func.min(outbox.c.created_at)).where(outbox.c.status == OutboxStatus.PENDING)
+    ).scalar()
+    unknown_by_age, unknown_oldest = _unknown_ages(conn, now)
+    past_deadline = {
+        name: conn.execute(
+            select(func.count()).where(table.c.status.in_(OPEN_PAYMENT), table.c.deadline_at < now)
+        ).scalar_one()
+        for name, table in (("payment", payment), ("refund", refund))
+    }
+    open_alerts = conn.execute(
+        select(alert.c.rule, alert.c.status, func.count())
+        .where(alert.c.open_key.is_not(None))
+        .group_by(alert.c.rule, alert.c.status)
+    )
     return Snapshot(
+        past_deadline=past_deadline,
+        open_alerts_by_rule={(rule, status): count for rule, status, count in open_alerts},
+        outbox_oldest_pending_seconds=(now - outbox_oldest).total_seconds() if outbox_oldest else 0.0,
+        unknown_by_age=unknown_by_age,
+        unknown_oldest_seconds=unknown_oldest,
         callbacks_by_status=_grouped(conn, t.c.status, t.c.status.in_(CALLBACK_RETRYABLE)),
         oldest_waiting_callback_seconds=(now - oldest).total_seconds() if oldest else 0.0,
         payments_by_status=_grouped(conn, payment.c.status, payment.c.status.in_(OPEN_PAYMENT)),
@@ -91,12 +153,31 @@ class Settled:
     callbacks_by_status: dict[int, int] = field(default_factory=dict)
     payments_by_status: dict[str, int] = field(default_factory=dict)
     refunds_by_status: dict[str, int] = field(default_factory=dict)
+    reconciliation_items: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
+def latest_reconciliation(conn: Connection) -> dict[tuple[str, str], int]:
+    """(provider, category) -> items of each provider's latest completed reconciliation run."""
+    r, i = reconciliation_run, reconciliation_item
+    latest = (
+        select(func.max(r.c.id).label("run_id"), r.c.provider)
+        .where(r.c.status == ReconciliationRunStatus.COMPLETED.value)
+        .group_by(r.c.provider)
+        .subquery()
+    )
+    rows = conn.execute(
+        select(latest.c.provider, i.c.category, func.count())
+        .select_from(latest.join(i, i.c.run_id == latest.c.run_id))
+        .group_by(latest.c.provider, i.c.category)
+    )
+    return {(provider, category): count for provider, category, count in rows}
 
 
 def settled_counts(conn: Connection) -> Settled:
     """Index-only counts of the settled rows: one range per status, over millions of entries in a busy system."""
     t = payment_callback_log
     return Settled(
+        reconciliation_items=latest_reconciliation(conn),
         callbacks_by_status=_grouped(conn, t.c.status, t.c.status.in_(SETTLED_CALLBACK)),
         payments_by_status=_grouped(conn, payment.c.status, payment.c.status.in_(SETTLED_PAYMENT)),
         refunds_by_status=_grouped(conn, refund.c.status, refund.c.status.in_(SETTLED_PAYMENT)),
@@ -108,6 +189,7 @@ def combine(live: Snapshot, settled: Settled) -> Snapshot:
     live.callbacks_by_status = {**settled.callbacks_by_status, **live.callbacks_by_status}
     live.payments_by_status = {**settled.payments_by_status, **live.payments_by_status}
     live.refunds_by_status = {**settled.refunds_by_status, **live.refunds_by_status}
+    live.reconciliation_items = dict(settled.reconciliation_items)
     return live
 
 

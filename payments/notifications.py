@@ -35,7 +35,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, and_, case, func, or_, select, text, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from payments import alerts
+from payments import alerts, metrics
 from payments.alert_rules import RuleSet
 from payments.backoff import RetryPolicy
 from payments.db import claim_rows, insert_ignore, is_sqlite
@@ -308,6 +308,7 @@ def record_sent(engine: Engine, item: Claimed, now: datetime) -> bool:
             .where(_guard(item))
             .values(status=NotificationStatus.SENT, sent_at=now, lease_until=None, updated_at=now)
         ).rowcount
+        metrics.notification(item.channel, "sent")
         if alerts.clear(conn, key=channel_failing_key(item.channel), now=now):
             log.info("alert channel %s delivers again", item.channel)
     if not done:
@@ -364,6 +365,7 @@ def record_failure(
                 )
             ).rowcount
             status = NotificationStatus.PENDING
+    metrics.notification(item.channel, "gave_up" if status is NotificationStatus.GAVE_UP else "failed")
     if not done:
         log.info("notification %s was taken over by another notifier after its lease ran out", item.id)
     return status

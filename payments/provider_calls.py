@@ -5,19 +5,31 @@ so even a process killed mid-call leaves a trace (outcome NULL: "sent, no
 answer recorded"). ``finish`` fills in what came back in the same transaction
 that applies the outcome, and the payment's ``status_source`` then names the
 row (``call:<id>`` or ``query:<id>``).
+
+``finish`` also counts the call in ``payments.metrics`` (provider, operation,
+outcome, latency): ``start`` remembers the first two in memory for the call in
+flight, so the metrics cost no read of the row.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
 
+from payments import metrics
 from payments.providers.base import Failed, Mismatch, QueryOutcome, Unknown
 from payments.schema import provider_call
+
+_IN_FLIGHT: dict[int, tuple[str, str]] = {}
+"""call id -> (provider, operation) between ``start`` and ``finish`` in this process (for the metrics' labels)."""
+_IN_FLIGHT_MAX = 10_000
+"""Calls started but never finished here (a crash between the two) are forgotten past this many."""
+_in_flight_lock = threading.Lock()
 
 
 def request_digest(operation: str, params: dict[str, Any]) -> str:
@@ -63,7 +75,12 @@ def start(
             started_at=now,
         )
     )
-    return int(result.inserted_primary_key[0])
+    call_id = int(result.inserted_primary_key[0])
+    with _in_flight_lock:
+        if len(_IN_FLIGHT) >= _IN_FLIGHT_MAX:
+            _IN_FLIGHT.clear()
+        _IN_FLIGHT[call_id] = (provider, operation)
+    return call_id
 
 
 def finish(conn: Connection, call_id: int, outcome: QueryOutcome, now: datetime) -> None:
@@ -81,6 +98,11 @@ def finish(conn: Connection, call_id: int, outcome: QueryOutcome, now: datetime)
             finished_at=now,
         )
     )
+    with _in_flight_lock:
+        labels = _IN_FLIGHT.pop(call_id, None)
+    if labels is not None:
+        latency = evidence.latency_ms / 1000 if evidence and evidence.latency_ms is not None else None
+        metrics.provider_call(*labels, outcome_name(outcome), latency)
 
 
 def for_payment(conn: Connection, payment_id: str) -> list[dict[str, Any]]:

@@ -113,6 +113,12 @@ payment_callback_log = Table(
     Column("next_retry_at", TS, nullable=False, comment="earliest time a sweep may take the row"),
     Column("create_time", TS, nullable=False),
     Column("update_time", TS, nullable=False),
+    Column(
+        "request_id",
+        String(64),
+        nullable=True,
+        comment="the gateway request that stored it (X-Request-Id): log lines of every process carry it",
+    ),
     CheckConstraint(_in("status", CallbackStatus), name="ck_callback_status"),
     Index("idx_callback_sweep", "status", "next_retry_at"),
     Index("idx_callback_order_no", "order_no"),

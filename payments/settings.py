@@ -105,6 +105,24 @@ class Settings:
     """Sources that may scrape /metrics without the ops token (comma-separated CIDRs; empty: token only)."""
     metrics_settled_cache_seconds: float = 60.0
     """/metrics reads the counts of settled rows (millions) at most this often per gateway worker."""
+    consumer_metrics_port: int = 0
+    """Port of the consumer's own /metrics (its counters and histograms); 0: not served."""
+    compensator_metrics_port: int = 0
+    """Port of the compensator's own /metrics; 0: not served."""
+    metrics_bind_address: str = "127.0.0.1"
+    """Address the consumer's and compensator's metrics ports listen on (METRICS_ALLOW_CIDRS applies too)."""
+    web_metrics_dir: str = ""
+    """prometheus-client multiprocess directory of the gateway's workers; empty: a private one per gunicorn master."""
+    callback_retention_days: int = 90
+    """cleanup archives, then deletes, processed callback rows (status 1) older than this; 0: keep them."""
+    rejected_retention_days: int = 30
+    """cleanup archives, then deletes, rejected callback rows (status 3) older than this; 0: keep them."""
+    archive_dir: str = str(PROJECT_ROOT / "var" / "archive")
+    """Where cleanup writes its gzip JSON-lines archives (each with a .sha256 file)."""
+    cleanup_batch_size: int = 500
+    """Rows archived and deleted per cleanup transaction."""
+    cleanup_interval_seconds: float = 3600.0
+    """How often the compensator runs cleanup."""
     sandbox_webhook_secret: tuple[str, ...] = ()
     """Secret(s) that verify the sandbox platform's notifications (rotation: every one is accepted); with
     SANDBOX_API_KEY it enables the sandbox provider."""
@@ -374,6 +392,15 @@ _PARSERS = {
     "ops_readonly_token": lambda n, v: _secrets(n, v),
     "metrics_allow_cidrs": lambda n, v: _cidrs(n, v),
     "metrics_settled_cache_seconds": lambda n, v: _float(n, v, 0, 3600),
+    "consumer_metrics_port": lambda n, v: _int(n, v.strip() or "0", 0, 65535),
+    "compensator_metrics_port": lambda n, v: _int(n, v.strip() or "0", 0, 65535),
+    "metrics_bind_address": lambda n, v: _bind_address(n, v),
+    "web_metrics_dir": lambda n, v: v.strip(),
+    "callback_retention_days": lambda n, v: _int(n, v, 0, 36500),
+    "rejected_retention_days": lambda n, v: _int(n, v, 0, 36500),
+    "archive_dir": lambda n, v: v.strip() or str(PROJECT_ROOT / "var" / "archive"),
+    "cleanup_batch_size": lambda n, v: _int(n, v, 1, 10000),
+    "cleanup_interval_seconds": lambda n, v: _float(n, v, 1, 7 * 86400),
     "sandbox_webhook_secret": lambda n, v: _secrets(n, v),
     "sandbox_api_url": lambda n, v: _url(n, v, ("http://", "https://")),
     "sandbox_source_cidrs": lambda n, v: _cidrs(n, v),
@@ -671,6 +698,15 @@ def _time_of_day(name: str, raw: str) -> str:
     match = re.fullmatch(r"(\d{2}):(\d{2})", value)
     if not match or int(match[1]) > 23 or int(match[2]) > 59:
         raise ConfigError(f"{name} must be a UTC time of day HH:MM such as 02:30, got {raw!r}")
+    return value
+
+
+def _bind_address(name: str, raw: str) -> str:
+    value = raw.strip() or "127.0.0.1"
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be an IP address to listen on (0.0.0.0 for every one), got {raw!r}") from None
     return value
 
 
