@@ -204,6 +204,7 @@ EVALUATED_ELSEWHERE: dict[str, str] = {
     "callback_gave_up": "payments/callbacks.py (review.escalate), one per callback that exhausted its retries",
     "conflicting_report": "payments/callbacks.py and payments/calls.py (review.escalate), one per subject",
     "unresolved_payment": "payments/relay.py and payments/query.py (review.escalate), one per payment at its deadline",
+    "unresolved_refund": "payments/relay.py and payments/query.py (review.escalate), one per refund at its deadline",
     "unresolved_not_resendable": "payments/calls.py (review.escalate), one per payment that may be neither "
     "re-sent nor queried",
     "provider_answer_needs_review": "payments/calls.py (review.escalate), one per payment whose provider answer "
