@@ -414,7 +414,9 @@ def test_a_refund_timing_out_at_the_provider_is_unknown_until_the_query_finds_it
 
 
 def test_a_refund_the_provider_never_saw_is_sent_again_under_the_same_key(runtime, sandbox):
-    runtime = replace(runtime, settings=replace(runtime.settings, query_not_found_grace_seconds=0))
+    # No grace for a NotFound; the next query far enough away that one run_once queries once.
+    settings = replace(runtime.settings, query_not_found_grace_seconds=0, query_base_seconds=30, query_max_seconds=60)
+    runtime = replace(runtime, settings=settings)
     payment_id = charged(runtime)
     sandbox.faults(error_5xx_rate=1.0)
     refund_id = request_refund(runtime, payment_id, 250)
