@@ -190,7 +190,8 @@ def test_a_refusal_of_the_first_attempt_is_a_decline(mariadb):
 def test_a_charge_refused_for_our_credentials_is_sent_again_even_where_the_provider_does_not_dedupe(mariadb):
     # 401: the provider refused the request itself; nothing was charged, so the retry is as good as a first send.
     fake = queried_not_deduped(charges=[Failed("unauthorized", definitive=False), Succeeded("ch_1")])
-    rt = with_provider(runtime_for(mariadb), fake)
+    # A backoff longer than the pass, so the first run_once cannot send it again itself (0.01 s raced the drain's poll).
+    rt = with_provider(runtime_for(mariadb, retry_base_seconds=30, retry_max_seconds=60), fake)
     payment_id = new_payment(rt, provider="fake")
     relay_outbox.run_once(rt)
     assert row(rt, payment_id)["status"] == "Pending"
