@@ -25,7 +25,7 @@ log = logging.getLogger("paysync.consumer")
 def handle(runtime: Runtime, body: bytes) -> tuple[Action, CallbackResult | None]:
     """Process one message; return what to tell the broker and what processing did."""
     action, outcome = _handle(runtime, body)
-    metrics.CONSUMER_MESSAGES.labels(action.value).inc()
+    metrics.consumer_message(action.value)
     return action, outcome
 
 

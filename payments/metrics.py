@@ -94,6 +94,18 @@ CLEANUP_ROWS = Counter(
 )
 
 
+_children: dict[tuple[Any, ...], Any] = {}
+
+
+def _child(metric: Any, *labels: str) -> Any:
+    """``metric.labels(*labels)``, cached: ``labels()`` takes a lock and validates on every call (hot paths)."""
+    key = (metric, *labels)
+    child = _children.get(key)
+    if child is None:
+        child = _children[key] = metric.labels(*labels)  # a race at worst looks the same child up twice
+    return child
+
+
 def callback_answered(provider: str, status: int, seconds: float) -> None:
     """Count one answered callback request (outcome from its HTTP status) and its latency."""
     if status < 300:
@@ -106,18 +118,23 @@ def callback_answered(provider: str, status: int, seconds: float) -> None:
         outcome = "rejected"
     else:
         outcome = "error"
-    CALLBACKS_RECEIVED.labels(provider, outcome).inc()
-    CALLBACK_ACK_SECONDS.labels(provider).observe(seconds)
+    _child(CALLBACKS_RECEIVED, provider, outcome).inc()
+    _child(CALLBACK_ACK_SECONDS, provider).observe(seconds)
 
 
 def callback_processed(outcome: str) -> None:
     """Count one ``process_callback`` outcome."""
-    CALLBACKS_PROCESSED.labels(outcome).inc()
+    _child(CALLBACKS_PROCESSED, outcome).inc()
 
 
 def callback_applied(provider: str, received: datetime, now: datetime) -> None:
     """Observe receipt-to-applied latency for a callback applied at ``now`` (both naive UTC)."""
-    CALLBACK_APPLY_SECONDS.labels(provider).observe(max(0.0, (now - received).total_seconds()))
+    _child(CALLBACK_APPLY_SECONDS, provider).observe(max(0.0, (now - received).total_seconds()))
+
+
+def consumer_message(action: str) -> None:
+    """Count one broker message the consumer handled."""
+    _child(CONSUMER_MESSAGES, action).inc()
 
 
 def publish_failed(reason: str, count: int = 1) -> None:
