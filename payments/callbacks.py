@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 
 from payments.backoff import RetryPolicy
-from payments.db import insert_ignore, utcnow
+from payments.db import insert_ignore, retry_on_disconnect, utcnow
 from payments.errors import CallbackRejected, EventIgnored, PaysyncError, TargetNotFound, UnsupportedContentType
 from payments.providers import get_provider
 from payments.providers.base import CallbackEvent, Provider
@@ -93,28 +93,32 @@ def store_callback(
     """
     now = now or utcnow()
     index = index or {}
-    with engine.begin() as conn:
-        result = conn.execute(
-            _STORE,
-            {
-                "provider": provider,
-                "callback_data": body,
-                # Not \u-escaped: latin-1 header text would take 6 bytes a character and overflow the column.
-                "headers": json.dumps(dict(headers), sort_keys=True, ensure_ascii=False),
-                "remote_addr": (remote_addr or "")[:64] or None,
-                "source": source,
-                "order_no": index.get("order_no"),
-                "payment_order_no": index.get("payment_order_no"),
-                "provider_event_id": index.get("provider_event_id"),
-                "event_type": index.get("event_type"),
-                "status": CallbackStatus.PENDING,
-                "retry_count": 0,
-                "next_retry_at": now,
-                "create_time": now,
-                "update_time": now,
-            },
-        )
-        return int(result.inserted_primary_key[0])
+    values = {
+        "provider": provider,
+        "callback_data": body,
+        # Not \u-escaped: latin-1 header text would take 6 bytes a character and overflow the column.
+        "headers": json.dumps(dict(headers), sort_keys=True, ensure_ascii=False),
+        "remote_addr": (remote_addr or "")[:64] or None,
+        "source": source,
+        "order_no": index.get("order_no"),
+        "payment_order_no": index.get("payment_order_no"),
+        "provider_event_id": index.get("provider_event_id"),
+        "event_type": index.get("event_type"),
+        "status": CallbackStatus.PENDING,
+        "retry_count": 0,
+        "next_retry_at": now,
+        "create_time": now,
+        "update_time": now,
+    }
+
+    def insert_row() -> int:
+        with engine.begin() as conn:
+            return int(conn.execute(_STORE, values).inserted_primary_key[0])
+
+    # No ping before the INSERT (payments.db): a pooled connection the database dropped fails here once,
+    # and the delivery is stored on a fresh one. Repeating is safe: if the lost reply was to a COMMIT that
+    # did commit, the second row is the same delivery stored twice, as a provider's own retry would.
+    return retry_on_disconnect(insert_row)
 
 
 def verify_callback(provider: Provider, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
@@ -164,9 +168,14 @@ def process_callback(
     only when even recording the failure is impossible (database down).
     """
     now = now or utcnow()
-    try:
+
+    def attempt() -> CallbackResult:
         with engine.begin() as conn:
             return _process_locked(conn, providers, log_id, now, expect)
+
+    try:
+        # A dead pooled connection is not the callback's fault: run again on a fresh one (idempotent).
+        return retry_on_disconnect(attempt)
     except Exception as exc:  # noqa: BLE001 - every failure is recorded on the row, then retried
         return _record_failure(engine, log_id, exc, policy, now)
 
