@@ -171,22 +171,23 @@ def process_callback(
 
     def attempt() -> CallbackResult:
         with engine.begin() as conn:
-            return _process_locked(conn, providers, log_id, now, expect)
+            return process_locked(conn, providers, log_id, now, expect)
 
     try:
         # A dead pooled connection is not the callback's fault: run again on a fresh one (idempotent).
         return retry_on_disconnect(attempt)
     except Exception as exc:  # noqa: BLE001 - every failure is recorded on the row, then retried
-        return _record_failure(engine, log_id, exc, policy, now)
+        return record_failure(engine, log_id, exc, policy, now)
 
 
-def _process_locked(
+def process_locked(
     conn: Connection,
     providers: dict[str, Provider],
     log_id: int,
     now: datetime,
     expect: tuple[str, datetime] | None,
 ) -> CallbackResult:
+    """``process_callback``'s work inside the caller's transaction; raises on a failure the caller records."""
     row = conn.execute(_LOCK_ROW, {"log_id": log_id}).first()
     if row is None:
         return CallbackResult.MISSING
@@ -342,7 +343,7 @@ def _finish(
     )
 
 
-def _record_failure(
+def record_failure(
     engine: Engine,
     log_id: int,
     exc: Exception,
