@@ -67,6 +67,13 @@ _LOCK_ROW = (
     .where(payment_callback_log.c.id == bindparam("log_id"))
     .with_for_update()
 )
+_LOCK_ROWS = (
+    # A batch's rows in one statement, in id order (two consumers lock overlapping batches in the same order).
+    select(payment_callback_log.c.id, *_LOCK_ROW.selected_columns)
+    .where(payment_callback_log.c.id.in_(bindparam("log_ids", expanding=True)))
+    .order_by(payment_callback_log.c.id)
+    .with_for_update()
+)
 _UPDATE_ROW = update(payment_callback_log).where(payment_callback_log.c.id == bindparam("log_id"))
 _CLAIM_EVENT = insert_ignore(processed_event)
 _LOCK_TARGET = {
@@ -137,6 +144,11 @@ def verify_callback(provider: Provider, body: bytes, headers: Mapping[str, str],
     return provider.parse_callback(body, headers, now=now)
 
 
+def lock_rows(conn: Connection, log_ids: list[int]) -> dict[int, Any]:
+    """Lock and read the rows ``log_ids`` for ``process_locked`` in one statement; missing ids are left out."""
+    return {row.id: row for row in conn.execute(_LOCK_ROWS, {"log_ids": log_ids})}
+
+
 def reject_callback(engine: Engine, log_id: int, reason: str, now: datetime | None = None) -> bool:
     """Mark a stored row as rejected (status 3) with the reason; True if it was still pending."""
     now = now or utcnow()
@@ -186,9 +198,13 @@ def process_locked(
     log_id: int,
     now: datetime,
     expect: tuple[str, datetime] | None,
+    locked: Mapping[int, Any] | None = None,
 ) -> CallbackResult:
-    """``process_callback``'s work inside the caller's transaction; raises on a failure the caller records."""
-    row = conn.execute(_LOCK_ROW, {"log_id": log_id}).first()
+    """``process_callback``'s work inside the caller's transaction; raises on a failure the caller records.
+
+    ``locked`` holds rows the caller already read with their lock (``lock_rows``), by id.
+    """
+    row = locked.get(log_id) if locked is not None else conn.execute(_LOCK_ROW, {"log_id": log_id}).first()
     if row is None:
         return CallbackResult.MISSING
     if expect is not None and (hashlib.sha256(row.callback_data).hexdigest(), row.create_time) != expect:

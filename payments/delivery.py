@@ -45,7 +45,7 @@ from typing import Any
 from sqlalchemy import Engine, insert, select
 
 from payments.backoff import RetryPolicy
-from payments.callbacks import CallbackResult, process_callback, process_locked, record_failure
+from payments.callbacks import CallbackResult, lock_rows, process_callback, process_locked, record_failure
 from payments.db import utcnow
 from payments.providers.base import Provider
 from payments.schema import SOURCE_WEBHOOK, payment_callback_log
@@ -257,18 +257,27 @@ def process_batch(
     failures: dict[int, Exception] = {}
     try:
         with engine.begin() as conn:
+            locked = lock_rows(conn, sorted({_target(m)[0] for m in messages}))
+            seen: set[tuple[int, tuple[str, datetime] | None]] = set()
             for i, message in enumerate(messages):
                 if i and stop is not None and stop():
                     break
                 log_id, expect = _target(message)
-                savepoint = conn.begin_nested()
+                if (log_id, expect) in seen:
+                    # A redelivery in the same batch: the row was read once, before the first copy changed it.
+                    # (Another delivery naming the same id, after a loss, is compared with the row as usual.)
+                    outcomes[i] = CallbackResult.SKIPPED
+                    continue
+                seen.add((log_id, expect))
+                # One name, set again for each message (MySQL and SQLite both allow it) and never released:
+                # COMMIT releases them all, and a RELEASE per message would be one more round trip.
+                conn.exec_driver_sql("SAVEPOINT paysync_message")
                 try:
-                    outcomes[i] = process_locked(conn, providers, log_id, now, expect)
+                    outcomes[i] = process_locked(conn, providers, log_id, now, expect, locked)
                 except Exception as exc:  # noqa: BLE001 - recorded on the row below, as process_callback does
-                    savepoint.rollback()  # raises if the server already rolled everything back (deadlock)
+                    # Raises if the server already rolled everything back (a deadlock): the batch is redone.
+                    conn.exec_driver_sql("ROLLBACK TO SAVEPOINT paysync_message")
                     failures[i] = exc
-                else:
-                    savepoint.commit()
     except Exception as exc:  # noqa: BLE001 - the batch as a whole is gone: nothing of it committed
         log.info("batch of %s rolled back (%s); processing its messages one by one", len(messages), type(exc).__name__)
         return [_one(engine, providers, message, policy) for message in messages]
