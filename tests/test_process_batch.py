@@ -49,7 +49,8 @@ def test_a_failing_message_rolls_back_only_itself_and_the_rest_of_the_batch_comm
     with engine.connect() as conn:
         statuses = dict(conn.execute(select(payment_callback_log.c.id, payment_callback_log.c.status)).tuples().all())
         orphan_row = conn.execute(select(payment_callback_log).where(payment_callback_log.c.id == orphan)).one()
-        paid_status = conn.execute(select(payment.c.status).where(payment.c.payment_id.in_([*paid, twice]))).scalars().all()
+        ours = payment.c.payment_id.in_([*paid, twice])
+        paid_status = conn.execute(select(payment.c.status).where(ours)).scalars().all()
     assert {statuses[i] for i in (*good, first_copy, second_copy)} == {CallbackStatus.PROCESSED}
     assert statuses[orphan] == CallbackStatus.FAILED and orphan_row.retry_count == 1
     assert paid_status == ["Succeeded"] * 4
