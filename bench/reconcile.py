@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -165,6 +166,19 @@ def parse_only(path: str) -> int:
     return 0
 
 
+def _report(text: str) -> dict:
+    """The command's JSON report among its output (log lines, JSON themselves, may come before or after it)."""
+    decoder = json.JSONDecoder()
+    for match in re.finditer(r"^\{", text, re.MULTILINE):
+        try:
+            doc, _ = decoder.raw_decode(text, match.start())
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and "run_id" in doc:
+            return doc
+    raise SystemExit(f"FAIL: no reconciliation report in the output:\n{text[-2000:]}")
+
+
 def measure(args: argparse.Namespace, size: int) -> dict:
     engine = prepare_database(args.database_url)
     try:
@@ -179,7 +193,7 @@ def measure(args: argparse.Namespace, size: int) -> dict:
         command = [sys.executable, "-m", "compensator", "reconcile", "--date", DAY.isoformat()]
         command += ["--provider", "sandbox", "--file", str(path), "--format", "json"]
         wall, rss, text = child(command, env)
-        report = json.loads(text[text.index("{") :])
+        report = _report(text)
         with engine.connect() as conn:
             started, finished = conn.execute(
                 select(reconciliation_run.c.started_at, reconciliation_run.c.finished_at).where(
