@@ -16,9 +16,11 @@ with the fake's own truth: status equal, no merchant number charged twice,
 the Succeeded transaction id the platform's, every Failed QR order closed at
 the platform, and nothing unexplained in the reconciliation.
 
-Refunds are meant to plug in per provider the way they do for the sandbox:
-``ProviderMix.truth`` is the one place a mix reads what the platform holds,
-and ``rows`` builds on it.
+Refunds take part in each of them as they do for the sandbox (``refunds =
+True``): ``read_refunds`` reads the fake's own refunds over its control
+surface, by our refund number, and ``refund_truth`` hands them to the refund
+rows; the fakes' bills carry the refund lines, so the reconciliation row
+covers them too.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +52,15 @@ RECONCILE_ATTEMPTS = 5
 """Runs of ``reconcile`` per day before its failure counts (the platform's faults hit bill downloads too)."""
 ORDER_EXPIRE_SECONDS = 60
 """ALIPAY_ORDER_EXPIRE_SECONDS / WECHATPAY_ORDER_EXPIRE_SECONDS in the run (the settings' minimum)."""
+WECHAT_REFUND_STATUS = {"SUCCESS": "succeeded", "PROCESSING": "processing", "CLOSED": "failed", "ABNORMAL": "failed"}
+STRIPE_REFUND_STATUS = {
+    "succeeded": "succeeded",
+    "pending": "processing",
+    "requires_action": "processing",
+    "failed": "failed",
+    "canceled": "failed",
+}
+"""The platforms' refund states in ``refund_truth``'s words."""
 
 
 @dataclass(frozen=True)
@@ -84,9 +96,11 @@ class ProviderMix(Mix):
     day_zone: Any = BEIJING
     """The time zone the platform's bills name days in."""
     faults: dict[str, Any]
+    refunds = True
 
     def __init__(self, faults: dict[str, Any] | None = None) -> None:
         self.port = free_port()
+        self.refunds_made: dict[str, list[dict[str, Any]]] = {}
         self.faults = dict(self.default_faults() if faults is None else faults)
         self.started_day = ""
         self.reconciliations: list[dict[str, Any]] = []
@@ -109,6 +123,11 @@ class ProviderMix(Mix):
 
     def read_truth(self) -> dict[str, Truth]:
         """Our payment id -> what the platform holds (read over its control surface)."""
+        raise NotImplementedError
+
+    def read_refunds(self) -> dict[str, list[dict[str, Any]]]:
+        """Our refund id -> the platform's refunds under it (``id``, ``status`` succeeded|failed|processing,
+        ``amount`` in minor units, ``charge``: the charge's id as paysync stores it)."""
         raise NotImplementedError
 
     def play_customers(self) -> None:
@@ -207,11 +226,24 @@ class ProviderMix(Mix):
             day += timedelta(days=1)
         return days
 
+    def quiet(self) -> bool:
+        """No refund still processing at the platform (its notification is still to come)."""
+        try:
+            made = self.read_refunds()
+        except requests.RequestException:
+            return False
+        return not any(m["status"] == "processing" for ms in made.values() for m in ms)
+
+    def refund_truth(self) -> dict[str, list[dict[str, Any]]] | None:
+        """The platform's refunds as ``observe`` read them."""
+        return self.refunds_made
+
     def observe(self) -> None:
         """The platform's truth, once."""
         for attempt in range(5):
             try:
                 self.truths = self.read_truth()
+                self.refunds_made = self.read_refunds()
                 return
             except requests.RequestException:
                 time.sleep(2 * (attempt + 1))
@@ -397,6 +429,21 @@ class AlipayMix(ProviderMix):
             )
         return truths
 
+    def read_refunds(self) -> dict[str, list[dict[str, Any]]]:
+        """Each trade's refunds by out_request_no (our refund id); Alipay refunds at once, so each one succeeded.
+
+        Alipay has no refund id: paysync names one ``trade_no:out_request_no`` (its bill's key too).
+        """
+        made: dict[str, list[dict[str, Any]]] = {}
+        for t in self._get("/_fake/trades").values():
+            for out_request_no, yuan in t["refunds"].items():
+                fen = int(Decimal(yuan) * 100)
+                ref = f"{t['trade_no']}:{out_request_no}"
+                made.setdefault(out_request_no, []).append(
+                    {"id": ref, "status": "succeeded", "amount": fen, "charge": t["trade_no"]}
+                )
+        return made
+
 
 class WechatPayMix(ProviderMix):
     """Native orders at the fake WeChat Pay v3 platform; customers pay the code_url (or not)."""
@@ -475,6 +522,22 @@ class WechatPayMix(ProviderMix):
             )
         return truths
 
+    def read_refunds(self) -> dict[str, list[dict[str, Any]]]:
+        """The fake's refunds by out_refund_no (our refund id); the charge is the order's transaction_id."""
+        state = self._get("/_fake/state")
+        made: dict[str, list[dict[str, Any]]] = {}
+        for out_refund_no, r in state["refunds"].items():
+            order = state["orders"].get(r["out_trade_no"]) or {}
+            made.setdefault(out_refund_no, []).append(
+                {
+                    "id": r["refund_id"],
+                    "status": WECHAT_REFUND_STATUS.get(r["status"], r["status"]),
+                    "amount": r["amount"],
+                    "charge": order.get("transaction_id"),
+                }
+            )
+        return made
+
 
 class StripeMix(ProviderMix):
     """PaymentIntents at the fake Stripe with test payment methods; processing ones finished by the bank."""
@@ -524,6 +587,8 @@ class StripeMix(ProviderMix):
             "STRIPE_FAKE_SEARCH_LAG_SECONDS": "1",
             "STRIPE_FAKE_SEED": str(ctx.seed),
             "STRIPE_FAKE_FAULTS": json.dumps(self.faults),
+            # Refunds wait for the bank (the customer thread), so refund.updated and refund.failed happen.
+            "STRIPE_FAKE_REFUNDS_PENDING": "1",
         }
         return [sys.executable, "-m", "sandbox.fakes.stripe", "--port", str(self.port)], env
 
@@ -549,6 +614,35 @@ class StripeMix(ProviderMix):
             who = self.customer(pi["id"])
             if now - seen.setdefault(pi["id"], now) >= who.delay:
                 self._post("/_fake/complete_payment_intent", {"id": pi["id"], "succeed": who.action == "pay"})
+        for refund in self._refunds():
+            if refund["status"] != "pending":
+                continue
+            who = self.customer(refund["id"])
+            if now - seen.setdefault(refund["id"], now) >= who.delay:
+                # Most pending refunds land; the bank sends the rest back (refund.updated, refund.failed).
+                self._post("/_fake/complete_refund", {"id": refund["id"], "succeed": who.action != "ignore"})
+
+    def _refunds(self) -> list[dict[str, Any]]:
+        response = self._post("/_fake/refunds")
+        response.raise_for_status()
+        return response.json()["refunds"]
+
+    def read_refunds(self) -> dict[str, list[dict[str, Any]]]:
+        """The fake's refunds by metadata.refund_id (our refund id); the charge is the PaymentIntent, as paysync
+        stores it."""
+        made: dict[str, list[dict[str, Any]]] = {}
+        for r in self._refunds():
+            refund_id = (r.get("metadata") or {}).get("refund_id")
+            if refund_id:
+                made.setdefault(refund_id, []).append(
+                    {
+                        "id": r["id"],
+                        "status": STRIPE_REFUND_STATUS.get(r["status"], r["status"]),
+                        "amount": r["amount"],
+                        "charge": r["payment_intent"],
+                    }
+                )
+        return made
 
     def read_truth(self) -> dict[str, Truth]:
         by_payment: dict[str, list[dict[str, Any]]] = {}

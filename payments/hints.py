@@ -7,6 +7,9 @@ that is still Pending or Unknown at that platform, the payment's
 ``next_query_at`` is set to now, so ``query_unresolved`` asks the provider,
 whose authenticated answer is what gets applied. A genuine notification with a
 key problem therefore still converges, and a forged one costs at most a query.
+A refund notification that names our refund id (WeChat Pay's REFUND.*,
+Stripe's refund events, the sandbox's) does the same for that refund, under
+the same limits (``query_hint`` keys it by the refund id).
 
 Rate limits, so forged traffic cannot turn into query traffic (``query_hint``):
 per payment, one hint every HINT_QUERY_INTERVAL_SECONDS; per provider, at
@@ -28,7 +31,7 @@ from sqlalchemy import Connection, func, or_, select, update
 
 from payments.db import insert_ignore
 from payments.providers.base import Provider
-from payments.schema import payment, query_hint
+from payments.schema import payment, query_hint, refund
 from payments.states import PaymentStatus
 
 log = logging.getLogger("paysync.hints")
@@ -79,16 +82,24 @@ def hint_query(
     *,
     callback_log_id: int | None = None,
 ) -> Hint:
-    """Bring the query of the payment an unverified ``platform`` notification names forward, within the limits.
+    """Bring the query of the payment (or refund) an unverified ``platform`` notification names forward, within
+    the limits.
 
     Runs in the caller's transaction (the one that marks the delivery
     rejected). Never changes the payment's status.
     """
     if not payment_id:
         return Hint.NO_REFERENCE
+    table, number = payment, payment.c.payment_id
     row = conn.execute(
-        select(payment.c.id, payment.c.provider, payment.c.status).where(payment.c.payment_id == payment_id[:40])
+        select(payment.c.id, payment.c.provider, payment.c.status).where(number == payment_id[:40])
     ).first()
+    if row is None:
+        # A refund notification names our refund id (the adapters' peek indexes it as order_no).
+        table, number = refund, refund.c.refund_id
+        row = conn.execute(
+            select(refund.c.id, refund.c.provider, refund.c.status).where(number == payment_id[:40])
+        ).first()
     if row is None:
         return Hint.UNKNOWN_PAYMENT
     adapter = providers.get(row.provider)
@@ -123,16 +134,16 @@ def hint_query(
         conn.execute(update(query_hint).where(*key).values(hinted_at=now, callback_log_id=callback_log_id))
     # Only ever earlier: a query already due stays due; the status guard keeps a settled payment alone.
     conn.execute(
-        update(payment)
+        update(table)
         .where(
-            payment.c.id == row.id,
-            payment.c.status.in_(_OPEN),
-            or_(payment.c.next_query_at.is_(None), payment.c.next_query_at > now),
+            table.c.id == row.id,
+            table.c.status.in_(_OPEN),
+            or_(table.c.next_query_at.is_(None), table.c.next_query_at > now),
         )
         .values(next_query_at=now)
     )
     log.info(
         "unverified notification: query brought forward",
-        extra={"provider": row.provider, "payment_id": payment_id, "callback_log_id": callback_log_id},
+        extra={"provider": row.provider, number.name: payment_id, "callback_log_id": callback_log_id},
     )
     return Hint.SCHEDULED

@@ -354,6 +354,23 @@ def test_a_pending_refund_is_pending_until_stripe_finishes_it(stripe, fake):
     assert isinstance(failed, Failed) and failed.code == "expired_or_canceled_card"
 
 
+def test_a_refund_key_with_a_saved_api_error_is_walked_past_once_the_lookup_finds_no_refund(stripe, fake):
+    """Found by the chaos run: Stripe replays a 500 saved under the refund's key for 24 hours, so re-sending the
+    same key never refunds and the refund stayed Unknown for good. The re-send looks first (nothing there), then
+    sends the next key of the chain; once refunded, a further re-send finds it and sends nothing."""
+    request = _paid(stripe, fake)
+    fake.fail_next("api_error", path="POST /v1/refunds")
+    assert stripe.refund(request, "refund-500", TIMEOUT).reason == "http_500:api_error"
+    assert isinstance(stripe.query_refund("re_ours1", TIMEOUT, request), NotFound)
+    outcome = stripe.refund(request, "refund-500", TIMEOUT)
+    assert isinstance(outcome, Succeeded) and len(fake.refunds) == 1
+    keys = [r["idempotency_key"] for r in posts(fake, "/v1/refunds")]
+    assert keys == ["refund-500", "refund-500", successor_key("refund-500", 1)]
+    again = stripe.refund(request, "refund-500", TIMEOUT)
+    assert again.provider_transaction_id == outcome.provider_transaction_id
+    assert len(fake.refunds) == 1 and len(posts(fake, "/v1/refunds")) == 3
+
+
 def test_a_refund_nobody_made_is_not_found(stripe, fake):
     request = _paid(stripe, fake)
     assert isinstance(stripe.query_refund("re_ours1", TIMEOUT, request), NotFound)

@@ -1,7 +1,7 @@
 """An unverified notification is a hint, never a fact; source checks refuse deliveries from elsewhere.
 
 Against MariaDB and the real sandbox platform: a refused notification that
-names a Pending payment brings its query forward (never its state), within a
+names a Pending payment (or refund) brings its query forward (never its state), within a
 per-payment and a per-provider rate limit, and query_unresolved then applies
 the platform's answer. Source checks: the client behind TRUSTED_PROXIES is the
 rightmost untrusted X-Forwarded-For hop, and a delivery from outside the
@@ -12,6 +12,7 @@ The per-provider versions (Alipay, WeChat Pay, Stripe) are in their gateway test
 # ruff: noqa: F811 - pytest fixtures imported from tests.sandbox_process and tests.outbound_support
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -23,8 +24,9 @@ from compensator import compensate_callbacks, query_unresolved, relay_outbox
 from gateway import create_app
 from payments.callbacks import store_callback
 from payments.db import utcnow
+from payments.refunds import create_refund
 from payments.runtime import build_runtime
-from payments.schema import payment, payment_callback_log, query_hint
+from payments.schema import payment, payment_callback_log, query_hint, refund
 from payments.sources import client_address
 from payments.states import CallbackStatus
 from tests.outbound_support import new_payment, row, runtime  # noqa: F401
@@ -148,6 +150,41 @@ def test_hints_are_off_with_a_zero_limit_and_ignore_settled_and_unknown_payments
     push_query_out(off, pending)
     forge(create_app(off.settings, engine=off.engine).test_client(), pending)
     assert not hinted_now(off, pending)
+
+
+def test_an_unverified_refund_notification_brings_that_refunds_query_forward_within_the_limits(runtime):
+    payment_id = create_payment(runtime.engine, status="Succeeded", provider_transaction_id="ch_hint_refund")
+    answer = create_refund(runtime.engine, payment_id, 300, None, "rk-hint", deadline_seconds=3600, lock_seconds=60)
+    refund_id = json.loads(answer.body)["refund_id"]
+    later = utcnow() + FAR
+    with runtime.engine.begin() as conn:  # as after a refund call whose answer was lost: Unknown, queried later
+        conn.execute(
+            update(refund).where(refund.c.refund_id == refund_id).values(status="Unknown", next_query_at=later)
+        )
+        conn.execute(update(payment).where(payment.c.payment_id == payment_id).values(next_query_at=later))
+    client = create_app(runtime.settings, engine=runtime.engine).test_client()
+    event = sandbox_event(payment_id, event_type="refund.succeeded", amount=300, merchant_refund_id=refund_id)
+    body, headers = signed(event, secret=STRANGER)
+    assert client.post("/callbacks/sandbox", data=body, headers=headers).status_code == 401
+    assert last_callback(runtime).order_no == refund_id
+    with runtime.engine.connect() as conn:
+        r = conn.execute(select(refund).where(refund.c.refund_id == refund_id)).mappings().one()
+        hinted = conn.execute(select(query_hint.c.payment_id)).scalars().all()
+    # The refund's query is due now, its state untouched; the payment (Succeeded) is left alone.
+    assert r["status"] == "Unknown" and r["next_query_at"] <= utcnow() and hinted == [refund_id]
+    assert row(runtime, payment_id)["next_query_at"] == later
+
+    # The per-refund limit holds like a payment's, and a settled refund is never hinted.
+    with runtime.engine.begin() as conn:
+        conn.execute(update(refund).where(refund.c.refund_id == refund_id).values(next_query_at=later))
+    assert client.post("/callbacks/sandbox", data=body, headers=headers).status_code == 401
+    with runtime.engine.begin() as conn:
+        assert conn.execute(select(refund.c.next_query_at).where(refund.c.refund_id == refund_id)).scalar() == later
+        conn.execute(update(query_hint).values(hinted_at=utcnow() - timedelta(seconds=61)))
+        conn.execute(update(refund).where(refund.c.refund_id == refund_id).values(status="Succeeded"))
+    assert client.post("/callbacks/sandbox", data=body, headers=headers).status_code == 401
+    with runtime.engine.connect() as conn:
+        assert conn.execute(select(refund.c.next_query_at).where(refund.c.refund_id == refund_id)).scalar() == later
 
 
 def test_a_row_left_pending_and_rejected_by_the_sweep_is_a_hint_too(runtime):

@@ -198,3 +198,16 @@ def test_arbitrary_bytes_never_raise_and_every_line_comes_out(chunks):
     for line in lines:
         assert line.kind in ("charge", "refund", "fee", "adjustment", "payout", "other", "info", "invalid")
         assert line.amount_minor is None or line.amount_minor >= 0
+
+
+def test_the_refund_line_of_a_refund_the_bank_sent_back_is_failed_like_its_refund_failure():
+    """Found by the chaos run: a failed refund's two lines (refund, then refund_failure) read succeeded and
+    failed, so the reconciliation called our Failed refund a status mismatch. The expanded Refund says failed."""
+    sent_back = {**REFUND, "status": "failed"}
+    lines = list(parse_balance_transactions(_stream([txn("refund", -300, 0, source=sent_back),
+                                                     txn("refund_failure", 300, 0, source=sent_back)])))  # fmt: skip
+    assert [(x.kind, x.status, x.merchant_reference) for x in lines] == [("refund", "failed", "re_ours")] * 2
+    pending = list(
+        parse_balance_transactions(_stream([txn("refund", -300, 0, source={**REFUND, "status": "pending"})]))
+    )
+    assert [x.status for x in pending] == ["succeeded"]

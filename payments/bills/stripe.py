@@ -19,7 +19,8 @@ amount − fee. Types read here:
 
 - ``charge`` / ``payment`` → kind ``charge``, succeeded; the reference is the
   source charge's ``payment_intent`` (our provider_transaction_id);
-- ``refund`` / ``payment_refund`` → kind ``refund``, succeeded;
+- ``refund`` / ``payment_refund`` → kind ``refund``, succeeded (failed when
+  the expanded Refund is failed or canceled: the bank sent it back);
   ``refund_failure`` (the money came back) → kind ``refund``, failed; the
   reference is the refund id and ``metadata.refund_id`` our number;
 - ``stripe_fee``, ``stripe_fx_fee``, ``tax_fee``, ``network_cost`` → kind
@@ -166,11 +167,14 @@ def read_line(line_no: int, data: bytes) -> BalanceLine:
         failed = txn_type in REFUND_FAILURE_TYPES
         if (amount > 0) != failed or amount == 0:
             return _bad(line_no, raw, "a refund takes from the balance; a refund failure gives back")
+        # The expanded Refund is its state now: one the bank sent back has a refund_failure line giving the
+        # money back, so its refund line is the failed refund's too (the two net to nothing at Stripe).
+        sent_back = isinstance(source, Mapping) and source.get("status") in ("failed", "canceled")
         return BalanceLine(
             line_no,
             raw,
             "refund",
-            status="failed" if failed else "succeeded",
+            status="failed" if failed or sent_back else "succeeded",
             provider_reference=_source_id(source),
             merchant_reference=_metadata(source, "refund_id"),
             amount_minor=abs(amount),

@@ -47,7 +47,9 @@ PaymentIntents created in the last ``search_lag_seconds`` are read from the
 list API, which is consistent (Stripe: "for read-after-write flows … use the
 list APIs"), and whatever is found is retrieved by id before it is believed.
 The query job uses the same lookup. Refunds are always looked up first in the
-PaymentIntent's (consistent) refund list, so no refund key is re-sent blind.
+PaymentIntent's (consistent) refund list, so no refund key is re-sent blind;
+a refund key whose saved answer is a 500 is walked past like a charge's
+(``successor_key``), once that lookup found no refund of ours.
 
 Classification (invariant 5): timeouts, resets, 5xx (``api_error``), 424,
 429 (rate limits and ``lock_timeout``) and unreadable answers are Unknown. A
@@ -741,6 +743,14 @@ class StripeProvider(Provider):
             "metadata": {"refund_id": request.refund_id, "payment_id": request.payment_id},
         }
         reply = self._call("POST", "/v1/refunds", timeout, form=form, idempotency_key=idempotency_key)
+        for attempt in range(1, MAX_KEY_SUCCESSORS + 1):
+            if not _saved_api_error(reply):
+                break
+            # Stripe replays the 500 it saved under this key for 24 hours: the key can never refund. The lookup
+            # above ran after that first attempt (the replay says so) and found no refund of ours in the
+            # consistent list, so the next key of the chain may go out.
+            key = successor_key(idempotency_key, attempt)
+            reply = self._call("POST", "/v1/refunds", timeout, form=form, idempotency_key=key)
         return replace(read_refund_answer(reply, request), evidence=reply.evidence)
 
     def query_refund(self, refund_id: str, timeout: float, expected: RefundRequest | None = None) -> QueryOutcome:

@@ -35,13 +35,16 @@ can be tested without a network:
   dropped webhooks; ``fail_next`` scripts faults for the next requests.
 
 Control surface (``/_fake/…``, this machine only): move the clock, set faults,
-script faults, complete processing PaymentIntents and pending refunds, change
-the signing secrets, read the deliveries and every PaymentIntent (``payment_intents``).
+script faults, complete processing PaymentIntents and pending refunds, make new
+refunds start pending (``refunds_pending``), change the signing secrets, read
+the deliveries, every PaymentIntent (``payment_intents``) and every refund
+(``refunds``).
 
 ``python -m sandbox.fakes.stripe --port N`` serves it, configured from
 ``STRIPE_FAKE_API_KEY``, ``STRIPE_FAKE_WEBHOOK_SECRETS`` (comma-separated),
 ``STRIPE_FAKE_WEBHOOK_URL``, ``STRIPE_FAKE_SEARCH_LAG_SECONDS``,
-``STRIPE_FAKE_SEED`` and ``STRIPE_FAKE_FAULTS`` (a JSON object of knobs).
+``STRIPE_FAKE_SEED``, ``STRIPE_FAKE_FAULTS`` (a JSON object of knobs) and
+``STRIPE_FAKE_REFUNDS_PENDING`` (``1``: new refunds start pending).
 """
 
 from __future__ import annotations
@@ -738,6 +741,13 @@ class FakeStripe:
                         for pi in self.payment_intents.values()
                     ]
                 }
+        if action == "refunds_pending":
+            self.refunds_pending = bool(body.get("pending", True))
+            return {"refunds_pending": self.refunds_pending}
+        if action == "refunds":
+            keys = ("id", "status", "amount", "currency", "charge", "payment_intent", "metadata", "failure_reason")
+            with self.lock:
+                return {"refunds": [{k: r.get(k) for k in keys} for r in self.refunds.values()]}
         raise KeyError(f"no control action {action!r}")
 
     def _serve(self, path: str) -> Response:
@@ -1067,6 +1077,7 @@ def main(argv: list[str] | None = None) -> int:
     from werkzeug.serving import make_server
 
     platform = FakeStripe(config, faults)
+    platform.refunds_pending = os.environ.get("STRIPE_FAKE_REFUNDS_PENDING", "") == "1"
     server = make_server(args.host, args.port, platform.app(), threaded=True)
     platform.start()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
