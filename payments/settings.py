@@ -243,7 +243,7 @@ class Settings:
     provider_timeout_seconds: float = 10.0
     """Read timeout of one outbound provider call; past it the outcome is Unknown."""
     provider_rate_limit: float = 50.0
-    """Outbound calls per second to one provider, per compensator process."""
+    """Outbound calls per second to one provider, per compensator process (and per gateway process, inline charges)."""
     relay_interval_seconds: float = 0.2
     """How often relay_outbox polls for ChargeRequested rows (keeps creation-to-provider latency low)."""
     relay_concurrency: int = 8
