@@ -77,8 +77,17 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
             "currency": {"type": "string"},
             "provider": {"type": "string"},
             "description": {"type": ["string", "null"]},
+            "payment_method": {"type": ["string", "null"]},
             "status": {"type": "string", "enum": PAYMENT_STATUSES},
             "provider_transaction_id": {"type": ["string", "null"]},
+            "qr_code": {
+                "type": ["string", "null"],
+                "description": (
+                    "What the payer scans (Alipay `qr_code`, WeChat Pay `code_url`). POST /payments answers with it "
+                    "(status Pending) when the provider gave it within CHARGE_INLINE_BUDGET_SECONDS, and leaves it "
+                    "out otherwise; GET /payments/{payment_id} shows it once the charge is sent (null before)."
+                ),
+            },
             "created_at": {"type": "string"},
         },
     }
@@ -103,7 +112,9 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                         "The same key with the same body answers the first answer again (header "
                         "`Idempotent-Replayed: true`); the same key with another body is refused with 422; "
                         "while the first request with a key is still in flight, 409. Retry a 503 or a lost "
-                        "answer with the same key."
+                        "answer with the same key. With Alipay or WeChat Pay the charge is sent at once, and the "
+                        "answer is Pending with `qr_code` if the provider gave one within "
+                        "CHARGE_INLINE_BUDGET_SECONDS; else Created, and the charge goes on in the background."
                     ),
                     "parameters": [_idempotency_key()],
                     "requestBody": {

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
@@ -11,8 +14,10 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from gateway import error_response, ext
 from gateway.auth import bearer_ok
+from payments.calls import Context
 from payments.charges import InvalidRequest, check_key, create_payment, get_payment, parse_create
 from payments.refunds import create_refund, get_refund, parse_refund
+from payments.relay import relay_charge_inline
 
 bp = Blueprint("payments_api", __name__)
 log = logging.getLogger("paysync.gateway.payments")
@@ -45,6 +50,7 @@ def create() -> Any:
             key,
             deadline_seconds=settings.payment_deadline_seconds,
             lock_seconds=settings.idempotency_lock_seconds,
+            send_now=_send_now(body.provider),
         )
     except InvalidRequest as exc:
         return error_response(exc.code, str(exc), exc.http_status)
@@ -55,6 +61,45 @@ def create() -> Any:
     if answer.replayed:
         response.headers["Idempotent-Replayed"] = "true"
     return response
+
+
+class _Calls:
+    """This process's token bucket per provider for inline charges (PROVIDER_RATE_LIMIT, as the relay's): a call
+    is taken at once or not at all, since the merchant is waiting and the relay can always send it later."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buckets: dict[str, tuple[float, float]] = {}  # provider: (tokens, monotonic time)
+
+    def take(self, provider: str, rate: float) -> bool:
+        burst = max(1.0, rate / 10)  # the relay's RateLimiter burst
+        with self._lock:
+            now = time.monotonic()
+            tokens, then = self._buckets.get(provider, (burst, now))
+            tokens = min(burst, tokens + (now - then) * rate)
+            if tokens < 1:
+                self._buckets[provider] = (tokens, now)
+                return False
+            self._buckets[provider] = (tokens - 1, now)
+            return True
+
+
+_calls = _Calls()
+
+
+def _send_now(provider: str) -> Callable[[str], bool] | None:
+    """How POST /payments sends a charge at once (see ``payments.charges``); None when it waits for the relay."""
+    settings = ext("settings")
+    adapter = ext("providers").get(provider)
+    budget = settings.charge_inline_budget_seconds
+    if budget <= 0 or adapter is None or not adapter.capabilities.payer_scans:
+        return None
+    ctx = Context(ext("engine"), ext("providers"), settings)
+
+    def throttle(name: str) -> bool:
+        return _calls.take(name, settings.provider_rate_limit)
+
+    return lambda event_id: relay_charge_inline(ctx, event_id, provider, budget, throttle)
 
 
 def _body(limit: int) -> bytes:

@@ -10,6 +10,12 @@ the ``ChargeRequested`` outbox row the relay will send, the
 with the same key and the same request gets that answer again, byte for byte;
 with another request, 422. Nothing is written for a request that fails
 validation.
+
+For a provider the payer pays by scanning a QR code (``Capabilities.payer_scans``),
+the charge is then sent at once, through the relay's own claim and send, within
+CHARGE_INLINE_BUDGET_SECONDS; the key stays in flight (409) meanwhile. If the
+QR code came back in time the answer is Pending with ``qr_code``, else Created
+as without it, and the answer stored for replays is the one sent.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -164,9 +170,16 @@ def create_payment(
     *,
     deadline_seconds: float,
     lock_seconds: float,
+    send_now: Callable[[str], bool] | None = None,
     now: datetime | None = None,
 ) -> Answer:
-    """Create the payment for ``request`` under the merchant's ``key`` (see the module docstring)."""
+    """Create the payment for ``request`` under the merchant's ``key`` (see the module docstring).
+
+    ``send_now``, for a provider the payer pays by scanning a QR code, sends
+    the committed ChargeRequested row (by event id) at once and says whether
+    that finished in time (``payments.relay.relay_charge_inline``): if it did
+    and the payment is Pending with a QR code, that is the answer.
+    """
     now = now or utcnow()
     digest = request.digest()
     payment_id = new_id("pay")
@@ -184,11 +197,38 @@ def create_payment(
     }
     text = json.dumps(body, sort_keys=True)
 
+    event_id = new_id("evt")
+
     def work(conn: Connection) -> idempotency.Stored:
-        _write_payment(conn, request, key, digest, payment_id, now, deadline_seconds)
+        _write_payment(conn, request, key, digest, payment_id, now, deadline_seconds, event_id)
         return idempotency.Stored(201, text, payment_id)
 
-    answer = idempotency.run(engine, scope=SCOPE, key=key, digest=digest, lock_seconds=lock_seconds, work=work, now=now)
+    def then(created: idempotency.Stored) -> idempotency.Stored:
+        try:
+            if send_now is None or not send_now(event_id):
+                return created  # over the budget: the charge goes on, and the relay finishes what is left
+            with engine.connect() as conn:
+                row = conn.execute(
+                    select(payment.c.status, payment.c.qr_code).where(payment.c.payment_id == payment_id)
+                ).first()
+        except Exception:  # noqa: BLE001 - the payment is committed; the answer is the one it had without this
+            log.warning("inline charge not read back; answering Created", extra={"payment_id": payment_id})
+            return created
+        if row is None or row.status != PaymentStatus.PENDING or not row.qr_code:
+            return created
+        pending = {**body, "status": PaymentStatus.PENDING.value, "qr_code": row.qr_code}
+        return idempotency.Stored(201, json.dumps(pending, sort_keys=True), payment_id)
+
+    answer = idempotency.run(
+        engine,
+        scope=SCOPE,
+        key=key,
+        digest=digest,
+        lock_seconds=lock_seconds,
+        work=work,
+        then=then if send_now is not None else None,
+        now=now,
+    )
     if not answer.replayed:
         log.info("payment created", extra={"payment_id": payment_id, "provider": request.provider})
     return answer
@@ -202,6 +242,7 @@ def _write_payment(
     payment_id: str,
     now: datetime,
     deadline_seconds: float,
+    event_id: str,
 ) -> None:
     conn.execute(
         insert(payment).values(
@@ -227,6 +268,7 @@ def _write_payment(
         aggregate_id=payment_id,
         now=now,
         payload={"payment_id": payment_id, "provider": request.provider},
+        event_id=event_id,
     )
     ledger.append(
         conn,

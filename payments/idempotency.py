@@ -9,7 +9,8 @@ answer again, byte for byte; with another request (another digest), 422. A
 request whose work raises (a validation the database must answer, such as
 "this refund is more than is left") writes nothing and frees the key at once,
 so the merchant's retry is judged afresh. A claim left ``started`` by a process
-that died is taken over after ``lock_seconds``.
+that died is taken over after ``lock_seconds`` (see ``run``'s ``then`` for work
+that must commit before its final answer is known).
 
 Keys live in a ``scope`` (the endpoint family): the same key string may be
 used once for a payment and once for a refund.
@@ -89,12 +90,19 @@ def run(
     digest: str,
     lock_seconds: float,
     work: Callable[[Connection], Stored],
+    then: Callable[[Stored], Stored] | None = None,
     now: datetime | None = None,
 ) -> Answer:
     """Answer a request under the merchant's ``key`` (module docstring); ``work`` runs in the answer's transaction.
 
     ``work`` writes what the request creates and returns the answer to store;
     anything it raises rolls back and frees the key.
+
+    With ``then``, the work commits with its answer kept on the claim (still
+    ``started``, so a concurrent request gets 409), ``then`` runs after that
+    commit and gives the final answer, which is stored as the one to replay.
+    From that commit on the key is never freed: a retry after a crash takes
+    over the work's own answer instead of doing the work again.
     """
     now = now or utcnow()
     try:
@@ -104,25 +112,38 @@ def run(
     try:
         with engine.begin() as conn:
             stored = work(conn)
-            t = idempotency_request
-            taken = conn.execute(
-                update(t)
-                .where(t.c.scope == scope, t.c.idempotency_key == key, t.c.status == "started", t.c.locked_at == token)
-                .values(
-                    status="done",
-                    response_status=stored.status,
-                    response_body=stored.body,
-                    payment_id=stored.payment_id,
-                    updated_at=now,
-                )
-            ).rowcount
-            if taken != 1:
+            if not _store(conn, scope, key, token, stored, "started" if then else "done", now):
                 # Our claim expired and a retry with the same key took it over: let that one finish.
                 raise in_progress()
     except BaseException:
         _release(engine, scope, key, token)
         raise
-    return Answer(stored.status, stored.body)
+    if then is None:
+        return Answer(stored.status, stored.body)
+    final = then(stored)
+    with engine.begin() as conn:
+        if not _store(conn, scope, key, token, final, "done", utcnow()):
+            raise in_progress()  # taken over past lock_seconds: the retry answered with the work's own answer
+    return Answer(final.status, final.body)
+
+
+def _store(conn: Connection, scope: str, key: str, token: datetime, stored: Stored, status: str, now: datetime) -> bool:
+    """Put ``stored`` on our claim (``done``: the answer to replay); False if the claim is no longer ours."""
+    t = idempotency_request
+    return (
+        conn.execute(
+            update(t)
+            .where(t.c.scope == scope, t.c.idempotency_key == key, t.c.status == "started", t.c.locked_at == token)
+            .values(
+                status=status,
+                response_status=stored.status,
+                response_body=stored.body,
+                payment_id=stored.payment_id,
+                updated_at=now,
+            )
+        ).rowcount
+        == 1
+    )
 
 
 def in_progress() -> IdempotencyConflict:
@@ -177,6 +198,17 @@ def _existing(
             return Answer(row.response_status, row.response_body, replayed=True)
         if now - row.locked_at < timedelta(seconds=lock_seconds):
             raise in_progress()
+        if row.response_body is not None:
+            # The first request's work committed (``run`` with ``then``) but it never stored its final answer:
+            # the work's own answer becomes the one to replay; doing the work again would do it twice.
+            taken = conn.execute(
+                update(t)
+                .where(t.c.id == row.id, t.c.status == "started", t.c.locked_at == row.locked_at)
+                .values(status="done", updated_at=now)
+            ).rowcount
+            if not taken:
+                raise in_progress()
+            return Answer(row.response_status, row.response_body, replayed=True)
         # The first request died mid-way (its transaction never committed): take over.
         taken = conn.execute(
             update(t)

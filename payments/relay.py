@@ -24,8 +24,10 @@ own fixed idempotency key and our refund number.
 from __future__ import annotations
 
 import json
+import logging
 import random
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -49,11 +51,13 @@ from payments.calls import (
     release,
     review,
 )
-from payments.db import utcnow
+from payments.db import claim_rows, utcnow
 from payments.providers.base import ChargeRequest, Failed, Provider, QueryOutcome, RefundRequest
 from payments.schema import outbox as outbox_table
 from payments.states import TERMINAL, OutboxStatus, PaymentStatus, Verdict, decide
 from payments.transitions import apply_decision
+
+log = logging.getLogger("paysync.relay")
 
 
 def relay_charge(ctx: Context, outbox_id: int, provider_name: str, lease_until: datetime) -> Result:
@@ -91,6 +95,46 @@ def relay_charge(ctx: Context, outbox_id: int, provider_name: str, lease_until: 
     result = _apply(ctx, outbox_id, call_id, current["payment_id"], provider, outcome, resend)
     count(ctx, provider, outcome, gate)
     return result
+
+
+def relay_charge_inline(
+    ctx: Context, event_id: str, provider_name: str, budget_seconds: float, throttle: Callable[[str], bool]
+) -> bool:
+    """Send the ChargeRequested outbox row ``event_id`` now, as relay_outbox would; True if done within the budget.
+
+    For POST /payments to answer with the QR code. The row is claimed and
+    leased the way ``relay_outbox`` claims it, and ``relay_charge`` sends it,
+    so a compensator relaying the same row gets nothing to send. ``throttle``
+    takes one of this process's calls to the provider, or refuses (then the
+    row is left for the relay). The send runs on a thread of its own: past
+    ``budget_seconds`` the caller goes on and the send finishes under its lease.
+    """
+    done = threading.Event()
+
+    def send() -> None:
+        try:
+            if not throttle(provider_name):
+                return
+            lease_until = utcnow() + timedelta(seconds=ctx.settings.call_lease_seconds)
+            t = outbox_table
+            claimed = claim_rows(
+                ctx.engine,
+                select(t.c.id).where(
+                    t.c.event_id == event_id, t.c.status == OutboxStatus.PENDING, t.c.next_attempt_at <= utcnow()
+                ),
+                t,
+                t.c.next_attempt_at,
+                lease_until,
+            )
+            if claimed:
+                relay_charge(ctx, claimed[0].id, provider_name, lease_until)
+        except Exception:  # noqa: BLE001 - the row stays with the relay, which sends it when the lease runs out
+            log.warning("inline charge of %s failed; left to the relay", event_id, exc_info=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=send, name=f"charge-inline-{event_id}", daemon=True).start()
+    return done.wait(budget_seconds)
 
 
 def _prepare(

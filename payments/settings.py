@@ -240,10 +240,13 @@ class Settings:
     """Largest amount POST /payments accepts, in minor units."""
     idempotency_lock_seconds: float = 60.0
     """A POST /payments still in flight after this long may be taken over by a retry with the same key."""
+    charge_inline_budget_seconds: float = 3.0
+    """How long POST /payments waits for the charge to a payer-scans provider (Alipay, WeChat Pay) to return its QR
+    code, sent at once through the relay's own path; past it the answer is Created and the relay finishes. 0: off."""
     provider_timeout_seconds: float = 10.0
     """Read timeout of one outbound provider call; past it the outcome is Unknown."""
     provider_rate_limit: float = 50.0
-    """Outbound calls per second to one provider, per compensator process."""
+    """Outbound calls per second to one provider, per compensator process (and per gateway process, inline charges)."""
     relay_interval_seconds: float = 0.2
     """How often relay_outbox polls for ChargeRequested rows (keeps creation-to-provider latency low)."""
     relay_concurrency: int = 256
@@ -464,6 +467,7 @@ _PARSERS = {
     "alert_webhook_secret": lambda n, v: _webhook_secrets(n, v),
     "merchant_max_amount": lambda n, v: _int(n, v, 1, 2**62),
     "idempotency_lock_seconds": lambda n, v: _float(n, v, 1, 86400),
+    "charge_inline_budget_seconds": lambda n, v: _float(n, v, 0, 30),
     "provider_timeout_seconds": lambda n, v: _float(n, v, 0.05, 300),
     "provider_rate_limit": lambda n, v: _float(n, v, 0.1, 1_000_000),
     "relay_interval_seconds": lambda n, v: _float(n, v, 0.01, 3600),

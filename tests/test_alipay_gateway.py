@@ -57,7 +57,8 @@ def alipay_settings(engine, keys, fake=None, **overrides):
         query_not_found_grace_seconds=0,
         # The tests look at callback rows as the gateway stored them, then process them themselves.
         callback_process_inline=False,
-        **overrides,
+        # These tests follow the relay's send; POST /payments sending at once is tests/test_charge_inline.py's.
+        **{"charge_inline_budget_seconds": 0, **overrides},
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import uuid
 
+import jsonschema_rs
 import pytest
 import requests
 import schemathesis
@@ -49,6 +50,27 @@ def test_the_document_describes_every_merchant_route_and_nothing_else():
             served |= {(path, m.lower()) for m in rule.methods - {"HEAD", "OPTIONS"}}
     described = {(path, method) for path, item in _document()["paths"].items() for method in item}
     assert described == served
+
+
+def test_a_pending_answer_with_its_qr_code_is_a_documented_payment():
+    schema = _document()["components"]["schemas"]["Payment"]
+    assert "Pending" in schema["properties"]["status"]["enum"] and "qr_code" not in schema["required"]
+    pending = {
+        "payment_id": "pay_01J0000000000000000000000",
+        "order_no": "o-1",
+        "amount": 1000,
+        "currency": "CNY",
+        "provider": "alipay",
+        "description": None,
+        "payment_method": None,
+        "status": "Pending",
+        "provider_transaction_id": None,
+        "qr_code": "https://qr.alipay.com/bax00000",
+        "created_at": "2026-12-01T00:00:00Z",
+    }
+    jsonschema_rs.validate(schema, pending)
+    with pytest.raises(jsonschema_rs.ValidationError):  # the schema does look at it: a QR code is text
+        jsonschema_rs.validate(schema, {**pending, "qr_code": 5})
 
 
 def test_the_document_follows_the_configuration():

@@ -273,7 +273,7 @@ def test_settings_name_the_missing_variable_and_the_unreadable_file(keys, tmp_pa
     assert "alipay" in build_providers(good) and "alipay" not in build_providers(make_settings())
     adapter = build_providers(good)["alipay"]
     # out_trade_no dedupes a re-sent precreate and finds the trade; callbacks come from the alipay platform.
-    assert adapter.capabilities == Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True)
+    assert adapter.capabilities == Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True, payer_scans=True)
     assert adapter.platform == "alipay"
     assert load_settings({}).alipay_gateway_url == "https://openapi.alipay.com/gateway.do"
 

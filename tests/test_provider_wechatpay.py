@@ -82,7 +82,7 @@ def test_a_native_order_is_pending_with_its_code_url_and_our_signature_was_check
 
 def test_a_resent_order_gets_the_same_code_url_and_the_platform_holds_one_order(wx):
     platform, adapter = wx
-    assert adapter.capabilities == Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True)
+    assert adapter.capabilities == Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True, payer_scans=True)
     first, second = adapter.charge(order(), None, 5), adapter.charge(order(), None, 5)
     assert first.qr_code == second.qr_code
     assert len(platform.orders) == 1 and platform.order_requests[PAYMENT] == 2

@@ -94,7 +94,7 @@ class AlipayProvider(Provider):
     """Alipay's openapi gateway; the merchant number (out_trade_no / out_request_no) is the dedupe key."""
 
     name = "alipay"
-    capabilities = Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True)
+    capabilities = Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True, payer_scans=True)
     """Alipay dedupes charges by out_trade_no and refunds by out_request_no, for the life of the trade (no key
     to expire, no idempotency-key header); a trade is looked up by out_trade_no."""
     callback_headers = ("Content-Type", "User-Agent")

@@ -51,6 +51,9 @@ class Capabilities:
     """How the provider dedupes a charge sent twice; NONE means a charge is never sent twice."""
     query_by_merchant_id: bool = False
     """A charge can be looked up by our payment_id."""
+    payer_scans: bool = False
+    """A created charge waits for the payer to scan a QR code it returns (Alipay precreate, WeChat Native): POST
+    /payments sends it at once, within CHARGE_INLINE_BUDGET_SECONDS, to answer with the code."""
 
     @property
     def may_resend(self) -> bool:

@@ -386,7 +386,7 @@ class WechatPayProvider(Provider):
     """WeChat Pay API v3, Native (QR code) payments, for one direct merchant number."""
 
     name = "wechatpay"
-    capabilities = Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True)
+    capabilities = Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True, payer_scans=True)
     """WeChat dedupes on our number (out_trade_no, out_refund_no), not on an idempotency key, for the order's
     whole life: the same number never makes a second order. An order is looked up by out_trade_no."""
     callback_headers = (*sign.SIGNED_HEADERS, "Content-Type", "User-Agent")
