@@ -233,7 +233,8 @@ def reconciliation_unexplained(conn: Connection, rule: Rule, now: datetime) -> l
     neither (never handed to a person) counts. A later clean run of the
     provider resolves the alert too: only the latest run is read.
     """
-    run, item, review = reconciliation_run, reconciliation_item, manual_review
+    run, item = reconciliation_run, reconciliation_item
+    linked, file_review = manual_review.alias("linked"), manual_review.alias("file_review")
     latest = (
         select(run.c.provider, func.max(run.c.id).label("run_id"))
         .where(run.c.status == ReconciliationRunStatus.COMPLETED)
@@ -246,23 +247,25 @@ def reconciliation_unexplained(conn: Connection, rule: Rule, now: datetime) -> l
         + literal(":file:")
         + cast(item.c.settlement_file_id, String)
     )
-    linked = or_(
-        review.c.id == item.c.manual_review_id,
-        and_(
-            item.c.manual_review_id.is_(None),
-            item.c.category == RECON_UNREADABLE,
-            review.c.open_key == file_review_key,
-        ),
-    )
+    # Two joins, each on a unique key (the review's id; its open_key, NULL once resolved), rather than one OR.
     still_unexplained = or_(
-        review.c.status == ReviewStatus.OPEN,
-        and_(review.c.id.is_(None), item.c.category != RECON_UNREADABLE),
+        linked.c.status == ReviewStatus.OPEN,
+        file_review.c.id.is_not(None),
+        and_(item.c.manual_review_id.is_(None), item.c.category != RECON_UNREADABLE),
     )
     rows = conn.execute(
         select(latest.c.provider, latest.c.run_id, func.count())
         .select_from(latest)
         .join(item, item.c.run_id == latest.c.run_id)
-        .outerjoin(review, linked)
+        .outerjoin(linked, linked.c.id == item.c.manual_review_id)
+        .outerjoin(
+            file_review,
+            and_(
+                item.c.manual_review_id.is_(None),
+                item.c.category == RECON_UNREADABLE,
+                file_review.c.open_key == file_review_key,
+            ),
+        )
         .where(item.c.category.in_(UNEXPLAINED), still_unexplained)
         .group_by(latest.c.provider, latest.c.run_id)
         .having(func.count() > rule.threshold)
