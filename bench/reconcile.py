@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -48,7 +47,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/reconcile.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10000,100000,1000000", help="file sizes in lines (default 10k,100k,1M)")
     parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL)
-    parser.add_argument("--json-out", type=Path, help="write the results here (default: a timestamped file)")
     parser.add_argument("--parse-only", metavar="FILE", help=argparse.SUPPRESS)  # the baseline's child process
     return parser.parse_args(argv)
 
@@ -166,19 +164,6 @@ def parse_only(path: str) -> int:
     return 0
 
 
-def _report(text: str) -> dict:
-    """The command's JSON report among its output (log lines, JSON themselves, may come before or after it)."""
-    decoder = json.JSONDecoder()
-    for match in re.finditer(r"^\{", text, re.MULTILINE):
-        try:
-            doc, _ = decoder.raw_decode(text, match.start())
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and "run_id" in doc:
-            return doc
-    raise SystemExit(f"FAIL: no reconciliation report in the output:\n{text[-2000:]}")
-
-
 def measure(args: argparse.Namespace, size: int) -> dict:
     engine = prepare_database(args.database_url)
     try:
@@ -193,7 +178,7 @@ def measure(args: argparse.Namespace, size: int) -> dict:
         command = [sys.executable, "-m", "compensator", "reconcile", "--date", DAY.isoformat()]
         command += ["--provider", "sandbox", "--file", str(path), "--format", "json"]
         wall, rss, text = child(command, env)
-        report = _report(text)
+        report = json.loads(text[text.index("{") :])
         with engine.connect() as conn:
             started, finished = conn.execute(
                 select(reconciliation_run.c.started_at, reconciliation_run.c.finished_at).where(
@@ -257,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(rss) > 1:
         print(f"reconcile peak RSS, largest / smallest size: {max(rss) / min(rss):.2f}x")
     print(f"load after: {loadavg()}")
-    out = args.json_out or RESULTS / f"reconcile-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    out = RESULTS / f"reconcile-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
-    print(f"raw results: {out}")
+    print(f"raw results: {out.relative_to(ROOT)}")
     return 0
 
 

@@ -36,3 +36,22 @@ def connect_bound(timeout: float) -> float:
 def connect(url: str, timeout: float) -> pika.BlockingConnection:
     """A blocking connection with these parameters (raises ``pika.exceptions.AMQPError`` or OSError)."""
     return pika.BlockingConnection(parameters(url, timeout))
+
+
+def unreachable(url: str, timeout: float) -> str | None:
+    """Why RabbitMQ at ``url`` cannot be reached now, or None: opens a connection with ``parameters`` and closes it.
+
+    The reason names the error class and pika's text (host and port, never
+    the URL's credentials); bounded by ``connect_bound(timeout)``.
+    """
+    try:
+        connection = connect(url, timeout)
+    except (pika.exceptions.AMQPError, OSError) as exc:
+        # pika's connection errors carry the socket error in args and print as empty strings (their repr says it).
+        detail = str(exc) or ", ".join(repr(a) for a in exc.args)
+        return f"{type(exc).__name__}: {detail}"[:300] if detail else type(exc).__name__
+    try:
+        connection.close()
+    except (pika.exceptions.AMQPError, OSError):
+        pass  # it connected: that is all the probe asks
+    return None

@@ -6,17 +6,25 @@ rule name, are in ``payments/alert_evaluators.py`` (the seed's two rules:
 ``callback_backlog``, more than 100 rows with status 0/2 for 5 minutes, and
 ``callback_failure_rate``, more than 5 % of the callbacks of the last 10
 minutes failed, plus compensation success, deadlines, signature failures and
-open breakers). Give-ups and conflicting reports fire their own alerts where
-they happen. People are told by ``notify_alerts``.
+open breakers, unexplained reconciliation items, an unsealed ledger and
+RabbitMQ's reachability). Give-ups and conflicting reports fire their own
+alerts where they happen. People are told by ``notify_alerts``.
+
+The broker rule needs a connection attempt, which ``payments`` cannot make
+(no pika there): this job passes ``broker.connection.unreachable`` in as the
+``broker`` probe when AMQP_URL is set; without it (embedded mode) the rule
+finds nothing.
 """
 
 from __future__ import annotations
 
 import logging
 from datetime import datetime
+from functools import partial
 
 from sqlalchemy import Connection
 
+from broker import connection
 from payments import alert_evaluators, alert_rules, alerts
 from payments.db import utcnow
 from payments.locks import lock_name, named_lock
@@ -27,6 +35,9 @@ log = logging.getLogger("paysync.compensator.alerts")
 BACKLOG_KEY = "callback_backlog"
 FAILURE_RATE_KEY = "callback_failure_rate"
 
+
+BROKER_PROBE_TIMEOUT_SECONDS = 2.0
+"""Socket timeout of the broker probe (the whole connection gets ``connection.connect_bound`` of it)."""
 
 LOCK_NAME = "paysync.evaluate_alerts"
 """Named database lock (``payments.locks``): one evaluation at a time across every compensator."""
@@ -50,7 +61,14 @@ def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
 def _evaluate(conn: Connection, runtime: Runtime, now: datetime) -> int:
     rules = alert_rules.for_settings(runtime.settings)
     with conn.begin():
-        firing = alert_evaluators.evaluate(conn, rules, now)
+        firing = alert_evaluators.evaluate(conn, rules, now, probes=probes(runtime))
     with conn.begin():
         alerts.deliver(conn, now)
     return firing
+
+
+def probes(runtime: Runtime) -> dict[str, alert_evaluators.Probe]:
+    """The probes of the rules about things outside the database: RabbitMQ, when AMQP_URL is set."""
+    if not runtime.settings.has_broker:
+        return {}
+    return {"broker": partial(connection.unreachable, runtime.settings.amqp_url, BROKER_PROBE_TIMEOUT_SECONDS)}

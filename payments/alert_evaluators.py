@@ -11,28 +11,56 @@ resolve.
 Alerts raised where the event happens (a callback giving up, a conflicting
 report, a breaker opening, …) are listed in ``EVALUATED_ELSEWHERE``: the
 rules file may route them (severity, channels, cooldown) but nothing here
-evaluates them. A rule that lands later (broker reachability,
-reconciliation, the ledger chain check) either adds an entry to
-``EVALUATORS`` (a query on its own table) or raises its alert where it
-happens and stays in ``EVALUATED_ELSEWHERE``; ``validate`` refuses a rules
-file naming a rule that is in neither, so no rule is silently dead.
+evaluates them. A new rule either adds an entry to ``EVALUATORS`` (a query
+on its own table) or raises its alert where it happens and goes in
+``EVALUATED_ELSEWHERE``; ``validate`` refuses a rules file naming a rule that
+is in neither, so no rule is silently dead.
+
+A rule about something outside the database (RabbitMQ's reachability) reads a
+*probe* the caller passes in (``evaluate(..., probes={"broker": fn})``): this
+package imports no broker client, so the compensator builds the probe in
+``broker/``. A probe returns None when all is well, else why not; a probe the
+caller does not pass (no AMQP_URL: embedded mode) finds nothing.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, func, or_, select
+from sqlalchemy import Connection, String, and_, case, cast, func, literal, or_, select
 
 from payments import alerts
 from payments.alert_rules import Rule, RuleSet
 from payments.errors import ConfigError
-from payments.schema import alert, payment, payment_callback_log, provider_breaker, refund
-from payments.states import CALLBACK_RETRYABLE, TERMINAL, AlertStatus, BreakerState, CallbackStatus, PaymentStatus
+from payments.reconcile import UNEXPLAINED
+from payments.schema import (
+    RECON_UNREADABLE,
+    alert,
+    ledger_event,
+    ledger_seal,
+    ledger_seal_gap,
+    manual_review,
+    payment,
+    payment_callback_log,
+    provider_breaker,
+    reconciliation_item,
+    reconciliation_run,
+    refund,
+)
+from payments.states import (
+    CALLBACK_RETRYABLE,
+    TERMINAL,
+    AlertStatus,
+    BreakerState,
+    CallbackStatus,
+    PaymentStatus,
+    ReconciliationRunStatus,
+    ReviewStatus,
+)
 
 log = logging.getLogger("paysync.alerts.rules")
 
@@ -49,13 +77,20 @@ class Finding:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+Probe = Callable[[], str | None]
+"""A check of something outside the database: None when it is fine, else why not (no secrets in the text)."""
+
+
 @dataclass(frozen=True)
 class Evaluator:
     """How one rule is checked."""
 
-    check: Callable[[Connection, Rule, datetime], list[Finding]]
+    check: Callable[..., list[Finding]]
+    """``check(conn, rule, now)``; with ``probe`` set, ``check(conn, rule, now, result)`` with the probe's result."""
     needs: tuple[str, ...] = ()
     """Rule fields that must be set in the rules file for this evaluator."""
+    probe: str | None = None
+    """Name of the probe (``evaluate``'s ``probes``) this rule reads; a probe not passed in finds nothing."""
 
 
 def callback_backlog(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
@@ -187,6 +222,108 @@ def provider_circuit_open(conn: Connection, rule: Rule, now: datetime) -> list[F
     ]
 
 
+def reconciliation_unexplained(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
+    """More than ``threshold`` unexplained items in a provider's latest completed run whose review is still open.
+
+    Reconciliation links each escalated item to its manual review
+    (``manual_review_id``); once a person resolves the review the item no
+    longer counts. An unreadable line re-read by a re-run of its file is not
+    escalated again and has no link: it counts while the file's review
+    (``reconciliation_unreadable:<provider>:file:<id>``) is open. An item with
+    neither (never handed to a person) counts. A later clean run of the
+    provider resolves the alert too: only the latest run is read.
+    """
+    run, item = reconciliation_run, reconciliation_item
+    linked, file_review = manual_review.alias("linked"), manual_review.alias("file_review")
+    latest = (
+        select(run.c.provider, func.max(run.c.id).label("run_id"))
+        .where(run.c.status == ReconciliationRunStatus.COMPLETED)
+        .group_by(run.c.provider)
+        .subquery()
+    )
+    file_review_key = (
+        literal(f"reconciliation_{RECON_UNREADABLE}:")
+        + latest.c.provider
+        + literal(":file:")
+        + cast(item.c.settlement_file_id, String)
+    )
+    # Two joins, each on a unique key (the review's id; its open_key, NULL once resolved), rather than one OR.
+    still_unexplained = or_(
+        linked.c.status == ReviewStatus.OPEN,
+        file_review.c.id.is_not(None),
+        and_(item.c.manual_review_id.is_(None), item.c.category != RECON_UNREADABLE),
+    )
+    rows = conn.execute(
+        select(latest.c.provider, latest.c.run_id, func.count())
+        .select_from(latest)
+        .join(item, item.c.run_id == latest.c.run_id)
+        .outerjoin(linked, linked.c.id == item.c.manual_review_id)
+        .outerjoin(
+            file_review,
+            and_(
+                item.c.manual_review_id.is_(None),
+                item.c.category == RECON_UNREADABLE,
+                file_review.c.open_key == file_review_key,
+            ),
+        )
+        .where(item.c.category.in_(UNEXPLAINED), still_unexplained)
+        .group_by(latest.c.provider, latest.c.run_id)
+        .having(func.count() > rule.threshold)
+        .order_by(latest.c.provider)
+    ).all()
+    return [
+        Finding(
+            f"{rule.name}:{provider}",
+            f"the latest reconciliation of {provider} (run {run_id}) left {count} items unexplained "
+            f"(threshold {rule.threshold:g})",
+            {"provider": provider, "run_id": run_id, "unexplained": count},
+        )
+        for provider, run_id, count in rows
+    ]
+
+
+def ledger_chain_stale(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
+    """Ledger events committed more than ``window_seconds`` ago that the sealer has not chained: it is not running.
+
+    Reads what the sealer would seal next, so the query stays an index range
+    however long the ledger: the events above the head's ``max_event_id`` and
+    those inside the gaps it is watching. Stragglers past their gap are found
+    by the sealer's own hourly scan and by ``verify-ledger``.
+    """
+    cutoff = now - timedelta(seconds=rule.window_seconds)
+    head = conn.execute(select(ledger_seal.c.max_event_id).order_by(ledger_seal.c.seq.desc()).limit(1)).scalar()
+    e = ledger_event
+    count, oldest, first = conn.execute(
+        select(func.count(), func.min(e.c.created_at), func.min(e.c.id)).where(
+            e.c.id > (head or 0), e.c.created_at < cutoff
+        )
+    ).one()
+    in_gaps, gap_oldest = conn.execute(
+        select(func.count(), func.min(e.c.created_at))
+        .select_from(ledger_seal_gap)
+        .join(e, e.c.id.between(ledger_seal_gap.c.from_event_id, ledger_seal_gap.c.to_event_id))
+        .outerjoin(ledger_seal, ledger_seal.c.ledger_event_id == e.c.id)
+        .where(ledger_seal.c.seq.is_(None), e.c.created_at < cutoff)
+    ).one()
+    total = count + in_gaps
+    if not total:
+        return []
+    oldest = min(t for t in (oldest, gap_oldest) if t is not None)
+    lag = int((now - oldest).total_seconds())
+    message = (
+        f"{total} ledger events unsealed for more than {rule.window_seconds} s (oldest {lag} s): "
+        "seal_ledger is not keeping the chain"
+    )
+    return [Finding(rule.name, message, {"unsealed": total, "oldest_seconds": lag, "first_unsealed_id": first})]
+
+
+def broker_unreachable(conn: Connection, rule: Rule, now: datetime, why: str | None) -> list[Finding]:
+    """The broker probe (a connection to AMQP_URL, opened and closed) failed; None: it connected."""
+    if why is None:
+        return []
+    return [Finding(rule.name, f"RabbitMQ unreachable: {why}", {"error": why[:200]})]
+
+
 EVALUATORS: dict[str, Evaluator] = {
     "callback_backlog": Evaluator(callback_backlog, needs=("threshold",)),
     "callback_failure_rate": Evaluator(callback_failure_rate, needs=("threshold", "window_seconds")),
@@ -194,13 +331,13 @@ EVALUATORS: dict[str, Evaluator] = {
     "past_deadline": Evaluator(past_deadline, needs=("threshold",)),
     "signature_failures": Evaluator(signature_failures, needs=("threshold", "window_seconds")),
     "provider_circuit_open": Evaluator(provider_circuit_open),
+    "reconciliation_unexplained": Evaluator(reconciliation_unexplained, needs=("threshold",)),
+    "ledger_chain_stale": Evaluator(ledger_chain_stale, needs=("window_seconds",)),
+    "broker_unreachable": Evaluator(broker_unreachable, probe="broker"),
 }
 """Rules ``evaluate_alerts`` checks, by the name they have in the rules file."""
 
 EVALUATED_ELSEWHERE: dict[str, str] = {
-    "broker_unreachable": "the processes that talk to RabbitMQ (broker/), once they report reachability",
-    "reconciliation_unexplained": "the reconciliation job, for items it could not explain",
-    "ledger_chain_stale": "the ledger seal job, when the chain check has not run in time",
     "callback_gave_up": "payments/callbacks.py (review.escalate), one per callback that exhausted its retries",
     "conflicting_report": "payments/callbacks.py and payments/calls.py (review.escalate), one per subject",
     "unresolved_payment": "payments/relay.py and payments/query.py (review.escalate), one per payment at its deadline",
@@ -229,12 +366,28 @@ def validate(rules: RuleSet) -> None:
                 raise ConfigError(f"alert rules {rules.source}: rule {name}: {needed} is required")
 
 
-def evaluate(conn: Connection, rules: RuleSet, now: datetime) -> int:
-    """Run every evaluator against ``conn`` (inside the caller's transaction); return how many alerts fire."""
+def evaluate(conn: Connection, rules: RuleSet, now: datetime, *, probes: Mapping[str, Probe] | None = None) -> int:
+    """Run every evaluator against ``conn`` (inside the caller's transaction); return how many alerts fire.
+
+    ``probes`` (name → probe) feed the rules about things outside the
+    database; they run first, before any query, so a slow probe holds no
+    snapshot or row lock.
+    """
+    probes = probes or {}
+    results: dict[str, str | None] = {}
+    for name, evaluator in EVALUATORS.items():
+        rule = rules.get(name)
+        if evaluator.probe in probes and rule is not None and rule.enabled:
+            results[name] = probes[evaluator.probe]()
     firing = 0
     for name, evaluator in EVALUATORS.items():
         rule = rules.get(name)
-        findings = evaluator.check(conn, rule, now) if rule is not None and rule.enabled else []
+        if rule is None or not rule.enabled or (evaluator.probe is not None and name not in results):
+            findings = []
+        elif evaluator.probe is not None:
+            findings = evaluator.check(conn, rule, now, results[name])
+        else:
+            findings = evaluator.check(conn, rule, now)
         for finding in findings:
             status = alerts.observe(
                 conn,

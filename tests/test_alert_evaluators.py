@@ -5,18 +5,40 @@ Each fires (after its sustain), stays one alert while it holds, and resolves whe
 
 from __future__ import annotations
 
+import re
+import uuid
 from datetime import datetime, timedelta
 
+import pytest
 from sqlalchemy import insert, select, update
 
-from compensator import evaluate_alerts
+from compensator import evaluate_alerts, notify_alerts, seal_ledger
+from payments import review
+from payments.alert_rules import DEFAULT_RULES_FILE, load_rules
 from payments.breaker import alert_key
 from payments.db import utcnow
 from payments.runtime import build_runtime
-from payments.schema import alert, payment, payment_callback_log, provider_breaker, refund
-from payments.states import BreakerState, CallbackStatus
-from tests.stack import db_url
-from tests.support import create_payment, make_settings
+from payments.schema import (
+    RECON_AMOUNT_MISMATCH,
+    RECON_FEE,
+    RECON_LOCAL_ONLY,
+    RECON_MATCHED,
+    RECON_PROVIDER_ONLY,
+    RECON_STATUS_MISMATCH,
+    RECON_UNREADABLE,
+    alert,
+    ledger_event,
+    payment,
+    payment_callback_log,
+    provider_breaker,
+    reconciliation_item,
+    reconciliation_run,
+    refund,
+)
+from payments.states import BreakerState, CallbackStatus, ReconciliationRunStatus
+from tests.notify_fakes import FakeService
+from tests.stack import db_url, url_via
+from tests.support import create_payment, free_port, make_settings
 
 
 def _runtime(engine, **overrides):
@@ -189,3 +211,211 @@ def test_thresholds_and_sustain_come_from_the_rules_file_and_a_disabled_rule_res
     rules.write_text("[rules.callback_backlog]\nthreshold = 5\nenabled = false\n")
     evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=1))
     assert _states(engine, "callback_backlog") == [("callback_backlog", "resolved")]
+
+
+# --- reconciliation_unexplained, ledger_chain_stale, broker_unreachable: fire, dedupe, remind, resolve ---------
+
+
+def _slack_runtime(engine, tmp_path, slack_url: str, **overrides):
+    """The shipped rules file with every channel set to slack (a real local server), so notify_alerts sends."""
+    text = DEFAULT_RULES_FILE.read_text()
+    path = tmp_path / "rules.toml"
+    path.write_text(re.sub(r"^channels = \[.*\]", 'channels = ["slack"]', text, flags=re.MULTILINE))
+    return _runtime(engine, alert_rules_file=str(path), slack_webhook_url=slack_url, **overrides)
+
+
+def _lifecycle(engine, runtime_now, slack, rule: str, t0: datetime, clear) -> None:
+    """Shipped sustain and cooldown: pending, firing once, one alert while it holds, a reminder, resolved.
+
+    ``runtime_now()`` is the runtime of each run (the broker test swaps it for one whose broker answers).
+    """
+    shipped = load_rules(str(DEFAULT_RULES_FILE)).get(rule)
+    sustain, cooldown = shipped.sustain_seconds, shipped.cooldown_seconds
+    evaluate_alerts.run_once(runtime_now(), now=t0)
+    notify_alerts.run_once(runtime_now(), now=t0)
+    if sustain:
+        assert _states(engine, rule)[0][1] == "pending"
+        evaluate_alerts.run_once(runtime_now(), now=t0 + timedelta(seconds=sustain - 1))
+        assert _states(engine, rule)[0][1] == "pending", "not before its sustain"
+    fired = t0 + timedelta(seconds=sustain)
+    evaluate_alerts.run_once(runtime_now(), now=fired)
+    notify_alerts.run_once(runtime_now(), now=fired)
+    (one,) = _alerts(engine, rule)
+    assert one.status == "firing"
+    for seconds in (1, cooldown - 1):  # still holding: the same alert, nobody told again
+        evaluate_alerts.run_once(runtime_now(), now=fired + timedelta(seconds=seconds))
+        notify_alerts.run_once(runtime_now(), now=fired + timedelta(seconds=seconds))
+    assert [a.id for a in _alerts(engine, rule)] == [one.id]
+    evaluate_alerts.run_once(runtime_now(), now=fired + timedelta(seconds=cooldown))
+    notify_alerts.run_once(runtime_now(), now=fired + timedelta(seconds=cooldown))
+    clear()
+    done = fired + timedelta(seconds=cooldown + 1)
+    evaluate_alerts.run_once(runtime_now(), now=done)
+    notify_alerts.run_once(runtime_now(), now=done)
+    assert _states(engine, rule) == [(one.dedupe_key, "resolved")]
+    severity = shipped.severity.upper()
+    assert [t for t in _titles(slack) if rule in t] == [
+        f"[{severity}] {rule} firing",
+        f"[{severity}] {rule} still firing (reminder 1)",
+        f"[RESOLVED] {rule}",
+    ]
+
+
+def _titles(fake: FakeService) -> list[str]:
+    return [r.data["blocks"][0]["text"]["text"] for r in fake.received]
+
+
+def _recon_run(engine, provider: str, at: datetime, items: list[tuple[str, int | None]], *, file_id: int = 1) -> int:
+    """A completed run of ``provider`` with items (category, manual_review_id); its id."""
+    with engine.begin() as conn:
+        run_id = conn.execute(
+            insert(reconciliation_run).values(
+                provider=provider,
+                settlement_date=at.date(),
+                settlement_file_id=file_id,
+                started_by="daily",
+                status=ReconciliationRunStatus.COMPLETED,
+                started_at=at,
+                finished_at=at,
+            )
+        ).inserted_primary_key[0]
+        for line_no, (category, review_id) in enumerate(items, 1):
+            conn.execute(
+                insert(reconciliation_item).values(
+                    run_id=run_id,
+                    category=category,
+                    kind="charge",
+                    settlement_file_id=file_id,
+                    line_no=line_no,
+                    action="review" if review_id else "none",
+                    manual_review_id=review_id,
+                    created_at=at,
+                )
+            )
+    return run_id
+
+
+def _review(engine, category: str, subject: str, at: datetime) -> int:
+    with engine.begin() as conn:
+        return review.escalate(
+            conn, kind=f"reconciliation_{category}", subject=subject, reason="test", now=at
+        ).review_id
+
+
+def test_reconciliation_unexplained_fires_per_provider_reminds_and_resolves_with_its_reviews(engine, tmp_path):
+    t0 = utcnow()
+    mismatch = _review(engine, RECON_AMOUNT_MISMATCH, "alipay:charge:pay_1", t0)
+    only = _review(engine, RECON_PROVIDER_ONLY, "alipay:charge:tx_2", t0)
+    done = _review(engine, RECON_LOCAL_ONLY, "alipay:charge:pay_3", t0)
+    with engine.begin() as conn:
+        review.resolve(conn, done, resolution="checked", resolved_by="finance", now=t0)
+    _recon_run(engine, "alipay", t0 - timedelta(days=1), [(RECON_STATUS_MISMATCH, None)] * 5)  # an older run
+    _recon_run(
+        engine,
+        "alipay",
+        t0,
+        [
+            (RECON_AMOUNT_MISMATCH, mismatch),
+            (RECON_PROVIDER_ONLY, only),
+            (RECON_LOCAL_ONLY, done),
+            (RECON_MATCHED, None),
+        ],
+    )
+    _recon_run(engine, "wechatpay", t0, [(RECON_MATCHED, None), (RECON_FEE, None)])  # clean: nothing for it
+    with FakeService("slack") as slack:
+        runtime = _slack_runtime(engine, tmp_path, slack.url)
+        evaluate_alerts.run_once(runtime, now=t0)
+        (one,) = _alerts(engine, "reconciliation_unexplained")
+        assert one.dedupe_key == "reconciliation_unexplained:alipay"
+        assert "left 2 items unexplained" in one.message, "the resolved review's item does not count"
+
+        def clear() -> None:
+            with engine.begin() as conn:
+                for review_id in (mismatch, only):
+                    review.resolve(conn, review_id, resolution="booked", resolved_by="finance", now=t0)
+
+        _lifecycle(engine, lambda: runtime, slack, "reconciliation_unexplained", t0, clear)
+
+
+def test_reconciliation_unexplained_reads_the_latest_run_and_an_unreadable_files_review(engine):
+    runtime = _runtime(engine)
+    t0 = utcnow()
+    file_review = _review(engine, RECON_UNREADABLE, "alipay:file:7", t0)
+    # A re-run of file 7 re-reads its unreadable lines and escalates none again (no link): the file review counts.
+    _recon_run(engine, "alipay", t0, [(RECON_UNREADABLE, None)] * 3, file_id=7)
+    evaluate_alerts.run_once(runtime, now=t0)
+    (one,) = _alerts(engine, "reconciliation_unexplained")
+    assert (one.status, "left 3 items unexplained" in one.message) == ("firing", True)
+    with engine.begin() as conn:
+        review.resolve(conn, file_review, resolution="file fixed", resolved_by="finance", now=t0)
+    evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=1))
+    assert _states(engine, "reconciliation_unexplained") == [("reconciliation_unexplained:alipay", "resolved")]
+
+    open_review = _review(engine, RECON_STATUS_MISMATCH, "alipay:charge:pay_9", t0)
+    _recon_run(engine, "alipay", t0, [(RECON_STATUS_MISMATCH, open_review)])
+    evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=2))
+    assert [s for _, s in _states(engine, "reconciliation_unexplained")] == ["resolved", "firing"]
+    _recon_run(engine, "alipay", t0, [(RECON_MATCHED, None)])  # a later clean run: its review is another matter
+    evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=3))
+    assert [s for _, s in _states(engine, "reconciliation_unexplained")] == ["resolved", "resolved"]
+
+
+def _ledger_events(engine, count: int, at: datetime) -> None:
+    with engine.begin() as conn:
+        for _ in range(count):
+            conn.execute(
+                insert(ledger_event).values(
+                    event_type="PaymentConfirmed",
+                    amount_minor=100,
+                    currency="CNY",
+                    source_type="api",
+                    dedupe_key=f"test:{uuid.uuid4().hex}",
+                    created_at=at,
+                )
+            )
+
+
+def test_ledger_chain_stale_fires_on_events_unsealed_past_the_window_and_resolves_once_sealed(engine, tmp_path):
+    t0 = utcnow()
+    _ledger_events(engine, 2, t0 - timedelta(seconds=700))
+    assert seal_ledger.seal(engine) == 2  # sealed: not stale however old
+    runtime = _runtime(engine)
+    evaluate_alerts.run_once(runtime, now=t0)
+    assert _alerts(engine, "ledger_chain_stale") == []
+
+    _ledger_events(engine, 3, t0 - timedelta(seconds=601))  # the sealer stopped: 10 minutes and more unsealed
+    _ledger_events(engine, 1, t0 - timedelta(seconds=30))  # recent: not yet the sealer's fault
+    with FakeService("slack") as slack:
+        runtime = _slack_runtime(engine, tmp_path, slack.url)
+        evaluate_alerts.run_once(runtime, now=t0)
+        (one,) = _alerts(engine, "ledger_chain_stale")
+        assert "3 ledger events unsealed for more than 600 s (oldest 601 s)" in one.message
+        _lifecycle(engine, lambda: runtime, slack, "ledger_chain_stale", t0, lambda: seal_ledger.seal(engine))
+
+
+@pytest.mark.mariadb
+def test_broker_unreachable_fires_after_2_minutes_on_a_closed_port_and_resolves_when_it_answers(
+    mariadb, amqp_url, tmp_path
+):
+    t0 = utcnow()
+    with FakeService("slack") as slack:
+        reachable = _slack_runtime(mariadb, tmp_path, slack.url, amqp_url=amqp_url)
+        evaluate_alerts.run_once(reachable, now=t0)
+        assert _alerts(mariadb, "broker_unreachable") == []
+        closed = url_via(amqp_url, free_port())  # nothing listens there
+        runtime = _slack_runtime(mariadb, tmp_path, slack.url, amqp_url=closed)
+        evaluate_alerts.run_once(runtime, now=t0)
+        (one,) = _alerts(mariadb, "broker_unreachable")
+        assert "RabbitMQ unreachable: AMQPConnectionError" in one.message and "guest" not in one.message
+        state = {"runtime": runtime}
+        _lifecycle(
+            mariadb, lambda: state["runtime"], slack, "broker_unreachable", t0, lambda: state.update(runtime=reachable)
+        )
+
+
+def test_broker_unreachable_finds_nothing_without_an_amqp_url(engine):
+    runtime = _runtime(engine)
+    assert runtime.settings.amqp_url == ""
+    assert evaluate_alerts.probes(runtime) == {}
+    evaluate_alerts.run_once(runtime)
+    assert _alerts(engine, "broker_unreachable") == []
