@@ -164,6 +164,20 @@ def parse_only(path: str) -> int:
     return 0
 
 
+def _report(text: str) -> dict:
+    """The command's JSON report among its output: log lines (JSON too) may come before or after it."""
+    decoder = json.JSONDecoder()
+    for i, char in enumerate(text):
+        if char == "{" and (i == 0 or text[i - 1] == "\n"):
+            try:
+                doc, _end = decoder.raw_decode(text, i)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(doc, dict) and "run_id" in doc:
+                return doc
+    raise SystemExit(f"no reconcile report in the command's output: {text[-500:]!r}")
+
+
 def measure(args: argparse.Namespace, size: int) -> dict:
     engine = prepare_database(args.database_url)
     try:
@@ -178,7 +192,7 @@ def measure(args: argparse.Namespace, size: int) -> dict:
         command = [sys.executable, "-m", "compensator", "reconcile", "--date", DAY.isoformat()]
         command += ["--provider", "sandbox", "--file", str(path), "--format", "json"]
         wall, rss, text = child(command, env)
-        report = json.loads(text[text.index("{") :])
+        report = _report(text)
         with engine.connect() as conn:
             started, finished = conn.execute(
                 select(reconciliation_run.c.started_at, reconciliation_run.c.finished_at).where(
