@@ -8,7 +8,7 @@ SANDBOX_PORT ?= 8100
 # `make run` is for a developer's machine: development fills in dev tokens and secrets, and says so once.
 PAYSYNC_ENV ?= development
 
-.PHONY: run test lint format venv import-graph chaos bench-ingest bench-drain bench-charges bench-events bench-reconcile clean
+.PHONY: run test lint format venv import-graph chaos bench bench-charts bench-ingest bench-drain bench-charges bench-events bench-reconcile clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "paysync needs Python 3.11 or newer")'
@@ -47,6 +47,17 @@ format: venv
 # installed, not running). E.g. CHAOS_ARGS="--payments 1000 --json-out bench/results/chaos.json".
 chaos: venv
 	$(BIN)/python bench/chaos.py $(CHAOS_ARGS)
+
+# Every benchmark with the same settings, its JSON in bench/results/, then the PNG charts BENCHMARKS.md shows
+# (bench/run_all.py). Needs MariaDB, RabbitMQ, wrk, and mariadb-server + rabbitmq-server installed for the chaos
+# run. BENCH_QUICK=1: all of them small, under 5 minutes.
+bench: venv
+	@command -v wrk >/dev/null || { echo "make bench needs wrk: sudo apt-get install -y wrk"; exit 2; }
+	BENCH_QUICK=$(BENCH_QUICK) $(BIN)/python bench/run_all.py $(BENCH_ARGS)
+
+# Redraw the charts from bench/results/*.json without measuring again.
+bench-charts: venv
+	$(BIN)/python bench/charts.py
 
 # Needs MariaDB, RabbitMQ and wrk (sudo apt-get install -y wrk). E.g. BENCH_ARGS="--duration 5 --repeats 1".
 bench-ingest: venv

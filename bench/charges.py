@@ -19,7 +19,11 @@ RELAY_INTERVAL_SECONDS), on MariaDB database ``paysync_bench_charges``
   time from creation (``payment.created_at``) to Succeeded (the
   ``updated_at`` of that transition), both stamped by paysync's clock.
 
-Prints both and the ratios paysync / direct. Results also go to ``bench/results/``.
+Prints both and the ratios paysync / direct. Then, unless ``--faults ''``,
+``paysync+faults``: the same again with the sandbox's fault knobs set to
+``--faults`` (default: 15% of charges committed and their reply held 8 s),
+payments per second and latencies (target: still 100 payments/s). Results,
+with every latency for the charts, go to ``bench/results/`` (``--json-out``).
 """
 
 from __future__ import annotations
@@ -56,13 +60,24 @@ from payments.schema import payment
 
 TOKEN = "bench-merchant-token"
 DEFAULT_DATABASE_URL = "mysql+pymysql://root@127.0.0.1:3306/paysync_bench_charges"
+DEFAULT_FAULTS = {"timeout_after_commit_rate": 0.15, "hang_seconds": 8.0}
+"""The chaos run's hanging calls: 15% of charges made, their reply held 8 s (under PROVIDER_TIMEOUT_SECONDS)."""
+TARGET_RATIO = 0.5
+TARGET_P50_MS = 250.0
+TARGET_FAULTED_PER_SECOND = 100.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/charges.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--payments", type=int, default=2000, help="payments (and direct charges) per side")
     parser.add_argument("--concurrency", type=int, default=8, help="client threads on each side (default 8)")
-    parser.add_argument("--relay-concurrency", type=int, default=8, help="RELAY_CONCURRENCY (default 8)")
+    parser.add_argument("--relay-concurrency", type=int, help="RELAY_CONCURRENCY (default: the setting's default)")
+    parser.add_argument(
+        "--faults",
+        default=json.dumps(DEFAULT_FAULTS),
+        help=f"sandbox fault knobs (JSON) for a second paysync run; '' skips it (default {json.dumps(DEFAULT_FAULTS)})",
+    )
+    parser.add_argument("--json-out", type=Path, help="write the results here (default bench/results/charges-*.json)")
     parser.add_argument("--relay-interval", type=float, default=0.2, help="RELAY_INTERVAL_SECONDS (default 0.2)")
     parser.add_argument("--workers", type=int, default=2, help="WEB_WORKERS for the gateway (default 2)")
     parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL)
@@ -103,13 +118,14 @@ def run_direct(sandbox_url: str, count: int, concurrency: int) -> dict:
         "per_second": count / elapsed,
         "p50_ms": statistics.median(latencies) * 1000,
         "p99_ms": percentile(latencies, 99) * 1000,
+        "latencies_ms": [round(x * 1000, 2) for x in latencies],
     }
 
 
-def run_paysync(port: int, engine, count: int, concurrency: int, timeout: float) -> dict:  # noqa: ANN001
+def run_paysync(port: int, engine, count: int, concurrency: int, timeout: float, prefix: str = "") -> dict:  # noqa: ANN001
     """Create ``count`` payments through the gateway and wait until the relay got every one Succeeded."""
     sessions = threading.local()
-    prefix = uuid.uuid4().hex[:8]
+    prefix = f"{prefix}{uuid.uuid4().hex[:8]}"
 
     def create(n: int) -> None:
         session = getattr(sessions, "s", None) or requests.Session()
@@ -128,13 +144,14 @@ def run_paysync(port: int, engine, count: int, concurrency: int, timeout: float)
         list(pool.map(create, range(count)))
     created_seconds = time.monotonic() - started
 
+    ours = payment.c.order_no.like(f"bench-{prefix}-%")  # this run's payments only
     deadline = time.monotonic() + timeout
     while True:
         with engine.connect() as conn:
-            done = conn.execute(select(func.count()).where(payment.c.status == "Succeeded")).scalar()
-            other = conn.execute(select(func.count()).where(payment.c.status.in_(("Failed", "Unknown")))).scalar()
+            done = conn.execute(select(func.count()).where(ours, payment.c.status == "Succeeded")).scalar()
+            other = conn.execute(select(func.count()).where(ours, payment.c.status == "Failed")).scalar()
         if other:
-            raise RuntimeError(f"{other} payments ended Failed or Unknown with zero faults")
+            raise RuntimeError(f"{other} payments ended Failed with no declines configured")
         if done >= count:
             break
         if time.monotonic() > deadline:
@@ -142,7 +159,9 @@ def run_paysync(port: int, engine, count: int, concurrency: int, timeout: float)
         time.sleep(0.2)
 
     with engine.connect() as conn:
-        rows = conn.execute(select(payment.c.created_at, payment.c.updated_at)).all()
+        rows = conn.execute(select(payment.c.created_at, payment.c.updated_at).where(ours)).all()
+        # An unanswered call is Unknown until the query job asks: converged, but slower, and counted.
+        via_unknown = conn.execute(select(func.count()).where(ours, payment.c.status_source.like("query:%"))).scalar()
     first_created = min(c for c, _ in rows)
     last_done = max(u for _, u in rows)
     span = (last_done - first_created).total_seconds()
@@ -154,6 +173,8 @@ def run_paysync(port: int, engine, count: int, concurrency: int, timeout: float)
         "created_per_second": count / created_seconds,
         "p50_ms": statistics.median(latencies) * 1000,
         "p99_ms": percentile(latencies, 99) * 1000,
+        "latencies_ms": [round(x * 1000, 2) for x in latencies],
+        "via_unknown": via_unknown,
     }
 
 
@@ -172,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "SANDBOX_DB_PATH": str(state),
         "PORT": str(web_port),
         "WEB_WORKERS": str(args.workers),
-        "RELAY_CONCURRENCY": str(args.relay_concurrency),
+        **({"RELAY_CONCURRENCY": str(args.relay_concurrency)} if args.relay_concurrency else {}),
         "RELAY_INTERVAL_SECONDS": str(args.relay_interval),
         "PROVIDER_RATE_LIMIT": "100000",
     }
@@ -196,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"paysync: {paysync['per_second']:8.1f} payments/s  p50 {paysync['p50_ms']:7.1f} ms   "
             f"p99 {paysync['p99_ms']:7.1f} ms   (creation to Succeeded; POST /payments at "
-            f"{paysync['created_per_second']:.1f}/s)",
+            f"{paysync['created_per_second']:.1f}/s; {paysync['via_unknown']} via Unknown)",
             flush=True,
         )
         truth = requests.get(f"http://127.0.0.1:{sandbox_port}/_sandbox/truth", timeout=60).json()
@@ -209,9 +230,39 @@ def main(argv: list[str] | None = None) -> int:
             f"p50 latency {paysync['p50_ms'] / direct['p50_ms']:.1f}x, "
             f"p99 latency {paysync['p99_ms'] / direct['p99_ms']:.1f}x   (load average after: {loadavg()})"
         )
+        faulted = None
+        if args.faults:
+            faults = json.loads(args.faults)
+            requests.post(
+                f"http://127.0.0.1:{sandbox_port}/_sandbox/faults", json=faults, timeout=10
+            ).raise_for_status()
+            faulted = run_paysync(web_port, engine, args.payments, args.concurrency, args.timeout, prefix="faulted")
+            faulted["faults"] = faults
+            print(
+                f"paysync+faults: {faulted['per_second']:8.1f} payments/s  p50 {faulted['p50_ms']:7.1f} ms   "
+                f"p99 {faulted['p99_ms']:7.1f} ms   (faults {args.faults})",
+                flush=True,
+            )
+            truth = requests.get(f"http://127.0.0.1:{sandbox_port}/_sandbox/truth", timeout=60).json()
+            if truth["multiple_charges"]:
+                raise RuntimeError(f"charged twice: {truth['multiple_charges'][:5]}")
+        verdict = "met" if ratio >= TARGET_RATIO else "MISSED"
+        print(f"target throughput >= {TARGET_RATIO:g}x direct: {ratio:.2f}x {verdict}")
+        print(
+            f"target p50 < {TARGET_P50_MS:g} ms: {paysync['p50_ms']:.0f} ms "
+            f"{'met' if paysync['p50_ms'] < TARGET_P50_MS else 'MISSED (saturated: see the creation rate)'}"
+        )
+        if faulted:
+            met = faulted["per_second"] >= TARGET_FAULTED_PER_SECOND
+            print(
+                f"target with faults >= {TARGET_FAULTED_PER_SECOND:g} payments/s: {faulted['per_second']:.0f}/s "
+                f"{'met' if met else 'MISSED'}"
+            )
         RESULTS.mkdir(parents=True, exist_ok=True)
-        out = RESULTS / f"charges-{datetime.now().strftime('%Y%m%dT%H%M%S')}.json"
-        out.write_text(json.dumps({"args": vars(args), "direct": direct, "paysync": paysync, "ratio": ratio}, indent=2))
+        out = args.json_out or RESULTS / f"charges-{datetime.now().strftime('%Y%m%dT%H%M%S')}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"args": vars(args), "direct": direct, "paysync": paysync, "faulted": faulted, "ratio": ratio}
+        out.write_text(json.dumps(doc, indent=2, default=str))
         print(f"results: {out}")
         return 0
     except Exception as exc:

@@ -91,6 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "alternating with this one, for before/after ratios",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="give up on a phase after this many seconds")
+    parser.add_argument("--json-out", type=Path, help="write the results here (default: a timestamped file)")
     parser.add_argument("--seal", action="store_true", help="also run every phase with a ledger sealer alongside")
     parser.add_argument("--seal-interval", type=float, default=2.0, help="SEAL_INTERVAL_SECONDS of the sealer")
     parser.add_argument("--sealer-loop", action="store_true", help=argparse.SUPPRESS)  # the sealer's own process
@@ -417,9 +418,9 @@ def main(argv: list[str] | None = None) -> int:
             verdict = ""
         print(f"{name:<26} | {rate:8.0f} | {rate / CRON_ROWS_PER_SECOND:14.0f}x | {versus:>11} | {verdict}")
     print(f"load after: {loadavg()}")
-    out = RESULTS / f"drain-{stamp}.json"
+    out = args.json_out or RESULTS / f"drain-{stamp}.json"
     out.write_text(json.dumps({"args": vars(args), "summary": summary, "runs": phases}, indent=2, default=str))
-    print(f"raw results: {out.relative_to(ROOT)}")
+    print(f"raw results: {out}")
     return 0
 
 

@@ -78,6 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="WEB_WORKERS for all three servers (default 2)")
     parser.add_argument("--bodies-per-second", type=int, default=3000, help="distinct events signed per second of run")
     parser.add_argument("--apps", default=",".join(APPS), help="which of bare,insert,gateway to run")
+    parser.add_argument("--json-out", type=Path, help="write the results here (default: a timestamped file)")
     parser.add_argument(
         "--before-tree",
         help="also run the gateway of this checkout (e.g. `git archive <rev> | tar -x -C /tmp/x`) as app 'before'",
@@ -311,13 +312,15 @@ def main(argv: list[str] | None = None) -> int:
             f"({published / max(stored, 1):.1%}), {processed} processed inline, 0 rejected"
         )
     print(f"load after: {loadavg()}")
-    out = RESULTS / f"ingest-{stamp}.json"
+    out = args.json_out or RESULTS / f"ingest-{stamp}.json"
     out.write_text(
         json.dumps(
-            {"args": vars(args), "summary": summary, "runs": {f"{a}@{c}": r for (a, c), r in results.items()}}, indent=2
+            {"args": vars(args), "summary": summary, "runs": {f"{a}@{c}": r for (a, c), r in results.items()}},
+            indent=2,
+            default=str,
         )
     )
-    print(f"raw results: {out.relative_to(ROOT)}")
+    print(f"raw results: {out}")
     return 0
 
 

@@ -47,6 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/reconcile.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10000,100000,1000000", help="file sizes in lines (default 10k,100k,1M)")
     parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL)
+    parser.add_argument("--json-out", type=Path, help="write the results here (default: a timestamped file)")
     parser.add_argument("--parse-only", metavar="FILE", help=argparse.SUPPRESS)  # the baseline's child process
     return parser.parse_args(argv)
 
@@ -256,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(rss) > 1:
         print(f"reconcile peak RSS, largest / smallest size: {max(rss) / min(rss):.2f}x")
     print(f"load after: {loadavg()}")
-    out = RESULTS / f"reconcile-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    out = args.json_out or RESULTS / f"reconcile-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
-    print(f"raw results: {out.relative_to(ROOT)}")
+    print(f"raw results: {out}")
     return 0
 
 

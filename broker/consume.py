@@ -8,6 +8,11 @@ handler ``(body) -> Action`` and tells the broker what the handler decided.
 so redeliveries do not spin, and gives the message back. Once ``stop`` is
 called the message in hand is finished and acknowledged, every prefetched one
 is handed back, and ``run`` returns.
+
+With a ``batch_handler``, every message that arrived while the previous batch
+was being handled (at most ``batch_size``) is handed over at once, as a list;
+when all of them are ``ACK`` one multiple ack answers the lot. The batch is
+as large as the backlog makes it: a lone message is handled at once, alone.
 """
 
 from __future__ import annotations
@@ -53,10 +58,15 @@ class ConsumeLoop:
         prefetch: int,
         quorum: bool = False,
         timeout: float = 5.0,
+        batch_handler: Callable[[list[bytes]], list[Action]] | None = None,
+        batch_size: int = 1,
     ) -> None:
         self.url = url
         self.queue = queue
         self.handler = handler
+        self.batch_handler = batch_handler if batch_size > 1 else None
+        self.batch_size = batch_size
+        self._batch: list[tuple[int, bytes]] = []
         self.prefetch = prefetch
         self.quorum = quorum
         self.timeout = timeout
@@ -90,7 +100,12 @@ class ConsumeLoop:
             log.info("consuming %s (prefetch %s)", self.queue, self.prefetch)
             while not self.stopping.is_set():
                 connection.process_data_events(time_limit=0.5)
+                while self._batch and not self.stopping.is_set():
+                    self._handle_batch(channel)
+                    # Take what arrived meanwhile (returns at once when nothing did).
+                    connection.process_data_events(time_limit=0)
         finally:
+            self._batch = []  # not acknowledged: the broker hands them out again
             if connection.is_open:
                 with contextlib.suppress(Exception):
                     connection.close()  # unacked prefetched messages go back to the queue
@@ -100,12 +115,31 @@ class ConsumeLoop:
             # Stop requested: hand back what was prefetched instead of starting on it.
             channel.basic_nack(method.delivery_tag, requeue=True)
             return
-        action = self.handler(body)
+        if self.batch_handler is not None:
+            self._batch.append((method.delivery_tag, body))  # handled when this dispatch round is over
+            return
+        self._answer(channel, method.delivery_tag, self.handler(body))
+
+    def _handle_batch(self, channel: Any) -> None:
+        batch, self._batch = self._batch[: self.batch_size], self._batch[self.batch_size :]
+        actions = self.batch_handler([body for _, body in batch])
+        if all(action is Action.ACK for action in actions):
+            # Tags grow in delivery order and everything before this batch is answered: one ack for all.
+            channel.basic_ack(batch[-1][0], multiple=True)
+            self.acked += len(batch)
+            return
+        if Action.REQUEUE in actions:
+            self.stopping.wait(REQUEUE_PAUSE_SECONDS)  # once for the batch, not once a message
+        for (tag, _), action in zip(batch, actions, strict=True):
+            self._answer(channel, tag, action, pause=False)
+
+    def _answer(self, channel: Any, tag: int, action: Action, pause: bool = True) -> None:
         if action is Action.ACK:
-            channel.basic_ack(method.delivery_tag)
+            channel.basic_ack(tag)
             self.acked += 1
         elif action is Action.DEAD_LETTER:
-            channel.basic_nack(method.delivery_tag, requeue=False)
+            channel.basic_nack(tag, requeue=False)
         else:
-            self.stopping.wait(REQUEUE_PAUSE_SECONDS)
-            channel.basic_nack(method.delivery_tag, requeue=True)
+            if pause:
+                self.stopping.wait(REQUEUE_PAUSE_SECONDS)
+            channel.basic_nack(tag, requeue=True)

@@ -8,8 +8,11 @@ back when the lease runs out and is sent again with the same idempotency key.
 The lease is also the worker's token: a worker that finds another's token on
 the row when it prepares the call sends nothing. Each row is handled by ``payments.relay.relay_charge``
 or ``relay_refund``, by its event type (prepare, call, apply: see there). Up to RELAY_CONCURRENCY calls are in flight
-at once, each provider is held to PROVIDER_RATE_LIMIT calls per second per
-process, and the scheduler runs the job every RELAY_INTERVAL_SECONDS (200 ms by
+at once (256: a slot is a thread asleep on its socket, so calls hanging until
+PROVIDER_TIMEOUT_SECONDS hold cheap slots, not the queue), at most
+RELAY_PROVIDER_CONCURRENCY of them to one provider; each provider is held to
+PROVIDER_RATE_LIMIT calls per second per process and guarded by its breaker
+(``payments.breaker``, inside the relay), and the scheduler runs the job every RELAY_INTERVAL_SECONDS (200 ms by
 default), which is what keeps creation-to-provider latency low.
 """
 
@@ -38,6 +41,16 @@ log = logging.getLogger("paysync.compensator.relay")
 
 _limiters: dict[tuple[str, float], tuple[RateLimiter, threading.Lock]] = {}
 _limiters_lock = threading.Lock()
+_slots: dict[tuple[str, int], threading.BoundedSemaphore] = {}
+
+
+def provider_slots(provider: str, size: int) -> threading.BoundedSemaphore:
+    """This process's bound on calls in flight to ``provider`` (kept across runs, like the rate limiter)."""
+    with _limiters_lock:
+        key = (provider, size)
+        if key not in _slots:
+            _slots[key] = threading.BoundedSemaphore(size)
+        return _slots[key]
 
 
 def throttle(provider: str, rate: float) -> None:
@@ -83,8 +96,11 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
 
     def work(item: tuple[int, str, datetime, str]) -> Result:
         outbox_id, provider, lease_until, event_type = item
-        throttle(provider, settings.provider_rate_limit)
-        return RELAYS[event_type](ctx, outbox_id, provider, lease_until)
+        # A row waiting here keeps its lease: prepare re-checks the token, so a row whose lease ran out
+        # meanwhile (another compensator took it over) sends nothing.
+        with provider_slots(provider, settings.relay_provider_concurrency):
+            throttle(provider, settings.provider_rate_limit)
+            return RELAYS[event_type](ctx, outbox_id, provider, lease_until)
 
     results = drain(
         lambda n: claim_batch(runtime.engine, utcnow(), n, lease),

@@ -14,7 +14,7 @@ import signal
 import sys
 
 from broker.consume import Action, ConsumeLoop
-from consumer.handler import handle
+from consumer.handler import handle, handle_batch
 from payments import failpoints, metrics
 from payments.runtime import Runtime, build_runtime
 from payments.settings import start_process
@@ -34,6 +34,8 @@ class Consumer:
             self._handle,
             prefetch=settings.consumer_prefetch,
             quorum=settings.amqp_quorum_queue,
+            batch_handler=self._handle_batch,
+            batch_size=settings.consumer_batch_size,
         )
 
     @property
@@ -50,6 +52,12 @@ class Consumer:
         if action is Action.ACK:
             failpoints.hit("consumer.after_commit")  # committed, not yet acknowledged
         return action
+
+    def _handle_batch(self, bodies: list[bytes]) -> list[Action]:
+        actions = [action for action, _outcome in handle_batch(self.runtime, bodies, stop=self.loop.stopping.is_set)]
+        if Action.ACK in actions:
+            failpoints.hit("consumer.after_commit")  # committed, not yet acknowledged
+        return actions
 
     def run(self) -> None:
         """Consume until stopped."""

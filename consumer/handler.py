@@ -11,11 +11,12 @@ database we cannot reach at all leaves the message for redelivery.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from broker.consume import Action
 from payments import metrics
 from payments.callbacks import CallbackResult, process_callback
-from payments.delivery import UnreadableMessage, decode_message, process_delivery
+from payments.delivery import Delivery, UnreadableMessage, decode_message, process_batch, process_delivery
 from payments.logs import REQUEST_ID
 from payments.runtime import Runtime
 
@@ -49,3 +50,43 @@ def _handle(runtime: Runtime, body: bytes) -> tuple[Action, CallbackResult | Non
     finally:
         REQUEST_ID.reset(token)
     return Action.ACK, outcome
+
+
+def handle_batch(
+    runtime: Runtime, bodies: list[bytes], stop: Callable[[], bool] | None = None
+) -> list[tuple[Action, CallbackResult | None]]:
+    """``handle`` for several messages at once: the readable ones are processed in one transaction.
+
+    Once ``stop()`` is true no further message is started; those are REQUEUE (handed back).
+    """
+    answers = _handle_batch(runtime, bodies, stop)
+    for action, _outcome in answers:
+        metrics.consumer_message(action.value)
+    return answers
+
+
+def _handle_batch(
+    runtime: Runtime, bodies: list[bytes], stop: Callable[[], bool] | None
+) -> list[tuple[Action, CallbackResult | None]]:
+    answers: list[tuple[Action, CallbackResult | None]] = [(Action.ACK, None)] * len(bodies)
+    readable: list[tuple[int, Delivery | int]] = []
+    for i, body in enumerate(bodies):
+        try:
+            readable.append((i, decode_message(body, runtime.settings.callback_max_body_bytes)))
+        except UnreadableMessage as exc:
+            log.warning("unreadable message sent to the dead-letter queue (%d bytes): %s", len(body), exc)
+            answers[i] = (Action.DEAD_LETTER, None)
+    if not readable:
+        return answers
+    try:
+        outcomes = process_batch(
+            runtime.engine, runtime.providers, [m for _, m in readable], runtime.callback_policy, stop=stop
+        )
+    except Exception as exc:  # noqa: BLE001 - database unreachable: not even the failures could be recorded
+        log.error("batch of %s: database unavailable (%s); left for redelivery", len(readable), type(exc).__name__)
+        for i, _ in readable:
+            answers[i] = (Action.REQUEUE, None)
+        return answers
+    for (i, _), (_log_id, outcome) in zip(readable, outcomes, strict=True):
+        answers[i] = (Action.REQUEUE, None) if outcome is None else (Action.ACK, outcome)
+    return answers

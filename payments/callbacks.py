@@ -23,7 +23,7 @@ from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 
 from payments import metrics
 from payments.backoff import RetryPolicy
-from payments.db import insert_ignore, utcnow
+from payments.db import insert_ignore, retry_on_disconnect, utcnow
 from payments.errors import CallbackRejected, EventIgnored, PaysyncError, TargetNotFound, UnsupportedContentType
 from payments.hints import HintLimits, hint_query
 from payments.logs import REQUEST_ID
@@ -71,6 +71,13 @@ _LOCK_ROW = (
     .where(payment_callback_log.c.id == bindparam("log_id"))
     .with_for_update()
 )
+_LOCK_ROWS = (
+    # A batch's rows in one statement, in id order (two consumers lock overlapping batches in the same order).
+    select(payment_callback_log.c.id, *_LOCK_ROW.selected_columns)
+    .where(payment_callback_log.c.id.in_(bindparam("log_ids", expanding=True)))
+    .order_by(payment_callback_log.c.id)
+    .with_for_update()
+)
 _UPDATE_ROW = update(payment_callback_log).where(payment_callback_log.c.id == bindparam("log_id"))
 _CLAIM_EVENT = insert_ignore(processed_event)
 _LOCK_TARGET = {
@@ -101,30 +108,34 @@ def store_callback(
     """
     now = now or utcnow()
     index = index or {}
-    with engine.begin() as conn:
-        result = conn.execute(
-            _STORE,
-            {
-                "provider": provider,
-                "callback_data": body,
-                # Not \u-escaped: latin-1 header text would take 6 bytes a character and overflow the column.
-                "headers": json.dumps(dict(headers), sort_keys=True, ensure_ascii=False),
-                "remote_addr": (remote_addr or "")[:64] or None,
-                "source": source,
-                "order_no": index.get("order_no"),
-                "payment_order_no": index.get("payment_order_no"),
-                "provider_event_id": index.get("provider_event_id"),
-                "event_type": index.get("event_type"),
-                "status": CallbackStatus.PENDING if rejected is None else CallbackStatus.REJECTED,
-                "result": None if rejected is None else f"rejected: {rejected}"[:500],
-                "retry_count": 0,
-                "next_retry_at": now,
-                "create_time": now,
-                "update_time": now,
-                "request_id": request_id,
-            },
-        )
-        return int(result.inserted_primary_key[0])
+    values = {
+        "provider": provider,
+        "callback_data": body,
+        # Not \u-escaped: latin-1 header text would take 6 bytes a character and overflow the column.
+        "headers": json.dumps(dict(headers), sort_keys=True, ensure_ascii=False),
+        "remote_addr": (remote_addr or "")[:64] or None,
+        "source": source,
+        "order_no": index.get("order_no"),
+        "payment_order_no": index.get("payment_order_no"),
+        "provider_event_id": index.get("provider_event_id"),
+        "event_type": index.get("event_type"),
+        "status": CallbackStatus.PENDING if rejected is None else CallbackStatus.REJECTED,
+        "result": None if rejected is None else f"rejected: {rejected}"[:500],
+        "retry_count": 0,
+        "next_retry_at": now,
+        "create_time": now,
+        "update_time": now,
+        "request_id": request_id,
+    }
+
+    def insert_row() -> int:
+        with engine.begin() as conn:
+            return int(conn.execute(_STORE, values).inserted_primary_key[0])
+
+    # No ping before the INSERT (payments.db): a pooled connection the database dropped fails here once,
+    # and the delivery is stored on a fresh one. Repeating is safe: if the lost reply was to a COMMIT that
+    # did commit, the second row is the same delivery stored twice, as a provider's own retry would.
+    return retry_on_disconnect(insert_row)
 
 
 def verify_callback(provider: Provider, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
@@ -141,6 +152,11 @@ def verify_callback(provider: Provider, body: bytes, headers: Mapping[str, str],
                 f"Content-Type must be {' or '.join(provider.callback_content_types)}, got {media_type[:64]!r}"
             )
     return provider.parse_callback(body, headers, now=now)
+
+
+def lock_rows(conn: Connection, log_ids: list[int]) -> dict[int, Any]:
+    """Lock and read the rows ``log_ids`` for ``process_locked`` in one statement; missing ids are left out."""
+    return {row.id: row for row in conn.execute(_LOCK_ROWS, {"log_ids": log_ids})}
 
 
 def reject_callback(
@@ -209,30 +225,41 @@ def process_callback(
     only when even recording the failure is impossible (database down).
     """
     now = now or utcnow()
-    # The row's request id is bound while it is processed (_process_locked), so every log line of this
+    # The row's request id is bound while it is processed (process_locked), so every log line of this
     # callback names the gateway request that stored it; restored afterwards for whatever runs next.
     token = REQUEST_ID.set(REQUEST_ID.get())
+    limits = hints or HintLimits()
+
+    def attempt() -> CallbackResult:
+        with engine.begin() as conn:
+            return process_locked(conn, providers, log_id, now, expect, limits)
+
     try:
         try:
-            with engine.begin() as conn:
-                outcome = _process_locked(conn, providers, log_id, now, expect, hints or HintLimits())
+            # A dead pooled connection is not the callback's fault: run again on a fresh one (idempotent).
+            outcome = retry_on_disconnect(attempt)
         except Exception as exc:  # noqa: BLE001 - every failure is recorded on the row, then retried
-            outcome = _record_failure(engine, log_id, exc, policy, now)
+            outcome = record_failure(engine, log_id, exc, policy, now)
     finally:
         REQUEST_ID.reset(token)
     metrics.callback_processed(outcome)
     return outcome
 
 
-def _process_locked(
+def process_locked(
     conn: Connection,
     providers: dict[str, Provider],
     log_id: int,
     now: datetime,
     expect: tuple[str, datetime] | None,
-    hints: HintLimits,
+    hints: HintLimits | None = None,
+    locked: Mapping[int, Any] | None = None,
 ) -> CallbackResult:
-    row = conn.execute(_LOCK_ROW, {"log_id": log_id}).first()
+    """``process_callback``'s work inside the caller's transaction; raises on a failure the caller records.
+
+    ``locked`` holds rows the caller already read with their lock (``lock_rows``), by id.
+    """
+    row = locked.get(log_id) if locked is not None else conn.execute(_LOCK_ROW, {"log_id": log_id}).first()
     if row is None:
         return CallbackResult.MISSING
     if expect is not None and (hashlib.sha256(row.callback_data).hexdigest(), row.create_time) != expect:
@@ -259,7 +286,7 @@ def _process_locked(
             raise
         _finish(conn, log_id, CallbackStatus.REJECTED, f"rejected: {exc.code}: {exc}", now)
         if isinstance(exc, CallbackRejected):
-            _hint(conn, providers, log_id, now, hints)
+            _hint(conn, providers, log_id, now, hints or HintLimits())
         return CallbackResult.REJECTED
 
     indexed = {
@@ -393,7 +420,7 @@ def _finish(
     )
 
 
-def _record_failure(
+def record_failure(
     engine: Engine,
     log_id: int,
     exc: Exception,

@@ -25,6 +25,10 @@ from backup): DESIGN.md invariant 12.
 A message of the earlier format, ``{"log_id": N}`` (queued before an upgrade),
 is still processed by its id; one without ``request_id`` (or with one that is
 not sane) is read as having none.
+
+``process_batch`` does the same for several messages in ONE transaction, a
+savepoint per message, so a message that fails rolls back only its own work
+and the batch pays one COMMIT (and the consumer one multiple ack).
 """
 
 from __future__ import annotations
@@ -34,17 +38,18 @@ import binascii
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Engine, insert, select
 
+from payments import metrics
 from payments.backoff import RetryPolicy
-from payments.callbacks import CallbackResult, process_callback
+from payments.callbacks import CallbackResult, lock_rows, process_callback, process_locked, record_failure
 from payments.db import utcnow
-from payments.logs import sane_request_id
+from payments.logs import REQUEST_ID, sane_request_id
 from payments.providers.base import Provider
 from payments.schema import SOURCE_WEBHOOK, payment_callback_log
 from payments.states import CallbackStatus
@@ -237,3 +242,86 @@ def process_delivery(
         return delivery.log_id, outcome
     log_id = restore_callback(engine, providers, delivery)
     return log_id, process_callback(engine, providers, log_id, policy, expect=expect)
+
+
+def process_batch(
+    engine: Engine,
+    providers: dict[str, Provider],
+    messages: list[Delivery | int],
+    policy: RetryPolicy,
+    stop: Callable[[], bool] | None = None,
+) -> list[tuple[int, CallbackResult | None]]:
+    """Process ``messages`` in one transaction with a savepoint each; return (row id, outcome) per message.
+
+    Once ``stop()`` is true no further message is started: those not started
+    have the outcome None (hand them back), and the finished ones commit.
+
+    Each message gets exactly what ``process_delivery`` gives it: a failure
+    rolls back to its savepoint and is recorded (retry count, backoff) after
+    the batch committed, in its own transaction; a missing row is restored and
+    processed on its own. If the transaction itself is lost (a deadlock rolls
+    back all of it, the connection dies), every message is processed again
+    one by one. Raises only when even that cannot reach the database.
+    """
+    now = utcnow()
+    outcomes: list[CallbackResult | None] = [None] * len(messages)
+    failures: dict[int, Exception] = {}
+    try:
+        with engine.begin() as conn:
+            locked = lock_rows(conn, sorted({_target(m)[0] for m in messages}))
+            seen: set[tuple[int, tuple[str, datetime] | None]] = set()
+            for i, message in enumerate(messages):
+                if i and stop is not None and stop():
+                    break
+                log_id, expect = _target(message)
+                if (log_id, expect) in seen:
+                    # A redelivery in the same batch: the row was read once, before the first copy changed it.
+                    # (Another delivery naming the same id, after a loss, is compared with the row as usual.)
+                    outcomes[i] = CallbackResult.SKIPPED
+                    continue
+                seen.add((log_id, expect))
+                # One name, set again for each message (MySQL and SQLite both allow it) and never released:
+                # COMMIT releases them all, and a RELEASE per message would be one more round trip.
+                conn.exec_driver_sql("SAVEPOINT paysync_message")
+                # process_locked binds the row's request id for its log lines; each message gets its own.
+                token = REQUEST_ID.set(REQUEST_ID.get())
+                try:
+                    outcomes[i] = process_locked(conn, providers, log_id, now, expect, locked=locked)
+                except Exception as exc:  # noqa: BLE001 - recorded on the row below, as process_callback does
+                    # Raises if the server already rolled everything back (a deadlock): the batch is redone.
+                    conn.exec_driver_sql("ROLLBACK TO SAVEPOINT paysync_message")
+                    failures[i] = exc
+                finally:
+                    REQUEST_ID.reset(token)
+    except Exception as exc:  # noqa: BLE001 - the batch as a whole is gone: nothing of it committed
+        log.info("batch of %s rolled back (%s); processing its messages one by one", len(messages), type(exc).__name__)
+        return [_one(engine, providers, message, policy) for message in messages]
+    results = []
+    for i, message in enumerate(messages):
+        log_id, _ = _target(message)
+        outcome = outcomes[i]
+        if outcome is None and i not in failures:
+            pass  # not started (stop): handed back
+        elif i in failures:
+            outcome = record_failure(engine, log_id, failures[i], policy, now)
+            metrics.callback_processed(outcome)
+        elif outcome is CallbackResult.MISSING and isinstance(message, Delivery):
+            log_id, outcome = process_delivery(engine, providers, message, policy)  # counted by process_callback
+        else:
+            metrics.callback_processed(outcome)
+        results.append((log_id, outcome))
+    return results
+
+
+def _target(message: Delivery | int) -> tuple[int, tuple[str, datetime] | None]:
+    if isinstance(message, int):
+        return message, None
+    return message.log_id, (message.body_sha256, message.received_at)
+
+
+def _one(
+    engine: Engine, providers: dict[str, Provider], message: Delivery | int, policy: RetryPolicy
+) -> tuple[int, CallbackResult]:
+    if isinstance(message, int):
+        return message, process_callback(engine, providers, message, policy)
+    return process_delivery(engine, providers, message, policy)

@@ -145,6 +145,9 @@ class Settings:
     """Upper bound on any broker connect or publish attempt from the gateway."""
     consumer_prefetch: int = 50
     """Unacknowledged messages the consumer holds at once."""
+    consumer_batch_size: int = 20
+    """Messages the consumer processes in one transaction (a savepoint each) and answers with one ack; 1: one
+    transaction per message. Only a backlog fills a batch: a lone message is processed at once."""
     compensator_interval_seconds: float = 10.0
     """How often the callback sweep runs (1 s when there is no broker)."""
     compensator_grace_seconds: float = 60.0
@@ -246,8 +249,11 @@ class Settings:
     """Outbound calls per second to one provider, per compensator process (and per gateway process, inline charges)."""
     relay_interval_seconds: float = 0.2
     """How often relay_outbox polls for ChargeRequested rows (keeps creation-to-provider latency low)."""
-    relay_concurrency: int = 8
-    """Provider calls relay_outbox keeps in flight at once (a hanging call holds one slot, not the queue)."""
+    relay_concurrency: int = 256
+    """Provider calls relay_outbox keeps in flight at once: cheap slots (a thread asleep on a socket), so
+    calls hanging until their timeout do not starve the rest."""
+    relay_provider_concurrency: int = 192
+    """Of those, at most this many to one provider at once (what one platform is asked to bear)."""
     relay_max_seconds: float = 30.0
     """One relay_outbox run stops claiming after this long (the scheduler starts the next one)."""
     query_interval_seconds: float = 1.0
@@ -414,6 +420,7 @@ _PARSERS = {
     "callback_inline_budget_seconds": lambda n, v: _float(n, v, 0.01, 25),
     "publish_timeout_seconds": lambda n, v: _float(n, v, 0.01, 30),
     "consumer_prefetch": lambda n, v: _int(n, v, 1, 10000),
+    "consumer_batch_size": lambda n, v: _int(n, v, 1, 1000),
     "compensator_interval_seconds": lambda n, v: _float(n, v, 0.1, 86400),
     "compensator_grace_seconds": lambda n, v: _float(n, v, 0, 86400),
     "compensator_batch_size": lambda n, v: _int(n, v, 1, 10000),
@@ -464,7 +471,8 @@ _PARSERS = {
     "provider_timeout_seconds": lambda n, v: _float(n, v, 0.05, 300),
     "provider_rate_limit": lambda n, v: _float(n, v, 0.1, 1_000_000),
     "relay_interval_seconds": lambda n, v: _float(n, v, 0.01, 3600),
-    "relay_concurrency": lambda n, v: _int(n, v, 1, 256),
+    "relay_concurrency": lambda n, v: _int(n, v, 1, 1024),
+    "relay_provider_concurrency": lambda n, v: _int(n, v, 1, 1024),
     "relay_max_seconds": lambda n, v: _float(n, v, 0.1, 3600),
     "query_interval_seconds": lambda n, v: _float(n, v, 0.05, 3600),
     "query_pending_after_seconds": lambda n, v: _float(n, v, 0, 86400),

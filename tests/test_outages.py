@@ -60,8 +60,8 @@ def test_database_unreachable_answers_503_stores_nothing_and_the_same_delivery_i
         assert len(rows) == 2
         assert bytes(rows[-1].callback_data) == body and rows[-1].status == CallbackStatus.PENDING
 
-        # Pool pre-ping: kill the worker's idle pooled connection behind its back; the next request must
-        # still succeed on the first try (without pre-ping it would fail on the dead connection).
+        # Kill the worker's pooled connection behind its back; the next request must still succeed on the
+        # first try (no ping before use: the dead connection fails once and the INSERT runs on a fresh one).
         proxy.cut()
         proxy.restore()
         second = signed(sandbox_event(create_payment(mariadb)))
