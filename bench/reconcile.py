@@ -47,6 +47,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/reconcile.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10000,100000,1000000", help="file sizes in lines (default 10k,100k,1M)")
     parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL)
+    parser.add_argument(
+        "--before-tree",
+        metavar="DIR",
+        help="also reconcile with the code of this checkout (e.g. a worktree of main), alternating, same database",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs per size (and tree); medians shown (default 1)")
     parser.add_argument("--json-out", type=Path, help="write the results here (default: a timestamped file)")
     parser.add_argument("--parse-only", metavar="FILE", help=argparse.SUPPRESS)  # the baseline's child process
     return parser.parse_args(argv)
@@ -138,12 +144,12 @@ def write_file(size: int) -> Path:
     return path
 
 
-def child(command: list[str], env: dict[str, str]) -> tuple[float, int, str]:
-    """Run ``command``; (wall seconds, peak RSS in KiB of that process, stdout)."""
+def child(command: list[str], env: dict[str, str], cwd: Path = ROOT) -> tuple[float, int, str]:
+    """Run ``command`` in ``cwd``; (wall seconds, peak RSS in KiB of that process, stdout)."""
     out_path = Path(f"/tmp/paysync_bench_reconcile_child_{os.getpid()}.out")
     with out_path.open("wb") as out:
         started = time.monotonic()
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.monotonic() - started
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -179,7 +185,8 @@ def _report(text: str) -> dict:
     raise SystemExit(f"no reconcile report in the command's output: {text[-500:]!r}")
 
 
-def measure(args: argparse.Namespace, size: int) -> dict:
+def measure(args: argparse.Namespace, size: int, tree: Path = ROOT) -> dict:
+    """One pass at ``size``: a fresh database and file, the parse-only baseline, then ``tree``'s reconcile."""
     engine = prepare_database(args.database_url)
     try:
         clock = time.monotonic()
@@ -192,7 +199,7 @@ def measure(args: argparse.Namespace, size: int) -> dict:
         baseline.update(wall=wall, rss_kib=rss)
         command = [sys.executable, "-m", "compensator", "reconcile", "--date", DAY.isoformat()]
         command += ["--provider", "sandbox", "--file", str(path), "--format", "json"]
-        wall, rss, text = child(command, env)
+        wall, rss, text = child(command, {**env, "PYTHONPATH": str(tree)}, cwd=tree)
         report = _report(text)
         with engine.connect() as conn:
             started, finished = conn.execute(
@@ -223,42 +230,71 @@ def check(report: dict, size: int) -> None:
         raise SystemExit(f"FAIL: expected FeeCharged CNY {fees}, got {report['fees_booked']}")
 
 
+def median_pass(passes: list[dict]) -> dict:
+    """The pass with the median reconcile time (its baseline and memory beside it), and every pass's rate."""
+    ordered = sorted(passes, key=lambda p: p["reconcile"]["seconds"])
+    chosen = dict(ordered[len(ordered) // 2])
+    chosen["passes"] = [p["size"] / p["reconcile"]["seconds"] for p in passes]
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.parse_only:
         return parse_only(args.parse_only)
     RESULTS.mkdir(parents=True, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    print(f"reconcile bench: sizes {sizes}, database {args.database_url.rsplit('/', 1)[-1]}; load {loadavg()}")
-    results = []
+    trees = {"": ROOT}
+    if args.before_tree:
+        trees = {"before": Path(args.before_tree).resolve(), "": ROOT}
+    print(
+        f"reconcile bench: sizes {sizes}, {args.repeats} pass(es), trees {list(trees.values())}, "
+        f"database {args.database_url.rsplit('/', 1)[-1]}; load {loadavg()}"
+    )
+    passes: dict[str, dict[int, list[dict]]] = {label: {} for label in trees}
     for size in sizes:
-        result = measure(args, size)
-        results.append(result)
-        b, r = result["baseline"], result["reconcile"]
-        print(
-            f"  {size:>9} lines: parse {size / b['seconds']:9.0f} lines/s {b['rss_kib'] / 1024:6.1f} MiB | "
-            f"reconcile {size / r['seconds']:7.0f} lines/s {r['rss_kib'] / 1024:6.1f} MiB "
-            f"(run {r['seconds']:.1f} s, process {r['wall']:.1f} s; load {result['load']})",
-            flush=True,
-        )
+        for _ in range(args.repeats):
+            for label, tree in trees.items():  # alternating, so both see the same machine
+                result = measure(args, size, tree)
+                passes[label].setdefault(size, []).append(result)
+                b, r = result["baseline"], result["reconcile"]
+                print(
+                    f"  {label or 'this':>6} {size:>9} lines: parse {size / b['seconds']:9.0f} lines/s "
+                    f"{b['rss_kib'] / 1024:6.1f} MiB | reconcile {size / r['seconds']:7.0f} lines/s "
+                    f"{r['rss_kib'] / 1024:6.1f} MiB (run {r['seconds']:.1f} s, process {r['wall']:.1f} s; "
+                    f"load {result['load']})",
+                    flush=True,
+                )
+    medians = {label: [median_pass(by_size[size]) for size in sizes] for label, by_size in passes.items()}
+    results = medians[""]
     print()
     header = f"{'lines':>9} | {'parse lines/s':>13} | {'parse RSS':>9} | {'reconcile lines/s':>17} | "
-    print(header + f"{'reconcile RSS':>13} | {'vs parse':>8} | target")
-    print("-" * 104)
-    for result in results:
+    print(header + f"{'reconcile RSS':>13} | {'vs parse':>8} | {'vs before':>9} | target")
+    print("-" * 116)
+    for i, result in enumerate(results):
         size, b, r = result["size"], result["baseline"], result["reconcile"]
         rate, base = size / r["seconds"], size / b["seconds"]
+        versus = "-"
+        if "before" in medians:
+            before = medians["before"][i]
+            versus = f"{rate / (size / before['reconcile']['seconds']):.2f}x"
         verdict = f">= {TARGET_LINES_PER_SECOND}: {'met' if rate >= TARGET_LINES_PER_SECOND else 'MISSED'}"
         print(
             f"{size:>9} | {base:>13.0f} | {b['rss_kib'] / 1024:>5.1f} MiB | {rate:>17.0f} | "
-            f"{r['rss_kib'] / 1024:>9.1f} MiB | {rate / base:>7.2f}x | {verdict}"
+            f"{r['rss_kib'] / 1024:>9.1f} MiB | {rate / base:>7.2f}x | {versus:>9} | {verdict}"
         )
+    if "before" in medians:
+        rates = ", ".join(f"{m['size']}: {m['size'] / m['reconcile']['seconds']:.0f}" for m in medians["before"])
+        print(f"before tree, reconcile lines/s (median): {rates}")
     rss = [r["reconcile"]["rss_kib"] for r in results]
     if len(rss) > 1:
         print(f"reconcile peak RSS, largest / smallest size: {max(rss) / min(rss):.2f}x")
     print(f"load after: {loadavg()}")
     out = args.json_out or RESULTS / f"reconcile-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
+    document = {"args": vars(args), "results": results}
+    if "before" in medians:
+        document["before"] = medians["before"]
+    out.write_text(json.dumps(document, indent=2, default=str))
     print(f"raw results: {out}")
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import tracemalloc
 import uuid
 from datetime import date, datetime, time, timedelta
@@ -752,3 +753,35 @@ def test_aging_shows_where_each_payment_stands_across_the_three_records_by_age(e
     result = compensator_command(engine, "aging", "--format", "json")
     assert result.returncode == 0, result.stderr
     assert set(json.loads(result.stdout)["categories"]) == set(aging.CATEGORIES)
+
+
+def test_read_ahead_yields_every_item_in_order_and_raises_the_producers_error_where_it_was_reached():
+    assert list(reconcile.read_ahead(iter(range(100)), depth=2)) == list(range(100))
+
+    def failing():
+        yield 1
+        yield 2
+        raise SettlementFormatError("line 3: not a sandbox settlement file")
+
+    got = []
+    with pytest.raises(SettlementFormatError, match="line 3"):
+        for item in reconcile.read_ahead(failing()):
+            got.append(item)
+    assert got == [1, 2]
+
+
+def test_read_ahead_stays_at_most_depth_ahead_and_a_caller_that_stops_stops_its_thread():
+    produced = []
+
+    def counting():
+        for n in range(1000):
+            produced.append(n)
+            yield n
+
+    items = reconcile.read_ahead(counting(), depth=1)
+    assert next(items) == 0
+    threading.Event().wait(0.3)  # time for the producer to run ahead if it would
+    assert len(produced) <= 3  # the one handed over, one queued, one waiting to be queued: bounded memory
+    items.close()  # the caller's loop ended (an exception in its batch, say)
+    assert not any(t.name == "reconcile-read-ahead" for t in threading.enumerate())
+    assert len(produced) <= 3
