@@ -144,8 +144,8 @@ def write_file(size: int) -> Path:
     return path
 
 
-def child(command: list[str], env: dict[str, str], cwd: Path = ROOT) -> tuple[float, int, str]:
-    """Run ``command`` in ``cwd``; (wall seconds, peak RSS in KiB of that process, stdout)."""
+def child(command: list[str], env: dict[str, str], cwd: Path = ROOT) -> tuple[float, int, float, str]:
+    """Run ``command`` in ``cwd``; (wall seconds, peak RSS in KiB, CPU seconds of that process, stdout)."""
     out_path = Path(f"/tmp/paysync_bench_reconcile_child_{os.getpid()}.out")
     with out_path.open("wb") as out:
         started = time.monotonic()
@@ -157,7 +157,7 @@ def child(command: list[str], env: dict[str, str], cwd: Path = ROOT) -> tuple[fl
     out_path.unlink()
     if proc.returncode != 0:
         raise SystemExit(f"FAIL: {' '.join(command[:4])} exited {proc.returncode}:\n{text[-3000:]}")
-    return wall, usage.ru_maxrss, text
+    return wall, usage.ru_maxrss, usage.ru_utime + usage.ru_stime, text
 
 
 def parse_only(path: str) -> int:
@@ -194,12 +194,12 @@ def measure(args: argparse.Namespace, size: int, tree: Path = ROOT) -> dict:
         path = write_file(size)
         prepared = time.monotonic() - clock
         env = process_env(DATABASE_URL=args.database_url, PAYSYNC_ENV="development")
-        wall, rss, text = child([sys.executable, str(Path(__file__)), "--parse-only", str(path)], env)
+        wall, rss, _cpu, text = child([sys.executable, str(Path(__file__)), "--parse-only", str(path)], env)
         baseline = json.loads(text.strip().splitlines()[-1])
         baseline.update(wall=wall, rss_kib=rss)
         command = [sys.executable, "-m", "compensator", "reconcile", "--date", DAY.isoformat()]
         command += ["--provider", "sandbox", "--file", str(path), "--format", "json"]
-        wall, rss, text = child(command, {**env, "PYTHONPATH": str(tree)}, cwd=tree)
+        wall, rss, cpu, text = child(command, {**env, "PYTHONPATH": str(tree)}, cwd=tree)
         report = _report(text)
         with engine.connect() as conn:
             started, finished = conn.execute(
@@ -214,7 +214,13 @@ def measure(args: argparse.Namespace, size: int, tree: Path = ROOT) -> dict:
             "size": size,
             "prepare_seconds": prepared,
             "baseline": baseline,
-            "reconcile": {"seconds": seconds, "wall": wall, "rss_kib": rss, "lines": report["file"]["lines"]},
+            "reconcile": {
+                "seconds": seconds,
+                "wall": wall,
+                "cpu": cpu,
+                "rss_kib": rss,
+                "lines": report["file"]["lines"],
+            },
             "load": loadavg(),
         }
     finally:
@@ -261,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"  {label or 'this':>6} {size:>9} lines: parse {size / b['seconds']:9.0f} lines/s "
                     f"{b['rss_kib'] / 1024:6.1f} MiB | reconcile {size / r['seconds']:7.0f} lines/s "
-                    f"{r['rss_kib'] / 1024:6.1f} MiB (run {r['seconds']:.1f} s, process {r['wall']:.1f} s; "
+                    f"{r['rss_kib'] / 1024:6.1f} MiB (run {r['seconds']:.1f} s, process {r['wall']:.1f} s, "
+                    f"{r['cpu'] * 1e6 / size:.0f} µs CPU/line; "
                     f"load {result['load']})",
                     flush=True,
                 )

@@ -60,7 +60,7 @@ from payments.bills import alipay as alipay_bill
 from payments.bills import sandbox as sandbox_bill
 from payments.bills import stripe as stripe_bill
 from payments.bills import wechatpay as wechatpay_bill
-from payments.db import insert_ignore, utcnow
+from payments.db import insert_ignore_rows, utcnow
 from payments.providers.base import Provider
 from payments.review import escalate
 from payments.schema import (
@@ -468,8 +468,9 @@ def reconcile(
     report.run_id = _start_run(engine, provider, day, report.file_id, started_by)
     try:
         run = _Run(engine, provider, day, report)
-        for batch in read_ahead(_checked_batches(parse(source.stream), BATCH_LINES)):
-            run.batch(batch)
+        batches = _stored_batches(engine, report.file_id, _checked_batches(parse(source.stream), BATCH_LINES))
+        for batch, stored in read_ahead(batches):
+            run.batch(batch, stored)
         _finish_import(engine, report)
         run.local_only()
         run.book_fees()
@@ -492,6 +493,21 @@ def _checked_batches(lines: Iterable[SettlementLine], size: int) -> Iterator[lis
     iterator = iter(lines)
     while batch := list(islice(iterator, size)):
         yield [checked(line) for line in batch]
+
+
+def _stored_batches(
+    engine: Engine, file_id: int, batches: Iterable[list[SettlementLine]]
+) -> Iterator[tuple[list[SettlementLine], int]]:
+    """Each batch stored unchanged in ``settlement_line`` in a transaction of its own: (batch, lines new).
+
+    Committed before the batch is matched (matching reads the stored lines);
+    ``INSERT IGNORE`` on (file, line number), so a second import adds nothing
+    and a crashed one resumes.
+    """
+    for batch in batches:
+        with engine.begin() as conn:
+            stored = insert_ignore_rows(conn, settlement_line, [_line_row(file_id, line) for line in batch])
+        yield batch, stored
 
 
 _DONE = object()
@@ -707,17 +723,14 @@ class _Run:
 
     # --- lines ---------------------------------------------------------------------------------
 
-    def batch(self, lines: list[SettlementLine]) -> None:
-        """Store, match and classify one batch; agreeing lines are written here, the rest act one by one."""
+    def batch(self, lines: list[SettlementLine], stored: int) -> None:
+        """Match one stored batch (``stored``: its new lines); agreeing lines written here, the rest act one by one."""
         report = self.report
         now = utcnow()
         acting: list[tuple[SettlementLine, Local | None, Finding]] = []
+        report.new_lines += stored
+        report.line_count += len(lines)
         with self.engine.begin() as conn:
-            stored = conn.execute(
-                insert_ignore(settlement_line), [_line_row(report.file_id, line) for line in lines]
-            ).rowcount
-            report.new_lines += max(stored, 0)
-            report.line_count += len(lines)
             for line in lines:
                 if line.kind in (CHARGE, REFUND, FEE) and line.fee_minor:
                     self.tally.fees[line.currency] = self.tally.fees.get(line.currency, 0) + line.fee_minor
