@@ -12,7 +12,10 @@ One run (``reconcile``), streamed so a file of any size takes flat memory:
    each is stored unchanged in ``settlement_line`` (``INSERT IGNORE`` on
    (file, line number): a second import adds nothing, a crashed one resumes),
    then matched to a local payment or refund by the provider's transaction id,
-   then by our number, and classified by the pure ``classify``.
+   then by our number, and classified by the pure ``classify``. Reading and
+   storing run one batch ahead in a thread of their own (``read_ahead``), so
+   the parser's Python work overlaps the database's work on the batch before;
+   a batch is committed before it is matched.
 3. **Act on what does not agree, never overwriting:**
    - a local Created/Pending/Unknown the provider settled (or failed) is moved
      by the state machine (``_resolve``), with the reconciliation item as the
