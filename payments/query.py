@@ -15,11 +15,12 @@ number (``query_refund``); a NotFound refund is sent again under its own key.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, exists, or_, select, update
+from sqlalchemy import Connection, Table, and_, exists, or_, select, update
 
 from payments import breaker, outbox, provider_calls
 from payments.calls import (
@@ -97,7 +98,7 @@ def query_payment(
         provider_calls.finish(conn, call_id, outcome, now)
         current = lock_payment(conn, payment_id)
         if isinstance(outcome, NotFound):
-            result = _not_found(ctx, conn, current, provider, now)
+            result = _not_found(ctx, conn, current, provider, now, _CHARGE)
         else:
             result = apply_outcome(ctx, conn, current, provider, outcome, f"query:{call_id}", now, query=True)
     count(ctx, provider, outcome, gate)
@@ -182,8 +183,43 @@ def _prepare(
     return call_id, current
 
 
-def _not_found(ctx: Context, conn: Connection, current: Mapping[str, Any], provider: Provider, now: datetime) -> Result:
-    """The provider says it never saw the charge: send it again with the same key, if it dedupes and we believe it.
+@dataclass(frozen=True)
+class _Resend:
+    """What a NotFound answer may send again: a charge or a refund, each under its own fixed key."""
+
+    table: Table
+    key: str
+    """Our number's column: payment_id or refund_id."""
+    event_type: str
+    last_call: Callable[[Connection, str], Any]
+    payload: Callable[[Mapping[str, Any]], dict[str, Any]]
+
+
+_CHARGE = _Resend(
+    payment,
+    "payment_id",
+    CHARGE_REQUESTED,
+    last_charge_call,
+    lambda row: {"payment_id": row["payment_id"], "provider": row["provider"], "resend": True},
+)
+_REFUND = _Resend(
+    refund,
+    "refund_id",
+    REFUND_REQUESTED,
+    last_refund_call,
+    lambda row: {
+        "refund_id": row["refund_id"],
+        "payment_id": row["payment_id"],
+        "provider": row["provider"],
+        "resend": True,
+    },
+)
+
+
+def _not_found(
+    ctx: Context, conn: Connection, current: Mapping[str, Any], provider: Provider, now: datetime, what: _Resend
+) -> Result:
+    """The provider says it never saw the charge (or refund): send it again with the same key, if we believe it.
 
     A provider that does not dedupe is only queried again (until the
     deadline): its NotFound may be a charge not visible yet. Where a re-send
@@ -192,31 +228,27 @@ def _not_found(ctx: Context, conn: Connection, current: Mapping[str, Any], provi
     """
     attempts = current["query_attempts"] + 1
     next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts))
-    last = last_charge_call(conn, current["payment_id"])
+    last = what.last_call(conn, current[what.key])
     grace_ends = last.started_at + timedelta(seconds=ctx.settings.query_not_found_grace_seconds) if last else now
     believed = provider.capabilities.may_resend and now >= grace_ends
     if provider.capabilities.may_resend and not believed:
         next_query_at = max(next_query_at, grace_ends)
     values = {"query_attempts": attempts, "next_query_at": next_query_at, "updated_at": now}
-    conn.execute(update(payment).where(payment.c.id == current["id"]).values(**values))
+    conn.execute(update(what.table).where(what.table.c.id == current["id"]).values(**values))
     if PaymentStatus(current["status"]) in TERMINAL or not believed:
         return Result.UNCHANGED
     queued = conn.execute(
         select(
             exists().where(
-                outbox_table.c.aggregate_id == current["payment_id"],
-                outbox_table.c.event_type == CHARGE_REQUESTED,
+                outbox_table.c.aggregate_id == current[what.key],
+                outbox_table.c.event_type == what.event_type,
                 outbox_table.c.status == OutboxStatus.PENDING,
             )
         )
     ).scalar()
     if not queued:
         outbox.enqueue(
-            conn,
-            event_type=CHARGE_REQUESTED,
-            aggregate_id=current["payment_id"],
-            now=now,
-            payload={"payment_id": current["payment_id"], "provider": current["provider"], "resend": True},
+            conn, event_type=what.event_type, aggregate_id=current[what.key], now=now, payload=what.payload(current)
         )
     return Result.RESEND
 
@@ -265,7 +297,7 @@ def query_refund(
         provider_calls.finish(conn, call_id, outcome, now)
         current = lock_refund(conn, refund_id)
         if isinstance(outcome, NotFound):
-            result = _refund_not_found(ctx, conn, current, provider, now)
+            result = _not_found(ctx, conn, current, provider, now, _REFUND)
         else:
             result = apply_outcome(ctx, conn, current, provider, outcome, f"query:{call_id}", now, query=True)
     count(ctx, provider, outcome, gate)
@@ -315,43 +347,3 @@ def _prepare_refund(
         call_lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
         conn.execute(update(refund).where(refund.c.id == current["id"]).values(next_query_at=call_lease))
     return call_id, current, request
-
-
-def _refund_not_found(
-    ctx: Context, conn: Connection, current: Mapping[str, Any], provider: Provider, now: datetime
-) -> Result:
-    """The provider never saw the refund: send it again under its own key, if it dedupes and we believe it."""
-    attempts = current["query_attempts"] + 1
-    next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts))
-    last = last_refund_call(conn, current["refund_id"])
-    grace_ends = last.started_at + timedelta(seconds=ctx.settings.query_not_found_grace_seconds) if last else now
-    believed = provider.capabilities.may_resend and now >= grace_ends
-    if provider.capabilities.may_resend and not believed:
-        next_query_at = max(next_query_at, grace_ends)
-    values = {"query_attempts": attempts, "next_query_at": next_query_at, "updated_at": now}
-    conn.execute(update(refund).where(refund.c.id == current["id"]).values(**values))
-    if PaymentStatus(current["status"]) in TERMINAL or not believed:
-        return Result.UNCHANGED
-    queued = conn.execute(
-        select(
-            exists().where(
-                outbox_table.c.aggregate_id == current["refund_id"],
-                outbox_table.c.event_type == REFUND_REQUESTED,
-                outbox_table.c.status == OutboxStatus.PENDING,
-            )
-        )
-    ).scalar()
-    if not queued:
-        outbox.enqueue(
-            conn,
-            event_type=REFUND_REQUESTED,
-            aggregate_id=current["refund_id"],
-            now=now,
-            payload={
-                "refund_id": current["refund_id"],
-                "payment_id": current["payment_id"],
-                "provider": current["provider"],
-                "resend": True,
-            },
-        )
-    return Result.RESEND
