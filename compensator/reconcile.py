@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import logging
 from datetime import UTC, date, datetime, timedelta
+from typing import Any
 
+from payments.db import batch_engine
 from payments.locks import named_lock
 from payments.providers.base import ProviderUnavailable
-from payments.reconcile import LOCK_NAME, PARSERS, ReconcileError, Report, download, open_file, reconcile
+from payments.reconcile import LOCK_NAME, PARSERS, ReconcileError, Report, Source, download, open_file, reconcile
 from payments.runtime import Runtime
 from payments.settlement import SettlementFormatError
 
 log = logging.getLogger("paysync.compensator.reconcile")
+
+STATEMENT_TIMEOUT_SECONDS = 600.0
+"""Read timeout of the reconciliation's own connections: one batch's statement on a large day may take minutes."""
 
 
 def days_to_check(today: date, days_back: int) -> list[date]:
@@ -65,9 +70,18 @@ def reconcile_download(
         raise ReconcileError(f"provider {provider!r} is not configured: give its file with --file")
     source = download(adapter, day, runtime.settings.provider_timeout_seconds)
     try:
-        return reconcile(runtime.engine, provider, day, source, started_by=started_by, skip_unchanged=skip_unchanged)
+        return _reconcile(runtime, provider, day, source, started_by=started_by, skip_unchanged=skip_unchanged)
     finally:
         source.close()
+
+
+def _reconcile(runtime: Runtime, provider: str, day: date, source: Source, **options: Any) -> Report:
+    engine = batch_engine(runtime.engine, STATEMENT_TIMEOUT_SECONDS)
+    try:
+        return reconcile(engine, provider, day, source, **options)
+    finally:
+        if engine is not runtime.engine:
+            engine.dispose()
 
 
 def reconcile_command(
@@ -82,7 +96,7 @@ def reconcile_command(
             if path is not None:
                 source = open_file(path)
                 try:
-                    reports.append(reconcile(runtime.engine, provider, day, source, started_by="manual"))
+                    reports.append(_reconcile(runtime, provider, day, source, started_by="manual"))
                 finally:
                     source.close()
             else:

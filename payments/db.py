@@ -80,6 +80,20 @@ def make_engine(url: str, *, pool_size: int = 5, **kwargs: Any) -> Engine:
     return engine
 
 
+def batch_engine(engine: Engine, read_timeout: float) -> Engine:
+    """An engine to ``engine``'s database for a batch job whose statements may take minutes; dispose it after.
+
+    The 10 s read timeout of ``make_engine`` is for request paths (a hung
+    database turns into a quick 503); a day's reconciliation on a large, cold
+    database can need longer for one batch's statement, and failing it there
+    would fail the whole run. SQLite has no read timeout: ``engine`` itself.
+    """
+    if engine.dialect.name == "sqlite":
+        return engine
+    timeouts = {"read_timeout": read_timeout, "write_timeout": read_timeout}
+    return make_engine(engine.url.render_as_string(hide_password=False), pool_size=2, connect_args=timeouts)
+
+
 def _install_cheap_pool_hooks(engine: Engine) -> None:
     """The idle ping and the conditional rollback-on-return (module docstring)."""
 

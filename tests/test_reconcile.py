@@ -602,6 +602,26 @@ def test_one_reconciliation_at_a_time(mariadb, tmp_path):
     assert report.status == "completed"
 
 
+@pytest.mark.mariadb
+def test_a_reconciliation_runs_on_connections_that_wait_for_a_long_statement(mariadb, tmp_path, monkeypatch):
+    """The request paths' 10 s read timeout failed a 1,000,000-line day in its local-only pass on a cold database."""
+    runtime = runtime_for(mariadb)
+    timeouts = []
+    original = reconcile_job.reconcile
+
+    def spy(engine, *args, **kwargs):
+        with engine.connect() as conn:
+            timeouts.append(conn.connection.dbapi_connection._read_timeout)
+        return original(engine, *args, **kwargs)
+
+    monkeypatch.setattr(reconcile_job, "reconcile", spy)
+    (report,) = reconcile_job.reconcile_command(runtime, DAY, ["sandbox"], str(settlement(tmp_path)), wait_seconds=0)
+    assert report.status == "completed"
+    with mariadb.connect() as conn:
+        assert conn.connection.dbapi_connection._read_timeout == 10  # the request paths keep theirs
+    assert timeouts == [reconcile_job.STATEMENT_TIMEOUT_SECONDS]
+
+
 def compensator_command(engine, *args: str) -> subprocess.CompletedProcess:
     env = env_for({"DATABASE_URL": engine.url.render_as_string(hide_password=False), "PAYSYNC_ENV": "development"})
     return subprocess.run(
