@@ -33,8 +33,9 @@ from datetime import date, datetime, timedelta
 from pathlib import Path
 
 from common import DEFAULT_DATABASE_URL, RESULTS, ROOT, loadavg, prepare_database, process_env
-from sqlalchemy import Engine, create_engine, func, insert, select, text
+from sqlalchemy import Engine, create_engine, func, select, text
 
+from payments.db import insert_ignore_rows
 from payments.schema import ledger_entry, ledger_event, payment, reconciliation_run
 
 DAY = date(2024, 3, 1)
@@ -72,8 +73,9 @@ def build(engine: Engine, size: int) -> None:
     with engine.begin() as conn:
         for start in range(0, size, CHUNK):
             numbers = range(start, min(start + CHUNK, size))
-            conn.execute(
-                insert(payment),
+            insert_ignore_rows(
+                conn,
+                payment,
                 [
                     {
                         "payment_id": f"pay_bench{n:012d}",
@@ -92,8 +94,9 @@ def build(engine: Engine, size: int) -> None:
                 ],
             )
             first_id = conn.execute(select(func.coalesce(func.max(ledger_event.c.id), 0))).scalar_one() + 1
-            conn.execute(
-                insert(ledger_event),
+            insert_ignore_rows(
+                conn,
+                ledger_event,
                 [
                     {
                         "event_type": "PaymentConfirmed",
@@ -109,8 +112,9 @@ def build(engine: Engine, size: int) -> None:
                     for i, n in enumerate(numbers)
                 ],
             )
-            conn.execute(
-                insert(ledger_entry),
+            insert_ignore_rows(
+                conn,
+                ledger_entry,
                 [
                     row
                     for i, n in enumerate(numbers)
