@@ -16,6 +16,7 @@ from gateway import error_response, ext
 from gateway.auth import bearer_ok
 from payments.calls import Context
 from payments.charges import InvalidRequest, check_key, create_payment, get_payment, parse_create
+from payments.idempotency import Answer
 from payments.refunds import create_refund, get_refund, parse_refund
 from payments.relay import relay_charge_inline
 
@@ -57,10 +58,7 @@ def create() -> Any:
     except SQLAlchemyError as exc:
         log.error("payment not created, answering 503: %s", type(exc).__name__)
         return error_response("storage_unavailable", "payment not created; retry with the same key", 503)
-    response = Response(answer.body, answer.status, content_type="application/json")
-    if answer.replayed:
-        response.headers["Idempotent-Replayed"] = "true"
-    return response
+    return _stored_answer(answer)
 
 
 class _Calls:
@@ -85,6 +83,14 @@ class _Calls:
 
 
 _calls = _Calls()
+
+
+def _stored_answer(answer: Answer) -> Response:
+    """The answer of a keyed POST as stored with its key (``payments.idempotency``); a replay says so."""
+    response = Response(answer.body, answer.status, content_type="application/json")
+    if answer.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return response
 
 
 def _send_now(provider: str) -> Callable[[str], bool] | None:
@@ -153,10 +159,7 @@ def refund(payment_id: str) -> Any:
     except SQLAlchemyError as exc:
         log.error("refund not created, answering 503: %s", type(exc).__name__)
         return error_response("storage_unavailable", "refund not created; retry with the same key", 503)
-    response = Response(answer.body, answer.status, content_type="application/json")
-    if answer.replayed:
-        response.headers["Idempotent-Replayed"] = "true"
-    return response
+    return _stored_answer(answer)
 
 
 @bp.get("/payments/<payment_id>/refunds/<refund_id>")
