@@ -46,29 +46,32 @@ def drain(
     handles one and returns a result. An exception in ``work`` is logged and
     counted as no result: the item's lease runs out and it is claimed again.
 
-    Claims are batched: a claim that came back full (more may be due) is
-    followed by the next one as soon as a slot is free, but no sooner than
-    ``poll_seconds / 4`` after it, so the slots that free up meanwhile are
-    filled by one claim, not one claim each; a claim that came back short is
-    followed by the next one ``poll_seconds`` later (or when the last unit
-    in flight finishes, whichever is first). ``batch`` caps one claim
-    (default: every free slot). With ``linger_seconds``, a run that finds
-    nothing to do keeps polling until that long after its start before it
-    returns (the scheduler's interval, less a little, so a row written between
-    two scheduled runs waits for a poll, not for the next run).
+    Claims are batched. After a claim that came back short (everything due
+    was taken), the next one is ``poll_seconds`` later. After one that came
+    back full (more is due), the next one waits until an eighth of the slots
+    are free (or ``poll_seconds`` passed), so the slots that free up one by one
+    are filled by one claim, not one claim each. Whenever nothing is in
+    flight, it claims at once. ``batch`` caps one claim (default: every free
+    slot). With ``linger_seconds``, a run that finds nothing to do keeps
+    polling until that long after its start before it returns (the
+    scheduler's interval, less a little, so a row written between two
+    scheduled runs waits for a poll, not for the next run).
     """
     started = time.monotonic()
     results: list[Any] = []
     inflight: set[Future] = set()
     pool = pool_for(name, concurrency)
     claiming = True
-    next_claim = started
+    refill = max(1, concurrency // 8)
+    last_claim = started - poll_seconds
+    backlog = False
     while True:
         now = time.monotonic()
         free = concurrency - len(inflight)
         if claiming and now - started >= max_seconds:
             claiming = False
-        if claiming and free > 0 and (now >= next_claim or not inflight):
+        polled = now - last_claim >= poll_seconds
+        if claiming and free > 0 and (not inflight or polled or (backlog and free >= refill)):
             asked = min(free, batch or free)
             try:
                 items = claim(asked)
@@ -76,11 +79,11 @@ def drain(
                 log.exception("%s: claim failed", name)
                 items, claiming = [], False
             inflight.update(pool.submit(work, item) for item in items)
-            next_claim = now + (poll_seconds / 4 if len(items) == asked else poll_seconds)
+            last_claim, backlog = now, len(items) == asked
         if not inflight and (not claiming or now - started >= linger_seconds):
             break
-        # Wait for a slot to free up or for the next claim, whichever comes first.
-        timeout = max(0.0, next_claim - time.monotonic()) if claiming and free > 0 else poll_seconds
+        # Wait for a slot to free up or for the next poll, whichever comes first.
+        timeout = max(0.0, last_claim + poll_seconds - time.monotonic()) if claiming and free > 0 else poll_seconds
         if not inflight:
             time.sleep(timeout)
             continue

@@ -112,7 +112,7 @@ def test_hanging_calls_hold_cheap_slots_within_the_provider_cap_and_the_rest_flo
 
 
 def test_a_drain_claims_in_batches_not_once_per_finished_unit():
-    due = list(range(60))
+    due = list(range(200))
     asked: list[int] = []
 
     def claim(n):
@@ -121,14 +121,15 @@ def test_a_drain_claims_in_batches_not_once_per_finished_unit():
         return taken
 
     def work(item):
-        time.sleep(0.01)
+        time.sleep(0.005 + item % 7 / 1000)  # units finish one by one, not all together
         return item
 
-    results = workpool.drain(claim, work, concurrency=8, max_seconds=10, poll_seconds=0.2, name="test-batches")
-    assert sorted(results) == list(range(60))
-    # One claim per finished unit would be ~60; the floor between claims after a full one (poll / 4 = 50 ms)
-    # lets the slots that free up meanwhile be filled together.
-    assert len(asked) <= 25, asked
+    results = workpool.drain(claim, work, concurrency=32, max_seconds=10, poll_seconds=0.5, name="batches")
+    assert sorted(results) == list(range(200))
+    # With a backlog, a claim waits for an eighth of the slots (4) to be free: one claim per finished unit
+    # would be ~170 claims of 1.
+    assert len(asked) <= 200 / 4 + 5, asked
+    assert min(asked[:-1]) >= 4, asked
 
 
 def test_an_idle_run_with_linger_picks_up_a_row_that_becomes_due_after_its_first_poll():
