@@ -13,8 +13,9 @@ PROVIDER_TIMEOUT_SECONDS hold cheap slots, not the queue), at most
 RELAY_PROVIDER_CONCURRENCY of them to one provider, and at most
 RELAY_DB_CONCURRENCY (8) of them in a database transaction at once (the
 claim, a prepare, an apply): a unit waits for its turn holding no connection,
-so 256 threads never crowd the pool and the interpreter lock with 256
-transactions, each of which would then take 256 times longer. Each provider
+so 256 threads never crowd the pool and the interpreter lock with 256 open
+transactions (which stretched every one of them, ran the pool dry and failed
+units on its timeout, to wait out their lease). Each provider
 is held to PROVIDER_RATE_LIMIT calls per second per process and guarded by
 its breaker (``payments.breaker``, inside the relay). The scheduler runs the
 job every RELAY_INTERVAL_SECONDS (200 ms by default); a run polls for due
