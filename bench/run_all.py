@@ -27,7 +27,7 @@ from common import DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL, RESULTS, ROOT, loadav
 FULL = {
     "ingest": ["--concurrency", "1,8,32", "--duration", "10", "--repeats", "3"],
     "drain": ["--rows", "5000", "--consumers", "1,2,4", "--repeats", "3"],
-    "charges": ["--payments", "2000"],
+    "charges": ["--payments", "2000", "--repeats", "3"],
     "reconcile": ["--sizes", "10000,100000,1000000"],
     "chaos": ["--payments", "1000"],
 }

@@ -59,7 +59,7 @@ def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], flo
         "evaluate_alerts": (evaluate_alerts.run_once, lambda rt: rt.settings.evaluate_alerts_interval_seconds),
         "notify_alerts": (notify_alerts.run_once, lambda rt: notify_alerts.INTERVAL_SECONDS),
         "publish_events": (publish_events.run_once, lambda rt: rt.settings.publish_events_interval_seconds),
-        "relay_outbox": (relay_outbox.run_once, lambda rt: rt.settings.relay_interval_seconds),
+        "relay_outbox": (relay_outbox.run_scheduled, lambda rt: rt.settings.relay_interval_seconds),
         "query_unresolved": (query_unresolved.run_once, lambda rt: rt.settings.query_interval_seconds),
         "catch_up": (catch_up.run_once, lambda rt: catch_up.INTERVAL_SECONDS),
         "seal_ledger": (seal_ledger.run_once, lambda rt: rt.settings.seal_interval_seconds),

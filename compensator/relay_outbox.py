@@ -10,10 +10,18 @@ the row when it prepares the call sends nothing. Each row is handled by ``paymen
 or ``relay_refund``, by its event type (prepare, call, apply: see there). Up to RELAY_CONCURRENCY calls are in flight
 at once (256: a slot is a thread asleep on its socket, so calls hanging until
 PROVIDER_TIMEOUT_SECONDS hold cheap slots, not the queue), at most
-RELAY_PROVIDER_CONCURRENCY of them to one provider; each provider is held to
-PROVIDER_RATE_LIMIT calls per second per process and guarded by its breaker
-(``payments.breaker``, inside the relay), and the scheduler runs the job every RELAY_INTERVAL_SECONDS (200 ms by
-default), which is what keeps creation-to-provider latency low.
+RELAY_PROVIDER_CONCURRENCY of them to one provider, and at most
+RELAY_DB_CONCURRENCY (8) of them in a database transaction at once (the
+claim, a prepare, an apply): a unit waits for its turn holding no connection,
+so 256 threads never crowd the pool and the interpreter lock with 256 open
+transactions (which stretched every one of them, ran the pool dry and failed
+units on its timeout, to wait out their lease). Each provider
+is held to PROVIDER_RATE_LIMIT calls per second per process and guarded by
+its breaker (``payments.breaker``, inside the relay). The scheduler runs the
+job every RELAY_INTERVAL_SECONDS (200 ms by default); a run polls for due
+rows every POLL_SECONDS while it has calls in flight, and an idle run polls
+on until just before the next one (``run_scheduled``), which is what keeps
+creation-to-provider latency low. Claims are batched (``workpool.drain``).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ log = logging.getLogger("paysync.compensator.relay")
 _limiters: dict[tuple[str, float], tuple[RateLimiter, threading.Lock]] = {}
 _limiters_lock = threading.Lock()
 _slots: dict[tuple[str, int], threading.BoundedSemaphore] = {}
+_db_turns: dict[int, threading.BoundedSemaphore] = {}
 
 
 def provider_slots(provider: str, size: int) -> threading.BoundedSemaphore:
@@ -51,6 +60,14 @@ def provider_slots(provider: str, size: int) -> threading.BoundedSemaphore:
         if key not in _slots:
             _slots[key] = threading.BoundedSemaphore(size)
         return _slots[key]
+
+
+def db_turns(size: int) -> threading.BoundedSemaphore:
+    """This process's bound on relay units inside a database transaction at once (RELAY_DB_CONCURRENCY)."""
+    with _limiters_lock:
+        if size not in _db_turns:
+            _db_turns[size] = threading.BoundedSemaphore(size)
+        return _db_turns[size]
 
 
 def throttle(provider: str, rate: float) -> None:
@@ -88,11 +105,26 @@ def claim_batch(
     return [(r.id, json.loads(r.payload).get("provider", ""), lease_until, r.event_type) for r in rows]
 
 
-def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
+POLL_SECONDS = 0.05
+"""While a run is on, due rows are looked for at least this often (``compensator.workpool.drain``)."""
+
+
+def run_scheduled(runtime: Runtime) -> int:
+    """The scheduler's run: ``run_once``, polling on for most of RELAY_INTERVAL_SECONDS when there is nothing to do.
+
+    So a row committed just after a poll is claimed by the next poll, POLL_SECONDS
+    later, rather than by the scheduler's next run; the run still ends before
+    that next run is due.
+    """
+    return run_once(runtime, linger_seconds=runtime.settings.relay_interval_seconds * 0.9)
+
+
+def run_once(runtime: Runtime, *, max_seconds: float | None = None, linger_seconds: float = 0.0) -> int:
     """Relay until nothing is due and nothing is in flight; return the number of rows handled."""
     settings = runtime.settings
     ctx = Context(runtime.engine, runtime.providers, settings)
     lease = settings.call_lease_seconds
+    turns = db_turns(settings.relay_db_concurrency)
 
     def work(item: tuple[int, str, datetime, str]) -> Result:
         outbox_id, provider, lease_until, event_type = item
@@ -100,15 +132,20 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
         # meanwhile (another compensator took it over) sends nothing.
         with provider_slots(provider, settings.relay_provider_concurrency):
             throttle(provider, settings.provider_rate_limit)
-            return RELAYS[event_type](ctx, outbox_id, provider, lease_until)
+            return RELAYS[event_type](ctx, outbox_id, provider, lease_until, lambda: turns)
+
+    def claim(n: int) -> list[tuple[int, str, datetime, str]]:
+        with turns:
+            return claim_batch(runtime.engine, utcnow(), n, lease)
 
     results = drain(
-        lambda n: claim_batch(runtime.engine, utcnow(), n, lease),
+        claim,
         work,
         concurrency=settings.relay_concurrency,
         max_seconds=settings.relay_max_seconds if max_seconds is None else max_seconds,
-        poll_seconds=min(settings.relay_interval_seconds, 0.1),
+        poll_seconds=min(settings.relay_interval_seconds, POLL_SECONDS),
         name="relay",
+        linger_seconds=linger_seconds,
     )
     counts = Counter(r.value for r in results)
     handled = sum(n for r, n in counts.items() if r != Result.SKIPPED)

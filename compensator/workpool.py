@@ -37,31 +37,57 @@ def drain(
     max_seconds: float,
     poll_seconds: float,
     name: str,
+    batch: int | None = None,
+    linger_seconds: float = 0.0,
 ) -> list[Any]:
     """Claim and work until nothing is due and nothing is in flight (or ``max_seconds`` pass); return the results.
 
     ``claim(n)`` returns up to n items (and must lease them); ``work(item)``
     handles one and returns a result. An exception in ``work`` is logged and
     counted as no result: the item's lease runs out and it is claimed again.
+
+    Claims are batched. After a claim that came back short (everything due
+    was taken), the next one is ``poll_seconds`` later. After one that came
+    back full (more is due), the next one waits until an eighth of the slots
+    are free (or ``poll_seconds`` passed), so the slots that free up one by one
+    are filled by one claim, not one claim each. Whenever nothing is in
+    flight, it claims at once. ``batch`` caps one claim (default: every free
+    slot). With ``linger_seconds``, a run that finds nothing to do keeps
+    polling until that long after its start before it returns (the
+    scheduler's interval, less a little, so a row written between two
+    scheduled runs waits for a poll, not for the next run).
     """
     started = time.monotonic()
     results: list[Any] = []
     inflight: set[Future] = set()
     pool = pool_for(name, concurrency)
     claiming = True
+    refill = max(1, concurrency // 8)
+    last_claim = started - poll_seconds
+    backlog = False
     while True:
+        now = time.monotonic()
         free = concurrency - len(inflight)
-        if claiming and free > 0 and time.monotonic() - started < max_seconds:
+        if claiming and now - started >= max_seconds:
+            claiming = False
+        polled = now - last_claim >= poll_seconds
+        if claiming and free > 0 and (not inflight or polled or (backlog and free >= refill)):
+            asked = min(free, batch or free)
             try:
-                items = claim(free)
+                items = claim(asked)
             except Exception:  # noqa: BLE001 - database trouble: stop claiming, finish what is in flight
                 log.exception("%s: claim failed", name)
                 items, claiming = [], False
             inflight.update(pool.submit(work, item) for item in items)
-        if not inflight:
+            last_claim, backlog = now, len(items) == asked
+        if not inflight and (not claiming or now - started >= linger_seconds):
             break
-        # Slots all busy, or nothing due right now: wait for one to free up, then look again.
-        done, inflight = wait(inflight, timeout=poll_seconds, return_when=FIRST_COMPLETED)
+        # Wait for a slot to free up or for the next poll, whichever comes first.
+        timeout = max(0.0, last_claim + poll_seconds - time.monotonic()) if claiming and free > 0 else poll_seconds
+        if not inflight:
+            time.sleep(timeout)
+            continue
+        done, inflight = wait(inflight, timeout=timeout, return_when=FIRST_COMPLETED)
         for future in done:
             try:
                 results.append(future.result())

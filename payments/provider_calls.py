@@ -19,7 +19,7 @@ import threading
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, bindparam, insert, select, update
 
 from payments import metrics
 from payments.providers.base import Failed, Mismatch, QueryOutcome, Unknown
@@ -30,6 +30,9 @@ _IN_FLIGHT: dict[int, tuple[str, str]] = {}
 _IN_FLIGHT_MAX = 10_000
 """Calls started but never finished here (a crash between the two) are forgotten past this many."""
 _in_flight_lock = threading.Lock()
+_START = insert(provider_call)
+_FINISH = update(provider_call).where(provider_call.c.id == bindparam("p_call_id"))
+"""Built once (the columns come with the parameters): every call runs both."""
 
 
 def request_digest(operation: str, params: dict[str, Any]) -> str:
@@ -65,15 +68,16 @@ def start(
 ) -> int:
     """Record that a call is about to go out, in the caller's transaction; return the row id."""
     result = conn.execute(
-        insert(provider_call).values(
-            payment_id=payment_id,
-            refund_id=refund_id,
-            provider=provider,
-            operation=operation,
-            idempotency_key=idempotency_key,
-            request_digest=request_digest(operation, params),
-            started_at=now,
-        )
+        _START,
+        {
+            "payment_id": payment_id,
+            "refund_id": refund_id,
+            "provider": provider,
+            "operation": operation,
+            "idempotency_key": idempotency_key,
+            "request_digest": request_digest(operation, params),
+            "started_at": now,
+        },
     )
     call_id = int(result.inserted_primary_key[0])
     with _in_flight_lock:
@@ -87,16 +91,16 @@ def finish(conn: Connection, call_id: int, outcome: QueryOutcome, now: datetime)
     """Record what the call came back with, in the transaction that applies it."""
     evidence = outcome.evidence
     conn.execute(
-        update(provider_call)
-        .where(provider_call.c.id == call_id)
-        .values(
-            outcome=outcome_name(outcome),
-            error_code=outcome_code(outcome),
-            http_status=evidence.http_status if evidence else None,
-            response=evidence.response if evidence else None,
-            latency_ms=evidence.latency_ms if evidence else None,
-            finished_at=now,
-        )
+        _FINISH,
+        {
+            "p_call_id": call_id,
+            "outcome": outcome_name(outcome),
+            "error_code": outcome_code(outcome),
+            "http_status": evidence.http_status if evidence else None,
+            "response": evidence.response if evidence else None,
+            "latency_ms": evidence.latency_ms if evidence else None,
+            "finished_at": now,
+        },
     )
     with _in_flight_lock:
         labels = _IN_FLIGHT.pop(call_id, None)

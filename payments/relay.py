@@ -28,10 +28,11 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, bindparam, select, update
 
 from payments import breaker, failpoints, provider_calls
 from payments.backoff import compute_backoff
@@ -59,23 +60,35 @@ from payments.transitions import apply_decision
 
 log = logging.getLogger("paysync.relay")
 
+Turn = Callable[[], AbstractContextManager[object]]
+"""A wait for a turn at the database (``relay_outbox`` bounds how many units are in a transaction at once)."""
 
-def relay_charge(ctx: Context, outbox_id: int, provider_name: str, lease_until: datetime) -> Result:
+# Every send runs these: built once (SET columns come with the parameters), not rebuilt per row.
+_LOCK_OUTBOX = select(outbox_table).where(outbox_table.c.id == bindparam("p_outbox_id")).with_for_update()
+_UPDATE_OUTBOX = update(outbox_table).where(outbox_table.c.id == bindparam("p_outbox_id"))
+_LEASE_FOR_CALL = _UPDATE_OUTBOX.values(attempts=outbox_table.c.attempts + 1)
+
+
+def relay_charge(
+    ctx: Context, outbox_id: int, provider_name: str, lease_until: datetime, db_turn: Turn = nullcontext
+) -> Result:
     """Send one claimed ChargeRequested row to its provider and apply the answer (module docstring).
 
     ``provider_name`` comes from the row's payload (read by the claim), so the
     breaker is consulted before any row lock is taken. ``lease_until`` is the
     claim's token: if the row no longer carries it, the lease ran out and
-    another worker holds the row now, and nothing is sent.
+    another worker holds the row now, and nothing is sent. The prepare and
+    the apply each wait for a ``db_turn``; the call in between holds none.
     """
     provider = ctx.providers.get(provider_name)
-    gate = admission(ctx, provider)
-    prepared: Result | tuple[int, dict[str, Any], bool] = Result.SKIPPED
-    try:
-        prepared = _prepare(ctx, outbox_id, lease_until, provider, gate)
-    finally:
-        if isinstance(prepared, Result):
-            release(ctx, provider, gate)  # no call goes out: a probe slot we took is free again
+    with db_turn():
+        gate = admission(ctx, provider)
+        prepared: Result | tuple[int, dict[str, Any], bool] = Result.SKIPPED
+        try:
+            prepared = _prepare(ctx, outbox_id, lease_until, provider, gate)
+        finally:
+            if isinstance(prepared, Result):
+                release(ctx, provider, gate)  # no call goes out: a probe slot we took is free again
     if isinstance(prepared, Result):
         return prepared
     call_id, current, resend = prepared
@@ -92,8 +105,9 @@ def relay_charge(ctx: Context, outbox_id: int, provider_name: str, lease_until: 
         ctx.settings.provider_timeout_seconds,
     )
     failpoints.hit("relay.after_provider_call")
-    result = _apply(ctx, outbox_id, call_id, current["payment_id"], provider, outcome, resend)
-    count(ctx, provider, outcome, gate)
+    with db_turn():
+        result = _apply(ctx, outbox_id, call_id, current["payment_id"], provider, outcome, resend)
+        count(ctx, provider, outcome, gate)
     return result
 
 
@@ -146,7 +160,7 @@ def _prepare(
 ) -> Result | tuple[int, dict[str, Any], bool]:
     now = utcnow()
     with ctx.engine.begin() as conn:
-        row = conn.execute(select(outbox_table).where(outbox_table.c.id == outbox_id).with_for_update()).first()
+        row = conn.execute(_LOCK_OUTBOX, {"p_outbox_id": outbox_id}).first()
         if row is None or row.status != OutboxStatus.PENDING or row.next_attempt_at != lease_until:
             return Result.SKIPPED  # done, or our lease ran out and another worker holds the row now
         payment_id = json.loads(row.payload)["payment_id"]
@@ -201,15 +215,8 @@ def _prepare(
         if decision.verdict == Verdict.APPLY:
             apply_decision(conn, "payment", current, decision, source=f"call:{call_id}", now=now)
         # The lease now covers the call itself, however long the wait for the rate limiter was.
-        conn.execute(
-            update(outbox_table)
-            .where(outbox_table.c.id == outbox_id)
-            .values(
-                attempts=outbox_table.c.attempts + 1,
-                next_attempt_at=now + timedelta(seconds=ctx.settings.call_lease_seconds),
-                updated_at=now,
-            )
-        )
+        lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
+        conn.execute(_LEASE_FOR_CALL, {"p_outbox_id": outbox_id, "next_attempt_at": lease, "updated_at": now})
     return call_id, current, resend
 
 
@@ -226,12 +233,10 @@ def _apply(
     with ctx.engine.begin() as conn:
         provider_calls.finish(conn, call_id, outcome, now)
         current = lock_payment(conn, payment_id)
-        row = conn.execute(
-            select(outbox_table.c.status, outbox_table.c.attempts).where(outbox_table.c.id == outbox_id)
-        ).first()
         if isinstance(outcome, Failed) and not outcome.definitive:
             s = ctx.settings
-            delay = compute_backoff(max(1, row.attempts), s.retry_base_seconds, s.retry_max_seconds)
+            attempts = conn.execute(select(outbox_table.c.attempts).where(outbox_table.c.id == outbox_id)).scalar()
+            delay = compute_backoff(max(1, attempts or 0), s.retry_base_seconds, s.retry_max_seconds)
             conn.execute(
                 update(outbox_table)
                 .where(outbox_table.c.id == outbox_id, outbox_table.c.status == OutboxStatus.PENDING)
@@ -257,13 +262,14 @@ def _charge_params(current: Mapping[str, Any]) -> dict[str, Any]:
 
 def _finish_outbox(conn: Connection, outbox_id: int, now: datetime, status: OutboxStatus, error: str | None) -> None:
     conn.execute(
-        update(outbox_table)
-        .where(outbox_table.c.id == outbox_id)
-        .values(status=status, last_error=error[:500] if error else None, updated_at=now)
+        _UPDATE_OUTBOX,
+        {"p_outbox_id": outbox_id, "status": status, "last_error": error[:500] if error else None, "updated_at": now},
     )
 
 
-def relay_refund(ctx: Context, outbox_id: int, provider_name: str, lease_until: datetime) -> Result:
+def relay_refund(
+    ctx: Context, outbox_id: int, provider_name: str, lease_until: datetime, db_turn: Turn = nullcontext
+) -> Result:
     """Send one claimed RefundRequested row to its provider and apply the answer, as ``relay_charge`` does a charge.
 
     The refund goes out under its own fixed idempotency key (``refund.idempotency_key``)
@@ -271,20 +277,22 @@ def relay_refund(ctx: Context, outbox_id: int, provider_name: str, lease_until: 
     Unknown for the query job, which looks it up by our refund number.
     """
     provider = ctx.providers.get(provider_name)
-    gate = admission(ctx, provider)
-    prepared: Result | tuple[int, dict[str, Any], RefundRequest, bool] = Result.SKIPPED
-    try:
-        prepared = _prepare_refund(ctx, outbox_id, lease_until, provider, gate)
-    finally:
-        if isinstance(prepared, Result):
-            release(ctx, provider, gate)
+    with db_turn():
+        gate = admission(ctx, provider)
+        prepared: Result | tuple[int, dict[str, Any], RefundRequest, bool] = Result.SKIPPED
+        try:
+            prepared = _prepare_refund(ctx, outbox_id, lease_until, provider, gate)
+        finally:
+            if isinstance(prepared, Result):
+                release(ctx, provider, gate)
     if isinstance(prepared, Result):
         return prepared
     call_id, current, request, resend = prepared
     outcome = provider.refund(request, current["idempotency_key"], ctx.settings.provider_timeout_seconds)
     failpoints.hit("relay.after_provider_call")
-    result = _apply_refund(ctx, outbox_id, call_id, current["refund_id"], provider, outcome, resend)
-    count(ctx, provider, outcome, gate)
+    with db_turn():
+        result = _apply_refund(ctx, outbox_id, call_id, current["refund_id"], provider, outcome, resend)
+        count(ctx, provider, outcome, gate)
     return result
 
 
@@ -297,7 +305,7 @@ def _prepare_refund(
 ) -> Result | tuple[int, dict[str, Any], RefundRequest, bool]:
     now = utcnow()
     with ctx.engine.begin() as conn:
-        row = conn.execute(select(outbox_table).where(outbox_table.c.id == outbox_id).with_for_update()).first()
+        row = conn.execute(_LOCK_OUTBOX, {"p_outbox_id": outbox_id}).first()
         if row is None or row.status != OutboxStatus.PENDING or row.next_attempt_at != lease_until:
             return Result.SKIPPED
         refund_id = json.loads(row.payload)["refund_id"]
@@ -359,15 +367,8 @@ def _prepare_refund(
         decision = decide(PaymentStatus(current["status"]), PaymentStatus.PENDING)
         if decision.verdict == Verdict.APPLY:
             apply_decision(conn, "refund", current, decision, source=f"call:{call_id}", now=now)
-        conn.execute(
-            update(outbox_table)
-            .where(outbox_table.c.id == outbox_id)
-            .values(
-                attempts=outbox_table.c.attempts + 1,
-                next_attempt_at=now + timedelta(seconds=ctx.settings.call_lease_seconds),
-                updated_at=now,
-            )
-        )
+        lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
+        conn.execute(_LEASE_FOR_CALL, {"p_outbox_id": outbox_id, "next_attempt_at": lease, "updated_at": now})
     return call_id, current, request, resend
 
 
@@ -384,12 +385,10 @@ def _apply_refund(
     with ctx.engine.begin() as conn:
         provider_calls.finish(conn, call_id, outcome, now)
         current = lock_refund(conn, refund_id)
-        row = conn.execute(
-            select(outbox_table.c.status, outbox_table.c.attempts).where(outbox_table.c.id == outbox_id)
-        ).first()
         if isinstance(outcome, Failed) and not outcome.definitive:
             s = ctx.settings
-            delay = compute_backoff(max(1, row.attempts), s.retry_base_seconds, s.retry_max_seconds)
+            attempts = conn.execute(select(outbox_table.c.attempts).where(outbox_table.c.id == outbox_id)).scalar()
+            delay = compute_backoff(max(1, attempts or 0), s.retry_base_seconds, s.retry_max_seconds)
             conn.execute(
                 update(outbox_table)
                 .where(outbox_table.c.id == outbox_id, outbox_table.c.status == OutboxStatus.PENDING)

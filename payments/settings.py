@@ -254,6 +254,10 @@ class Settings:
     calls hanging until their timeout do not starve the rest."""
     relay_provider_concurrency: int = 192
     """Of those, at most this many to one provider at once (what one platform is asked to bear)."""
+    relay_db_concurrency: int = 8
+    """Of those, at most this many in a database transaction at once (preparing a call or applying its answer);
+    the rest wait their turn holding no connection. A few keep a small database busy: more only queue for the
+    connection pool and the interpreter lock, and every transaction takes longer."""
     relay_max_seconds: float = 30.0
     """One relay_outbox run stops claiming after this long (the scheduler starts the next one)."""
     query_interval_seconds: float = 1.0
@@ -473,6 +477,7 @@ _PARSERS = {
     "relay_interval_seconds": lambda n, v: _float(n, v, 0.01, 3600),
     "relay_concurrency": lambda n, v: _int(n, v, 1, 1024),
     "relay_provider_concurrency": lambda n, v: _int(n, v, 1, 1024),
+    "relay_db_concurrency": lambda n, v: _int(n, v, 1, 256),
     "relay_max_seconds": lambda n, v: _float(n, v, 0.1, 3600),
     "query_interval_seconds": lambda n, v: _float(n, v, 0.05, 3600),
     "query_pending_after_seconds": lambda n, v: _float(n, v, 0, 86400),

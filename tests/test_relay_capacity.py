@@ -1,0 +1,166 @@
+"""The relay's capacity under hanging calls: cheap slots, the per-provider cap, a bounded share of the database.
+
+A call that hangs holds one of RELAY_CONCURRENCY slots (a thread asleep on
+its socket) and none of the database: at most RELAY_DB_CONCURRENCY units are
+in a transaction at once, and at most RELAY_PROVIDER_CONCURRENCY calls are out
+to one provider, hanging or not. Claims are batched (``workpool.drain``) and an
+idle scheduled run keeps polling until just before the next one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import replace
+
+from sqlalchemy import event, select
+
+from compensator import relay_outbox, workpool
+from payments.providers.base import Capabilities, Dedupe
+from payments.runtime import build_runtime
+from payments.schema import payment, provider_call
+from tests.fake_provider import FakeProvider
+from tests.outbound_support import new_payment
+from tests.support import make_settings
+
+
+class InFlight:
+    """Counts what is in progress at once, and the most there ever were."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.most = 0
+        self._lock = threading.Lock()
+
+    def enter(self) -> None:
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+
+    def leave(self) -> None:
+        with self._lock:
+            self.now -= 1
+
+
+def runtime_with(engine, provider, **overrides):
+    settings = make_settings(
+        database_url=engine.url.render_as_string(hide_password=False),
+        provider_timeout_seconds=5,
+        relay_max_seconds=20,
+        **overrides,
+    )
+    rt = build_runtime(settings, engine)
+    return replace(rt, providers={**rt.providers, provider.name: provider})
+
+
+def test_hanging_calls_hold_cheap_slots_within_the_provider_cap_and_the_rest_flow_past_them(mariadb):
+    calls_out = InFlight()
+    hanging: set[str] = set()
+
+    def on_charge(request, key):
+        calls_out.enter()
+        try:
+            time.sleep(1.5 if request.payment_id in hanging else 0.02)
+        finally:
+            calls_out.leave()
+
+    fake = FakeProvider(Capabilities(dedupe=Dedupe.KEY, query_by_merchant_id=True), on_charge=on_charge)
+    rt = runtime_with(
+        mariadb,
+        fake,
+        relay_concurrency=16,
+        relay_provider_concurrency=6,
+        relay_db_concurrency=2,
+        provider_rate_limit=1e5,
+    )
+    ids = [new_payment(rt, provider="fake") for _ in range(40)]
+    hanging.update(ids[:4])  # the first ones claimed: they hang while the others are sent
+
+    connections = InFlight()
+
+    def checkout(*_):
+        connections.enter()
+
+    def checkin(*_):
+        connections.leave()
+
+    event.listen(mariadb.pool, "checkout", checkout)
+    event.listen(mariadb.pool, "checkin", checkin)
+    try:
+        started = time.monotonic()
+        relay_outbox.run_once(rt)
+        took = time.monotonic() - started
+    finally:
+        event.remove(mariadb.pool, "checkout", checkout)
+        event.remove(mariadb.pool, "checkin", checkin)
+
+    assert calls_out.most <= 6, f"{calls_out.most} calls out to one provider at once; the cap is 6"
+    assert calls_out.most >= 5, "the cap, not the database turns, bounds the calls in flight"
+    assert connections.most <= 2, f"{connections.most} connections in use at once; RELAY_DB_CONCURRENCY is 2"
+    # 36 quick calls through the 2 slots the 4 hanging ones leave would take 36 * 20 ms / 2 = 0.4 s at least;
+    # waiting behind the hanging calls instead would take 1.5 s per round of them.
+    assert took < 1.5 + 2.5, f"the run took {took:.1f} s"
+    sent = Counter(key for _, key in fake.charges)
+    with mariadb.connect() as conn:
+        keys = dict(conn.execute(select(payment.c.payment_id, payment.c.idempotency_key)).all())
+        statuses = set(conn.execute(select(payment.c.status)).scalars())
+        recorded = conn.execute(select(provider_call.c.payment_id)).scalars().all()
+    assert sent == Counter({keys[pid]: 1 for pid in ids}), "each payment sent once, with its own fixed key"
+    assert sorted(recorded) == sorted(ids)
+    assert statuses == {"Succeeded"}
+
+
+def test_a_drain_claims_in_batches_not_once_per_finished_unit():
+    due = list(range(200))
+    asked: list[int] = []
+
+    def claim(n):
+        asked.append(n)
+        taken, due[:] = due[:n], due[n:]
+        return taken
+
+    def work(item):
+        time.sleep(0.005 + item % 7 / 1000)  # units finish one by one, not all together
+        return item
+
+    results = workpool.drain(claim, work, concurrency=32, max_seconds=10, poll_seconds=0.5, name="batches")
+    assert sorted(results) == list(range(200))
+    # With a backlog, a claim waits for an eighth of the slots (4) to be free: one claim per finished unit
+    # would be ~170 claims of 1.
+    assert len(asked) <= 200 / 4 + 5, asked
+    assert min(asked[:-1]) >= 4, asked
+
+
+def test_an_idle_run_with_linger_picks_up_a_row_that_becomes_due_after_its_first_poll():
+    due: list[int] = []
+    polls: list[float] = []
+
+    def claim(n):
+        polls.append(time.monotonic())
+        taken, due[:] = due[:n], due[n:]
+        return taken
+
+    threading.Timer(0.1, lambda: due.append(1)).start()
+    started = time.monotonic()
+    results = workpool.drain(
+        claim,
+        lambda item: item,
+        concurrency=4,
+        max_seconds=10,
+        poll_seconds=0.02,
+        name="test-linger",
+        linger_seconds=0.3,
+    )
+    took = time.monotonic() - started
+    assert results == [1], "found by a poll of the same run"
+    assert 0.3 <= took < 0.6, f"an idle run lingers until linger_seconds after its start, then returns ({took:.2f} s)"
+    assert len(polls) >= 5
+
+
+def test_without_linger_an_idle_run_returns_after_one_poll():
+    polls: list[float] = []
+    results = workpool.drain(
+        lambda n: polls.append(n) or [], lambda item: item, concurrency=4, max_seconds=10, poll_seconds=0.5, name="t"
+    )
+    assert results == [] and len(polls) == 1
