@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, select, update
@@ -106,7 +107,8 @@ def relay_charge(
     )
     failpoints.hit("relay.after_provider_call")
     with db_turn():
-        result = _apply(ctx, outbox_id, call_id, current["payment_id"], provider, outcome, resend)
+        lock = partial(lock_payment, payment_id=current["payment_id"])
+        result = _apply(ctx, outbox_id, call_id, lock, provider, outcome, resend)
         count(ctx, provider, outcome, gate)
     return result
 
@@ -224,15 +226,20 @@ def _apply(
     ctx: Context,
     outbox_id: int,
     call_id: int,
-    payment_id: str,
+    lock: Callable[[Connection], Mapping[str, Any] | None],
     provider: Provider,
     outcome: QueryOutcome,
     resend: bool,
 ) -> Result:
+    """Record the call's outcome and apply it to the payment or refund ``lock`` locks and reads, in one transaction.
+
+    A failure that is not definitive leaves the outbox row to retry after a backoff; anything else goes through
+    the state machine (``apply_outcome``) and finishes the row.
+    """
     now = utcnow()
     with ctx.engine.begin() as conn:
         provider_calls.finish(conn, call_id, outcome, now)
-        current = lock_payment(conn, payment_id)
+        current = lock(conn)
         if isinstance(outcome, Failed) and not outcome.definitive:
             s = ctx.settings
             attempts = conn.execute(select(outbox_table.c.attempts).where(outbox_table.c.id == outbox_id)).scalar()
@@ -291,7 +298,8 @@ def relay_refund(
     outcome = provider.refund(request, current["idempotency_key"], ctx.settings.provider_timeout_seconds)
     failpoints.hit("relay.after_provider_call")
     with db_turn():
-        result = _apply_refund(ctx, outbox_id, call_id, current["refund_id"], provider, outcome, resend)
+        lock = partial(lock_refund, refund_id=current["refund_id"])
+        result = _apply(ctx, outbox_id, call_id, lock, provider, outcome, resend)
         count(ctx, provider, outcome, gate)
     return result
 
@@ -370,35 +378,3 @@ def _prepare_refund(
         lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
         conn.execute(_LEASE_FOR_CALL, {"p_outbox_id": outbox_id, "next_attempt_at": lease, "updated_at": now})
     return call_id, current, request, resend
-
-
-def _apply_refund(
-    ctx: Context,
-    outbox_id: int,
-    call_id: int,
-    refund_id: str,
-    provider: Provider,
-    outcome: QueryOutcome,
-    resend: bool,
-) -> Result:
-    now = utcnow()
-    with ctx.engine.begin() as conn:
-        provider_calls.finish(conn, call_id, outcome, now)
-        current = lock_refund(conn, refund_id)
-        if isinstance(outcome, Failed) and not outcome.definitive:
-            s = ctx.settings
-            attempts = conn.execute(select(outbox_table.c.attempts).where(outbox_table.c.id == outbox_id)).scalar()
-            delay = compute_backoff(max(1, attempts or 0), s.retry_base_seconds, s.retry_max_seconds)
-            conn.execute(
-                update(outbox_table)
-                .where(outbox_table.c.id == outbox_id, outbox_table.c.status == OutboxStatus.PENDING)
-                .values(
-                    next_attempt_at=now + timedelta(seconds=delay),
-                    last_error=f"{outcome.code} (not definitive)"[:500],
-                    updated_at=now,
-                )
-            )
-            return Result.RETRY
-        result = apply_outcome(ctx, conn, current, provider, outcome, f"call:{call_id}", now, resend=resend)
-        _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, None)
-    return result
