@@ -56,7 +56,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from sqlalchemy import Connection, Engine, and_, exists, func, insert, literal, null, or_, select, update
+from sqlalchemy import Connection, Engine, and_, func, insert, literal, null, or_, select, update
 
 from payments import ledger
 from payments.bills import alipay as alipay_bill
@@ -993,34 +993,33 @@ class _Run:
         _, table, columns, ref_column, key_column = _KINDS[line_kind]
         event = ledger_event
         line = settlement_line
-        # The file ids are constants so each check is one probe of a covering index (as a join, the optimizer
-        # may materialise every current line for every page instead).
-        named_as_ours = exists(
-            select(literal(1)).where(
-                line.c.merchant_reference == key_column,
-                line.c.kind == line_kind,
-                line.c.settlement_file_id.in_(list(files)),
-            )
+        # Anti-joins, each an index-only probe per record (the file ids are constants). As NOT EXISTS, MariaDB
+        # turned the checks into IN-subqueries and, on stale statistics after a fresh import, materialised every
+        # current line for every page: 1.7 s a page of 5,000 at 100,000 lines instead of 35 ms.
+        files = list(files)
+        ours = line.alias("named_as_ours")
+        theirs = line.alias("named_as_theirs")
+        named = and_(
+            ours.c.merchant_reference == key_column, ours.c.kind == line_kind, ours.c.settlement_file_id.in_(files)
         )
-        named_as_theirs = exists(
-            select(literal(1)).where(
-                line.c.provider_reference == ref_column,
-                line.c.kind == line_kind,
-                line.c.settlement_file_id.in_(list(files)),
-            )
+        # A NULL provider id joins no line, so the record counts as not named by the provider's id.
+        by_ref = and_(
+            theirs.c.provider_reference == ref_column,
+            theirs.c.kind == line_kind,
+            theirs.c.settlement_file_id.in_(files),
         )
         event_key = event.c.payment_id if kind == "payment" else event.c.refund_id
         query = (
             select(event.c.created_at.label("confirmed_at"), event.c.id.label("event_id"), *columns)
-            .select_from(event.join(table, key_column == event_key))
+            .select_from(event.join(table, key_column == event_key).outerjoin(ours, named).outerjoin(theirs, by_ref))
             .where(
                 event.c.event_type == ("PaymentConfirmed" if kind == "payment" else "RefundConfirmed"),
                 event.c.created_at >= start,
                 event.c.created_at < end,
                 table.c.status == PaymentStatus.SUCCEEDED.value,
                 table.c.provider.in_(self.accounts),
-                ~named_as_ours,
-                or_(ref_column.is_(None), ~named_as_theirs),
+                ours.c.id.is_(None),
+                theirs.c.id.is_(None),
             )
         )
         return query.where(*_key_range(after, upto))
