@@ -22,12 +22,27 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import Column, Connection, Engine, Row, Select, Table, create_engine, event, exc, insert, update
+from sqlalchemy import (
+    Column,
+    ColumnElement,
+    Connection,
+    Engine,
+    Row,
+    Select,
+    Table,
+    case,
+    create_engine,
+    event,
+    exc,
+    insert,
+    literal,
+    update,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.schema import CreateIndex, CreateTable
 
@@ -206,6 +221,29 @@ def claim_rows(engine: Engine, query: Select, table: Table, lease_column: Column
         if rows:
             conn.execute(update(table).where(table.c.id.in_([r.id for r in rows])).values({lease_column: lease_until}))
     return rows
+
+
+def update_each(
+    conn: Connection, table: Table, rows: Mapping[int, Mapping[str, Any]], *guard: ColumnElement[bool]
+) -> int:
+    """One UPDATE for several rows by id, each with its own values (same columns for all); return the rowcount.
+
+    ``UPDATE t SET c = CASE id WHEN 1 THEN … WHEN 2 THEN … END, d = :same
+    WHERE id IN (1, 2) AND <guard>``: a column whose value is the same for
+    every row is a plain SET, one that differs a CASE on the id. The guard
+    (``status = 'Pending'``, say) applies to every row, so a rowcount short of
+    ``len(rows)`` means some row was no longer as the caller saw it.
+    """
+    ids = list(rows)
+    first = rows[ids[0]]
+    values: dict[str, Any] = {}
+    for name in first:
+        column = table.c[name]
+        if all(rows[i][name] == first[name] for i in ids):
+            values[name] = first[name]
+        else:
+            values[name] = case({i: literal(rows[i][name], column.type) for i in ids}, value=table.c.id)
+    return conn.execute(update(table).where(table.c.id.in_(ids), *guard).values(values)).rowcount
 
 
 def upsert(conn: Connection, table: Table, values: dict[str, Any], key: Column, changes: dict[str, Any]) -> None:
