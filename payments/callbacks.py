@@ -91,9 +91,11 @@ _LOCK_TARGET = {
     kind: select(spec.table).where(spec.key == bindparam("reference")).with_for_update()
     for kind, spec in TARGETS.items()
 }
+_TARGET_COLUMNS = ("id", "payment_id", "order_no", "provider", "amount_minor", "currency", "status")
+"""What deciding and writing a report reads of its payment or refund (with its key and provider reference)."""
 _LOCK_TARGETS = {
     # A batch's payments (or refunds) in one statement, in id order, like the callback rows.
-    kind: select(spec.table)
+    kind: select(*(c for c in spec.table.c if c.name in (*_TARGET_COLUMNS, spec.key.name, spec.provider_ref.name)))
     .where(spec.key.in_(bindparam("references", expanding=True)))
     .order_by(spec.table.c.id)
     .with_for_update()
@@ -464,8 +466,8 @@ def _apply_batch(
     for values in finished.values():
         for name in set(INDEX_COLUMNS) - stale:
             del values[name]
-    guard = payment_callback_log.c.status.in_(CALLBACK_RETRYABLE)
-    if update_each(conn, payment_callback_log, finished, guard) != len(finished):
+    retryable = [int(status) for status in CALLBACK_RETRYABLE]
+    if update_each(conn, payment_callback_log, finished, payment_callback_log.c.status, retryable) != len(finished):
         raise _NotUsual("a callback row changed under its lock")
 
 

@@ -180,7 +180,7 @@ def apply_planned(conn: Connection, plans: Sequence[PlannedChange], now: datetim
         groups.setdefault((plan.kind, plan.expected, tuple(plan.values)), {})[plan.row_id] = plan.values
     for (kind, expected, _columns), rows in groups.items():
         table = TARGETS[kind].table
-        changed = update_each(conn, table, rows, table.c.status == expected)
+        changed = update_each(conn, table, rows, table.c.status, [expected])
         if changed != len(rows):
             raise StaleTransition(f"{len(rows) - changed} of {len(rows)} {kind} rows left {expected} under us")
     ledger.append_many(conn, [plan.ledger for plan in plans if plan.ledger is not None])
