@@ -36,7 +36,7 @@ from payments.states import CALLBACK_RETRYABLE
 
 log = logging.getLogger("paysync.compensator.callbacks")
 
-ROWS_PER_TRANSACTION = 25
+ROWS_PER_TRANSACTION = 50
 """Claimed rows processed in one transaction (one ``process_batch``): fewer commits, short enough locks."""
 
 

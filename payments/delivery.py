@@ -287,6 +287,7 @@ def process_batch(
     try:
         with engine.begin() as conn:
             locked = lock_rows(conn, sorted({_target(m)[0] for m in messages}))
+            request_ids = {log_id: row.request_id for log_id, row in locked.items() if row.request_id}
             # The whole batch at once when it is the common case; else a savepoint per message.
             done = None if stop is not None and stop() else _set_wise(conn, providers, messages, now, locked)
             if done is not None:
@@ -303,7 +304,12 @@ def process_batch(
         if outcome is None and i not in failures:
             pass  # not started (stop): handed back
         elif i in failures:
-            outcome = record_failure(engine, log_id, failures[i], policy, now)
+            # Its lines name the gateway request that stored the row, as process_callback's do.
+            token = REQUEST_ID.set(request_ids.get(log_id, REQUEST_ID.get()))
+            try:
+                outcome = record_failure(engine, log_id, failures[i], policy, now)
+            finally:
+                REQUEST_ID.reset(token)
             metrics.callback_processed(outcome)
         elif outcome is CallbackResult.MISSING and isinstance(message, Delivery):
             log_id, outcome = process_delivery(engine, providers, message, policy, hints)  # counted by process_callback
