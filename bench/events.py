@@ -72,7 +72,7 @@ def _serve(port: int, log_path: str) -> None:
 
 
 def add_events(engine, n: int) -> list[str]:
-    """n PaymentSucceeded outbox rows, as payments.events.enqueue_status_change writes them."""
+    """n PaymentSucceeded outbox rows, as payments.transitions.apply_decision writes them."""
     now = utcnow()
     rows = []
     for _ in range(n):

@@ -4,11 +4,14 @@ Takes rows with status 0 or 2 that are older than the grace period and due
 (``next_retry_at``), oldest first, in batches. A batch is claimed with
 ``SELECT … FOR UPDATE SKIP LOCKED`` and leased by pushing ``next_retry_at``
 out, in one short transaction, so any number of compensators share the
-backlog without taking the same row; each row is then processed in its own
-transaction by ``process_callback`` (which records retries and give-ups).
-Up to ``COMPENSATOR_CONCURRENCY`` rows of a batch are processed at once, each
-in its own thread, connection and transaction: one at a time, a sweep spends
-most of each row waiting on round trips and the commit's fsync.
+backlog without taking the same row. The claimed rows are then processed
+``ROWS_PER_TRANSACTION`` at a time by ``payments.delivery.process_batch``,
+as the consumer processes its micro-batches: the common chunk set-wise (a
+few multi-row statements and one COMMIT for all its rows), any chunk with
+something unusual in it row by row, a savepoint each, with retries and
+give-ups recorded per row. Up to ``COMPENSATOR_CONCURRENCY`` chunks are
+processed at once, each in its own thread, connection and transaction, so
+one chunk's round trips and commit overlap another's Python.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import Engine, select
 
 from compensator.ratelimit import RateLimiter
-from payments.callbacks import CallbackResult, process_callback
+from payments.callbacks import CallbackResult
 from payments.db import claim_rows, is_sqlite, utcnow
+from payments.delivery import process_batch
 from payments.hints import HintLimits
 from payments.runtime import Runtime
 from payments.schema import payment_callback_log
@@ -31,6 +35,9 @@ from payments.settings import Settings
 from payments.states import CALLBACK_RETRYABLE
 
 log = logging.getLogger("paysync.compensator.callbacks")
+
+ROWS_PER_TRANSACTION = 50
+"""Claimed rows processed in one transaction (one ``process_batch``): fewer commits, short enough locks."""
 
 
 def lease_seconds(settings: Settings) -> float:
@@ -75,8 +82,9 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
 
     hints = HintLimits.from_settings(settings)
 
-    def process(log_id: int) -> CallbackResult:
-        return process_callback(runtime.engine, runtime.providers, log_id, runtime.callback_policy, hints=hints)
+    def process(log_ids: list[int]) -> list[CallbackResult]:
+        outcomes = process_batch(runtime.engine, runtime.providers, log_ids, runtime.callback_policy, hints=hints)
+        return [outcome for _, outcome in outcomes if outcome is not None]
 
     try:
         while time.monotonic() - started < budget:
@@ -106,39 +114,46 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
 
 def _process_batch(
     ids: list[int],
-    process: Callable[[int], CallbackResult],
+    process: Callable[[list[int]], list[CallbackResult]],
     limiter: RateLimiter,
     pool: ThreadPoolExecutor | None,
 ) -> tuple[list[CallbackResult], bool]:
-    """Process claimed rows, paced by ``limiter``; return the outcomes and whether the sweep must stop.
+    """Process claimed rows a chunk at a time, paced by ``limiter``; return the outcomes and whether to stop.
 
-    A row whose processing raises means even its failure could not be recorded
-    (database gone): the sweep stops, and that row and the rows not started keep
-    their lease, so a later sweep takes them again.
+    A chunk whose processing raises means even its failures could not be
+    recorded (database gone): the sweep stops, and that chunk and the rows not
+    started keep their lease, so a later sweep takes them again.
     """
+    chunks = [ids[i : i + ROWS_PER_TRANSACTION] for i in range(0, len(ids), ROWS_PER_TRANSACTION)]
     outcomes: list[CallbackResult] = []
     if pool is None:
-        for log_id in ids:
-            limiter.acquire()
+        for chunk in chunks:
+            _pace(limiter, len(chunk))
             try:
-                outcomes.append(process(log_id))
+                outcomes.extend(process(chunk))
             except Exception as exc:  # noqa: BLE001 - database gone: the lease expires, a later sweep retries
-                log.error("sweep stopped: cannot record callback %s (%s)", log_id, type(exc).__name__)
+                log.error("sweep stopped: cannot record callbacks %s.. (%s)", chunk[0], type(exc).__name__)
                 return outcomes, True
         return outcomes, False
     futures = []
-    for log_id in ids:
-        limiter.acquire()  # paced as it is handed out, so the rate limit holds whatever the concurrency
-        futures.append((log_id, pool.submit(process, log_id)))
+    for chunk in chunks:
+        _pace(limiter, len(chunk))  # paced as it is handed out, so the rate limit holds whatever the concurrency
+        futures.append((chunk, pool.submit(process, chunk)))
     stopped = False
-    for log_id, future in futures:
+    for chunk, future in futures:
         if stopped:
             future.cancel()
             continue
         try:
-            outcomes.append(future.result())
+            outcomes.extend(future.result())
         except Exception as exc:  # noqa: BLE001 - database gone: the lease expires, a later sweep retries
-            log.error("sweep stopped: cannot record callback %s (%s)", log_id, type(exc).__name__)
+            log.error("sweep stopped: cannot record callbacks %s.. (%s)", chunk[0], type(exc).__name__)
             stopped = True
-    # Rows already running when the sweep stopped finish on their own; they count in a later sweep's logs.
+    # Chunks already running when the sweep stopped finish on their own; they count in a later sweep's logs.
     return outcomes, stopped
+
+
+def _pace(limiter: RateLimiter, rows: int) -> None:
+    """One token per row of a chunk, taken before the chunk starts."""
+    for _ in range(rows):
+        limiter.acquire()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
@@ -23,7 +23,7 @@ from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 
 from payments import metrics
 from payments.backoff import RetryPolicy
-from payments.db import insert_ignore, retry_on_disconnect, utcnow
+from payments.db import insert_ignore, retry_on_disconnect, update_each, utcnow
 from payments.errors import CallbackRejected, EventIgnored, PaysyncError, TargetNotFound, UnsupportedContentType
 from payments.hints import HintLimits, hint_query
 from payments.logs import REQUEST_ID
@@ -32,7 +32,7 @@ from payments.providers.base import CallbackEvent, Provider
 from payments.review import escalate
 from payments.schema import SOURCE_API, SOURCE_WEBHOOK, payment_callback_log, processed_event
 from payments.states import CALLBACK_RETRYABLE, CallbackStatus, PaymentStatus, Verdict, decide
-from payments.transitions import TARGETS, Target, apply_decision
+from payments.transitions import TARGETS, Target, apply_decision, apply_planned, plan_decision
 
 log = logging.getLogger("paysync.callbacks")
 
@@ -71,9 +71,16 @@ _LOCK_ROW = (
     .where(payment_callback_log.c.id == bindparam("log_id"))
     .with_for_update()
 )
+INDEX_COLUMNS = ("order_no", "payment_order_no", "provider_event_id", "event_type")
+"""The columns of a callback row that index it, written again from the verified event when it is processed."""
 _LOCK_ROWS = (
     # A batch's rows in one statement, in id order (two consumers lock overlapping batches in the same order).
-    select(payment_callback_log.c.id, *_LOCK_ROW.selected_columns)
+    # With their index columns: the batch path rewrites only those the verified event says differently.
+    select(
+        payment_callback_log.c.id,
+        *_LOCK_ROW.selected_columns,
+        *(payment_callback_log.c[name] for name in INDEX_COLUMNS),
+    )
     .where(payment_callback_log.c.id.in_(bindparam("log_ids", expanding=True)))
     .order_by(payment_callback_log.c.id)
     .with_for_update()
@@ -84,6 +91,22 @@ _LOCK_TARGET = {
     kind: select(spec.table).where(spec.key == bindparam("reference")).with_for_update()
     for kind, spec in TARGETS.items()
 }
+_TARGET_COLUMNS = ("id", "payment_id", "order_no", "provider", "amount_minor", "currency", "status")
+"""What deciding and writing a report reads of its payment or refund (with its key and provider reference)."""
+_LOCK_TARGETS = {
+    # A batch's payments (or refunds) in one statement, in id order, like the callback rows.
+    kind: select(*(c for c in spec.table.c if c.name in (*_TARGET_COLUMNS, spec.key.name, spec.provider_ref.name)))
+    .where(spec.key.in_(bindparam("references", expanding=True)))
+    .order_by(spec.table.c.id)
+    .with_for_update()
+    for kind, spec in TARGETS.items()
+}
+BATCH_SAVEPOINT = "paysync_batch"
+"""The savepoint the set-wise path writes under: rolled back to when the batch turns out unusual."""
+
+
+class _NotUsual(Exception):
+    """The set-wise path met something the per-row path must handle (module-internal)."""
 
 
 def store_callback(
@@ -269,14 +292,7 @@ def process_locked(
     if row.request_id:
         REQUEST_ID.set(row.request_id)
     try:
-        provider = get_provider(providers, row.provider)
-        # Verified against the time it was received, so a row retried hours later still verifies.
-        received = (row.create_time - datetime(1970, 1, 1)).total_seconds()
-        if row.source == SOURCE_API:
-            # Written by our own fetch job from an authenticated API answer: there is no delivery signature.
-            event = provider.parse_fetched(bytes(row.callback_data))
-        else:
-            event = verify_callback(provider, bytes(row.callback_data), json.loads(row.headers), now=received)
+        event = _verified_event(providers, row)
     except EventIgnored as exc:
         # Genuine, but about nothing we apply (another integration's object, an event type we do not act on).
         _finish(conn, log_id, CallbackStatus.PROCESSED, f"ignored: {exc}", now)
@@ -289,12 +305,7 @@ def process_locked(
             _hint(conn, providers, log_id, now, hints or HintLimits())
         return CallbackResult.REJECTED
 
-    indexed = {
-        "order_no": event.merchant_reference,
-        "payment_order_no": event.provider_reference,
-        "provider_event_id": event.event_id,
-        "event_type": event.event_type,
-    }
+    indexed = _indexed(event)
     fresh = conn.execute(
         _CLAIM_EVENT,
         {
@@ -325,6 +336,149 @@ def process_locked(
     if outcome is CallbackResult.APPLIED:
         metrics.callback_applied(row.provider, row.create_time, now)
     return outcome
+
+
+def _verified_event(providers: dict[str, Provider], row: Any) -> CallbackEvent:
+    """The event a locked callback row carries, verified; raises what ``verify_callback`` raises."""
+    provider = get_provider(providers, row.provider)
+    if row.source == SOURCE_API:
+        # Written by our own fetch job from an authenticated API answer: there is no delivery signature.
+        return provider.parse_fetched(bytes(row.callback_data))
+    # Verified against the time it was received, so a row retried hours later still verifies.
+    received = (row.create_time - datetime(1970, 1, 1)).total_seconds()
+    return verify_callback(provider, bytes(row.callback_data), json.loads(row.headers), now=received)
+
+
+def process_locked_batch(
+    conn: Connection,
+    providers: dict[str, Provider],
+    items: Sequence[tuple[int, tuple[str, datetime] | None]],
+    now: datetime,
+    locked: Mapping[int, Any],
+) -> list[CallbackResult] | None:
+    """``process_locked`` for several rows at once, set-wise; None when this batch needs the per-row path.
+
+    ``items`` are (log id, expect) pairs, each row once, all locked by the
+    caller (``lock_rows``). The common case, every row a fresh verified report
+    that moves its payment or refund on, costs the same few statements whatever
+    the batch size: one multi-row INSERT into ``processed_event`` (the inbox),
+    one SELECT … FOR UPDATE of the targets, the guarded UPDATEs, ledger and
+    outbox rows of ``transitions.apply_planned``, and one guarded UPDATE of
+    the callback rows. Every row gets exactly the effects ``process_locked``
+    would give it. Rows that are missing or no longer pending are simply
+    MISSING or SKIPPED, as there.
+
+    Anything else (a row rejected, ignored or failing verification, a
+    duplicate event, two rows for one payment, a target not found, a
+    conflict, a report that changes nothing, a row changed under us, any
+    error while writing) makes it return None with nothing written (rolled
+    back to its savepoint); the caller then processes the rows one by one, so
+    an unusual row gets its own outcome and never undoes the others.
+    """
+    outcomes: list[CallbackResult] = []
+    fresh: list[tuple[int, Any, CallbackEvent]] = []
+    for log_id, expect in items:
+        row = locked.get(log_id)
+        if row is None or (
+            expect is not None and (hashlib.sha256(row.callback_data).hexdigest(), row.create_time) != expect
+        ):
+            outcomes.append(CallbackResult.MISSING)
+            continue
+        if row.status not in CALLBACK_RETRYABLE:
+            outcomes.append(CallbackResult.SKIPPED)
+            continue
+        try:
+            event = _verified_event(providers, row)
+        except Exception:  # noqa: BLE001 - rejected, ignored or failing: the per-row path records which
+            return None
+        outcomes.append(CallbackResult.APPLIED)
+        fresh.append((log_id, row, event))
+    if not fresh:
+        return outcomes
+    if len({(e.provider, e.event_id) for _, _, e in fresh}) < len(fresh) or len(
+        {(e.target, e.merchant_reference) for _, _, e in fresh}
+    ) < len(fresh):
+        return None  # one event twice, or two reports for one payment: their order matters, one by one
+    conn.exec_driver_sql(f"SAVEPOINT {BATCH_SAVEPOINT}")
+    try:
+        _apply_batch(conn, providers, fresh, now)
+    except Exception as exc:  # noqa: BLE001 - _NotUsual or a write that failed: undone, then row by row
+        # Raises if the server already rolled everything back (a deadlock): the caller redoes the batch.
+        conn.exec_driver_sql(f"ROLLBACK TO SAVEPOINT {BATCH_SAVEPOINT}")
+        log.debug("batch of %s goes row by row: %s", len(fresh), exc)
+        return None
+    for _, row, _ in fresh:
+        metrics.callback_applied(row.provider, row.create_time, now)
+    return outcomes
+
+
+def _apply_batch(
+    conn: Connection, providers: dict[str, Provider], fresh: list[tuple[int, Any, CallbackEvent]], now: datetime
+) -> None:
+    """The writes of ``process_locked_batch``; raises _NotUsual (or a database error) to send it row by row."""
+    claimed = conn.execute(
+        _CLAIM_EVENT,
+        [
+            {"provider": e.provider, "provider_event_id": e.event_id, "callback_log_id": log_id, "processed_at": now}
+            for log_id, _, e in fresh
+        ],
+    ).rowcount
+    if claimed != len(fresh):
+        raise _NotUsual(f"{len(fresh) - claimed} events already processed")
+    currents: dict[tuple[str, str], Mapping[str, Any]] = {}
+    for kind in sorted({e.target for _, _, e in fresh}):
+        spec = TARGETS[kind]
+        references = [e.merchant_reference for _, _, e in fresh if e.target == kind]
+        for current in conn.execute(_LOCK_TARGETS[kind], {"references": references}).mappings():
+            currents[kind, current[spec.key.name]] = current
+    plans = []
+    finished: dict[int, dict[str, Any]] = {}
+    for log_id, _, event in fresh:
+        current = currents.get((event.target, event.merchant_reference))
+        if current is None:
+            raise _NotUsual(f"no {event.target} {event.merchant_reference!r}")
+        if _mismatch(event, current, TARGETS[event.target], providers):
+            raise _NotUsual("a report that does not fit its target")
+        decision = decide(PaymentStatus(current["status"]), event.report)
+        if decision.verdict != Verdict.APPLY:
+            raise _NotUsual(f"a {decision.verdict} report")
+        plans.append(
+            plan_decision(
+                event.target,
+                current,
+                decision,
+                source=f"callback:{log_id}",
+                now=now,
+                provider_reference=event.provider_reference,
+                failure_code=event.failure_code,
+                details={"event_id": event.event_id},
+            )
+        )
+        finished[log_id] = {
+            "status": CallbackStatus.PROCESSED,
+            "result": f"applied: {decision.reason}"[:500],
+            "update_time": now,
+            **_indexed(event),
+        }
+    apply_planned(conn, plans, now)
+    # The index columns are rewritten from the verified event, as _finish does, but only when some row's differ.
+    stale = {name for _, row, event in fresh for name in INDEX_COLUMNS if getattr(row, name) != _indexed(event)[name]}
+    for values in finished.values():
+        for name in set(INDEX_COLUMNS) - stale:
+            del values[name]
+    retryable = [int(status) for status in CALLBACK_RETRYABLE]
+    if update_each(conn, payment_callback_log, finished, payment_callback_log.c.status, retryable) != len(finished):
+        raise _NotUsual("a callback row changed under its lock")
+
+
+def _indexed(event: CallbackEvent) -> dict[str, str | None]:
+    """The index columns of a callback row, as its verified event gives them."""
+    return {
+        "order_no": event.merchant_reference,
+        "payment_order_no": event.provider_reference,
+        "provider_event_id": event.event_id,
+        "event_type": event.event_type,
+    }
 
 
 def _apply_event(

@@ -27,7 +27,22 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import Column, Connection, Engine, Row, Select, Table, create_engine, event, exc, insert, update
+from sqlalchemy import (
+    Column,
+    Connection,
+    Engine,
+    Row,
+    Select,
+    Table,
+    Update,
+    bindparam,
+    case,
+    create_engine,
+    event,
+    exc,
+    insert,
+    update,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.schema import CreateIndex, CreateTable
 
@@ -220,6 +235,59 @@ def claim_rows(engine: Engine, query: Select, table: Table, lease_column: Column
         if rows:
             conn.execute(update(table).where(table.c.id.in_([r.id for r in rows])).values({lease_column: lease_until}))
     return rows
+
+
+def update_each(
+    conn: Connection, table: Table, rows: Mapping[int, Mapping[str, Any]], guard: Column, allowed: Sequence[Any]
+) -> int:
+    """One UPDATE for several rows by id, each with its own values (same columns for all); return the rowcount.
+
+    ``UPDATE t SET c = CASE t.id WHEN :id0 THEN :c0 WHEN :id1 THEN :c1 END,
+    d = :d WHERE t.id IN (:id0, :id1) AND <guard> IN (<allowed>)``: a column
+    whose value is the same for every row is a plain SET, one that differs a
+    CASE on the id. The guard (``status IN ('Pending')``, say) holds for every
+    row, so a rowcount short of ``len(rows)`` means some row was no longer as
+    the caller saw it. The statement for each shape (table, columns, which of
+    them differ, row count, guard) is built once and kept.
+    """
+    ids = list(rows)
+    first = rows[ids[0]]
+    varying = tuple(name for name in first if any(rows[i][name] != first[name] for i in ids[1:]))
+    key = (table.name, tuple(first), varying, len(ids), guard.name)
+    statement = _UPDATE_EACH.get(key)
+    if statement is None:
+        statement = _UPDATE_EACH[key] = _update_each_statement(table, tuple(first), varying, len(ids), guard)
+    params: dict[str, Any] = {"ids": ids, "allowed": list(allowed)}
+    for k, i in enumerate(ids):
+        params[f"id_{k}"] = i
+        for name in varying:
+            params[f"{name}_{k}"] = rows[i][name]
+    for name in first:
+        if name not in varying:
+            params[f"set_{name}"] = first[name]
+    return conn.execute(statement, params).rowcount
+
+
+_UPDATE_EACH: dict[tuple, Update] = {}
+
+
+def _update_each_statement(
+    table: Table, columns: tuple[str, ...], varying: tuple[str, ...], count: int, guard: Column
+) -> Update:
+    """The UPDATE ``update_each`` runs for one shape, with a named parameter for every value."""
+    values: dict[str, Any] = {}
+    for name in columns:
+        column = table.c[name]
+        if name in varying:
+            whens = {bindparam(f"id_{k}"): bindparam(f"{name}_{k}", type_=column.type) for k in range(count)}
+            values[name] = case(whens, value=table.c.id)
+        else:
+            values[name] = bindparam(f"set_{name}", type_=column.type)
+    return (
+        update(table)
+        .where(table.c.id.in_(bindparam("ids", expanding=True)), guard.in_(bindparam("allowed", expanding=True)))
+        .values(values)
+    )
 
 
 def upsert(conn: Connection, table: Table, values: dict[str, Any], key: Column, changes: dict[str, Any]) -> None:

@@ -26,9 +26,14 @@ A message of the earlier format, ``{"log_id": N}`` (queued before an upgrade),
 is still processed by its id; one without ``request_id`` (or with one that is
 not sane) is read as having none.
 
-``process_batch`` does the same for several messages in ONE transaction, a
-savepoint per message, so a message that fails rolls back only its own work
-and the batch pays one COMMIT (and the consumer one multiple ack).
+``process_batch`` does the same for several messages in ONE transaction and
+one COMMIT (and the consumer one multiple ack). The common batch, every
+message a fresh report that moves its payment on, is written set-wise
+(``callbacks.process_locked_batch``: a few multi-row statements whatever its
+size); any batch with something unusual in it (a rejected or duplicate
+event, a conflict, a missing payment, a failure) goes message by message
+instead, a savepoint each, so a message that fails rolls back only its own
+work.
 """
 
 from __future__ import annotations
@@ -47,8 +52,16 @@ from sqlalchemy import Engine, insert, select
 
 from payments import metrics
 from payments.backoff import RetryPolicy
-from payments.callbacks import CallbackResult, lock_rows, process_callback, process_locked, record_failure
+from payments.callbacks import (
+    CallbackResult,
+    lock_rows,
+    process_callback,
+    process_locked,
+    process_locked_batch,
+    record_failure,
+)
 from payments.db import utcnow
+from payments.hints import HintLimits
 from payments.logs import REQUEST_ID, sane_request_id
 from payments.providers.base import Provider
 from payments.schema import SOURCE_WEBHOOK, payment_callback_log
@@ -233,15 +246,19 @@ def restore_callback(engine: Engine, providers: Mapping[str, Provider], delivery
 
 
 def process_delivery(
-    engine: Engine, providers: dict[str, Provider], delivery: Delivery, policy: RetryPolicy
+    engine: Engine,
+    providers: dict[str, Provider],
+    delivery: Delivery,
+    policy: RetryPolicy,
+    hints: HintLimits | None = None,
 ) -> tuple[int, CallbackResult]:
     """Process the row holding ``delivery``, restoring it first if the database lost it; return (row id, outcome)."""
     expect = (delivery.body_sha256, delivery.received_at)
-    outcome = process_callback(engine, providers, delivery.log_id, policy, expect=expect)
+    outcome = process_callback(engine, providers, delivery.log_id, policy, expect=expect, hints=hints)
     if outcome is not CallbackResult.MISSING:
         return delivery.log_id, outcome
     log_id = restore_callback(engine, providers, delivery)
-    return log_id, process_callback(engine, providers, log_id, policy, expect=expect)
+    return log_id, process_callback(engine, providers, log_id, policy, expect=expect, hints=hints)
 
 
 def process_batch(
@@ -250,8 +267,9 @@ def process_batch(
     messages: list[Delivery | int],
     policy: RetryPolicy,
     stop: Callable[[], bool] | None = None,
+    hints: HintLimits | None = None,
 ) -> list[tuple[int, CallbackResult | None]]:
-    """Process ``messages`` in one transaction with a savepoint each; return (row id, outcome) per message.
+    """Process ``messages`` in one transaction, set-wise or a savepoint each; return (row id, outcome) per message.
 
     Once ``stop()`` is true no further message is started: those not started
     have the outcome None (hand them back), and the finished ones commit.
@@ -269,33 +287,16 @@ def process_batch(
     try:
         with engine.begin() as conn:
             locked = lock_rows(conn, sorted({_target(m)[0] for m in messages}))
-            seen: set[tuple[int, tuple[str, datetime] | None]] = set()
-            for i, message in enumerate(messages):
-                if i and stop is not None and stop():
-                    break
-                log_id, expect = _target(message)
-                if (log_id, expect) in seen:
-                    # A redelivery in the same batch: the row was read once, before the first copy changed it.
-                    # (Another delivery naming the same id, after a loss, is compared with the row as usual.)
-                    outcomes[i] = CallbackResult.SKIPPED
-                    continue
-                seen.add((log_id, expect))
-                # One name, set again for each message (MySQL and SQLite both allow it) and never released:
-                # COMMIT releases them all, and a RELEASE per message would be one more round trip.
-                conn.exec_driver_sql("SAVEPOINT paysync_message")
-                # process_locked binds the row's request id for its log lines; each message gets its own.
-                token = REQUEST_ID.set(REQUEST_ID.get())
-                try:
-                    outcomes[i] = process_locked(conn, providers, log_id, now, expect, locked=locked)
-                except Exception as exc:  # noqa: BLE001 - recorded on the row below, as process_callback does
-                    # Raises if the server already rolled everything back (a deadlock): the batch is redone.
-                    conn.exec_driver_sql("ROLLBACK TO SAVEPOINT paysync_message")
-                    failures[i] = exc
-                finally:
-                    REQUEST_ID.reset(token)
+            request_ids = {log_id: row.request_id for log_id, row in locked.items() if row.request_id}
+            # The whole batch at once when it is the common case; else a savepoint per message.
+            done = None if stop is not None and stop() else _set_wise(conn, providers, messages, now, locked)
+            if done is not None:
+                outcomes = done
+            else:
+                _message_by_message(conn, providers, messages, now, locked, hints, stop, outcomes, failures)
     except Exception as exc:  # noqa: BLE001 - the batch as a whole is gone: nothing of it committed
         log.info("batch of %s rolled back (%s); processing its messages one by one", len(messages), type(exc).__name__)
-        return [_one(engine, providers, message, policy) for message in messages]
+        return [_one(engine, providers, message, policy, hints) for message in messages]
     results = []
     for i, message in enumerate(messages):
         log_id, _ = _target(message)
@@ -303,14 +304,73 @@ def process_batch(
         if outcome is None and i not in failures:
             pass  # not started (stop): handed back
         elif i in failures:
-            outcome = record_failure(engine, log_id, failures[i], policy, now)
+            # Its lines name the gateway request that stored the row, as process_callback's do.
+            token = REQUEST_ID.set(request_ids.get(log_id, REQUEST_ID.get()))
+            try:
+                outcome = record_failure(engine, log_id, failures[i], policy, now)
+            finally:
+                REQUEST_ID.reset(token)
             metrics.callback_processed(outcome)
         elif outcome is CallbackResult.MISSING and isinstance(message, Delivery):
-            log_id, outcome = process_delivery(engine, providers, message, policy)  # counted by process_callback
+            log_id, outcome = process_delivery(engine, providers, message, policy, hints)  # counted by process_callback
         else:
             metrics.callback_processed(outcome)
         results.append((log_id, outcome))
     return results
+
+
+def _message_by_message(
+    conn: Any,
+    providers: dict[str, Provider],
+    messages: list[Delivery | int],
+    now: datetime,
+    locked: Mapping[int, Any],
+    hints: HintLimits | None,
+    stop: Callable[[], bool] | None,
+    outcomes: list[CallbackResult | None],
+    failures: dict[int, Exception],
+) -> None:
+    """``process_locked`` for each message under its own savepoint; fills ``outcomes`` and ``failures``."""
+    seen: set[tuple[int, tuple[str, datetime] | None]] = set()
+    for i, message in enumerate(messages):
+        if i and stop is not None and stop():
+            break
+        log_id, expect = _target(message)
+        if (log_id, expect) in seen:
+            # A redelivery in the same batch: the row was read once, before the first copy changed it.
+            # (Another delivery naming the same id, after a loss, is compared with the row as usual.)
+            outcomes[i] = CallbackResult.SKIPPED
+            continue
+        seen.add((log_id, expect))
+        # One name, set again for each message (MySQL and SQLite both allow it) and never released:
+        # COMMIT releases them all, and a RELEASE per message would be one more round trip.
+        conn.exec_driver_sql("SAVEPOINT paysync_message")
+        # process_locked binds the row's request id for its log lines; each message gets its own.
+        token = REQUEST_ID.set(REQUEST_ID.get())
+        try:
+            outcomes[i] = process_locked(conn, providers, log_id, now, expect, hints, locked=locked)
+        except Exception as exc:  # noqa: BLE001 - recorded on the row by process_batch, as process_callback does
+            # Raises if the server already rolled everything back (a deadlock): the batch is redone.
+            conn.exec_driver_sql("ROLLBACK TO SAVEPOINT paysync_message")
+            failures[i] = exc
+        finally:
+            REQUEST_ID.reset(token)
+
+
+def _set_wise(
+    conn: Any, providers: dict[str, Provider], messages: list[Delivery | int], now: datetime, locked: Mapping[int, Any]
+) -> list[CallbackResult | None] | None:
+    """Every message's outcome from ``process_locked_batch``, or None: the batch goes message by message."""
+    firsts: dict[tuple[int, tuple[str, datetime] | None], int] = {}
+    for i, message in enumerate(messages):
+        firsts.setdefault(_target(message), i)
+    done = process_locked_batch(conn, providers, list(firsts), now, locked)
+    if done is None:
+        return None
+    outcomes: list[CallbackResult | None] = [CallbackResult.SKIPPED] * len(messages)  # redeliveries in the batch
+    for i, outcome in zip(firsts.values(), done, strict=True):
+        outcomes[i] = outcome
+    return outcomes
 
 
 def _target(message: Delivery | int) -> tuple[int, tuple[str, datetime] | None]:
@@ -320,8 +380,12 @@ def _target(message: Delivery | int) -> tuple[int, tuple[str, datetime] | None]:
 
 
 def _one(
-    engine: Engine, providers: dict[str, Provider], message: Delivery | int, policy: RetryPolicy
+    engine: Engine,
+    providers: dict[str, Provider],
+    message: Delivery | int,
+    policy: RetryPolicy,
+    hints: HintLimits | None = None,
 ) -> tuple[int, CallbackResult]:
     if isinstance(message, int):
-        return message, process_callback(engine, providers, message, policy)
-    return process_delivery(engine, providers, message, policy)
+        return message, process_callback(engine, providers, message, policy, hints=hints)
+    return process_delivery(engine, providers, message, policy, hints)

@@ -2,7 +2,7 @@
 
 Every payment and refund state change writes a domain event (``PaymentSucceeded``,
 ``RefundFailed``, …) to the ``outbox`` in the same transaction as the change
-(``transitions.apply_decision`` calls ``enqueue_status_change`` below). The
+(``transitions`` writes what ``status_change_event`` below returns). The
 ``publish_events`` compensator job delivers them to up to two destinations:
 
 - ``amqp``: the RabbitMQ topic exchange ``EVENTS_EXCHANGE`` (routing key = event type);
@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, select, update
+from sqlalchemy import Engine, select, update
 
-from payments import alerts, outbox
+from payments import alerts
 from payments.backoff import RetryPolicy
 from payments.db import insert_ignore, is_sqlite
 from payments.review import escalate
@@ -98,25 +98,6 @@ def status_change_event(
         "source": change.source,
         "occurred_at": now.isoformat() + "Z",
     }
-
-
-def enqueue_status_change(
-    conn: Connection,
-    change: StatusChange,
-    now: datetime,
-    *,
-    order_no: str | None,
-    provider_reference: str | None,
-    failure_code: str | None,
-) -> str | None:
-    """Write the status change's domain event to the outbox, in the caller's transaction; return its event id."""
-    event = status_change_event(
-        change, now, order_no=order_no, provider_reference=provider_reference, failure_code=failure_code
-    )
-    if event is None:
-        return None
-    event_type, payload = event
-    return outbox.enqueue(conn, event_type=event_type, aggregate_id=change.reference, now=now, payload=payload)
 
 
 def envelope(event_id: str, event_type: str, payload: str, created_at: datetime) -> bytes:

@@ -22,11 +22,11 @@ Chart of accounts (README "Ledger" has the table of which event posts what):
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, func, insert, select
+from sqlalchemy import Connection, bindparam, func, insert, select
 
 from payments.schema import ledger_entry, ledger_event
 from payments.states import PaymentStatus, StatusChange
@@ -105,34 +105,36 @@ def status_change_postings(change: StatusChange) -> tuple[str, Entries] | None:
     return None
 
 
-def post_status_change(
-    conn: Connection, change: StatusChange, now: datetime, details: dict[str, Any] | None = None
-) -> int | None:
-    """Book a status change in the caller's transaction (see ``status_change_postings``); return the event id."""
+def status_change_record(
+    change: StatusChange, now: datetime, details: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The ``append`` arguments that book a status change (pure; see ``status_change_postings``), or None."""
     postings = status_change_postings(change)
     if postings is None:
         return None
     event_type, entries = postings
     source_type, _, source_id = change.source.partition(":")
-    return append(
-        conn,
-        event_type=event_type,
-        dedupe_key=f"{event_type}:{change.reference}",
-        amount_minor=change.amount_minor,
-        currency=change.currency,
-        source_type=SOURCE_TYPES.get(source_type, source_type),
-        source_id=source_id or None,
-        now=now,
-        entries=entries,
-        payment_id=change.payment_id,
-        refund_id=change.reference if change.kind == "refund" else None,
-        details={"from": change.previous.value, "path": [s.value for s in change.path], **(details or {})},
-    )
+    return {
+        "event_type": event_type,
+        "dedupe_key": f"{event_type}:{change.reference}",
+        "amount_minor": change.amount_minor,
+        "currency": change.currency,
+        "source_type": SOURCE_TYPES.get(source_type, source_type),
+        "source_id": source_id or None,
+        "now": now,
+        "entries": entries,
+        "payment_id": change.payment_id,
+        "refund_id": change.reference if change.kind == "refund" else None,
+        "details": {"from": change.previous.value, "path": [s.value for s in change.path], **(details or {})},
+    }
 
 
 # Built once: every confirmed payment appends here (values are execute-time parameters).
 _INSERT_EVENT = insert(ledger_event)
 _INSERT_ENTRY = insert(ledger_entry)
+_EVENT_IDS = select(ledger_event.c.dedupe_key, ledger_event.c.id).where(
+    ledger_event.c.dedupe_key.in_(bindparam("keys", expanding=True))
+)
 
 
 def append(
@@ -155,35 +157,94 @@ def append(
     Raises UnbalancedEntries before writing anything if the lines do not sum to
     zero, and IntegrityError (rolling back the caller) if ``dedupe_key`` exists.
     """
+    _check_balanced(event_type, entries)
+    row = _event_row(
+        event_type, dedupe_key, amount_minor, currency, source_type, source_id, now, payment_id, refund_id, details
+    )
+    event_id = conn.execute(_INSERT_EVENT, row).inserted_primary_key[0]
+    if entries:
+        conn.execute(_INSERT_ENTRY, _entry_rows(event_id, entries, currency))
+    return event_id
+
+
+def append_many(conn: Connection, records: Sequence[Mapping[str, Any]]) -> list[int]:
+    """``append`` for several events at once (each record holds ``append``'s arguments); return their ids.
+
+    Three statements whatever the count: one multi-row INSERT of the events, one
+    SELECT of their ids by ``dedupe_key`` (portable: no RETURNING, no reliance on
+    consecutive AUTO_INCREMENT values), one multi-row INSERT of every line. The
+    rows written are exactly those ``append`` writes one by one, lines in the
+    same order, so the seal digests are the same. Raises like ``append`` (an
+    existing ``dedupe_key`` fails the whole statement).
+    """
+    if not records:
+        return []
+    for r in records:
+        _check_balanced(r["event_type"], r.get("entries", ()))
+    conn.execute(
+        _INSERT_EVENT,
+        [
+            _event_row(
+                r["event_type"],
+                r["dedupe_key"],
+                r["amount_minor"],
+                r["currency"],
+                r["source_type"],
+                r["source_id"],
+                r["now"],
+                r.get("payment_id"),
+                r.get("refund_id"),
+                r.get("details"),
+            )
+            for r in records
+        ],
+    )
+    keys = [r["dedupe_key"] for r in records]
+    ids = dict(conn.execute(_EVENT_IDS, {"keys": keys}).all())
+    lines = [line for r in records for line in _entry_rows(ids[r["dedupe_key"]], r.get("entries", ()), r["currency"])]
+    if lines:
+        conn.execute(_INSERT_ENTRY, lines)
+    return [ids[key] for key in keys]
+
+
+def _check_balanced(event_type: str, entries: Sequence[tuple[str, int]]) -> None:
     if any(not isinstance(amount, int) or isinstance(amount, bool) for _, amount in entries):
         raise UnbalancedEntries("ledger amounts must be integer minor units")
     if sum(amount for _, amount in entries) != 0:
         raise UnbalancedEntries(f"{event_type} lines sum to {sum(a for _, a in entries)}, not 0")
-    result = conn.execute(
-        _INSERT_EVENT,
-        {
-            "event_type": event_type,
-            "payment_id": payment_id,
-            "refund_id": refund_id,
-            "amount_minor": amount_minor,
-            "currency": currency,
-            "source_type": source_type,
-            "source_id": source_id,
-            "dedupe_key": dedupe_key,
-            "details": json.dumps(details, sort_keys=True) if details else None,
-            "created_at": now,
-        },
-    )
-    event_id = result.inserted_primary_key[0]
-    if entries:
-        conn.execute(
-            _INSERT_ENTRY,
-            [
-                {"ledger_event_id": event_id, "account": account, "amount_minor": amount, "currency": currency}
-                for account, amount in entries
-            ],
-        )
-    return event_id
+
+
+def _event_row(
+    event_type: str,
+    dedupe_key: str,
+    amount_minor: int,
+    currency: str,
+    source_type: str,
+    source_id: str | None,
+    now: datetime,
+    payment_id: str | None,
+    refund_id: str | None,
+    details: dict[str, Any] | None,
+) -> dict[str, Any]:
+    return {
+        "event_type": event_type,
+        "payment_id": payment_id,
+        "refund_id": refund_id,
+        "amount_minor": amount_minor,
+        "currency": currency,
+        "source_type": source_type,
+        "source_id": source_id,
+        "dedupe_key": dedupe_key,
+        "details": json.dumps(details, sort_keys=True) if details else None,
+        "created_at": now,
+    }
+
+
+def _entry_rows(event_id: int, entries: Sequence[tuple[str, int]], currency: str) -> list[dict[str, Any]]:
+    return [
+        {"ledger_event_id": event_id, "account": account, "amount_minor": amount, "currency": currency}
+        for account, amount in entries
+    ]
 
 
 def history(conn: Connection, payment_id: str) -> list[dict[str, Any]]:

@@ -35,19 +35,42 @@ def enqueue(
     event_id: str | None = None,
 ) -> str:
     """Add one outbox row in the caller's transaction; return its event id."""
-    event_id = event_id or new_id("evt")
-    conn.execute(
-        _INSERT,
-        {
-            "event_id": event_id,
-            "event_type": event_type,
-            "aggregate_id": aggregate_id,
-            "payload": json.dumps(payload, sort_keys=True, default=str),
-            "status": OutboxStatus.PENDING,
-            "attempts": 0,
-            "next_attempt_at": now + timedelta(seconds=delay_seconds),
-            "created_at": now,
-            "updated_at": now,
-        },
+    values = row(
+        event_type=event_type,
+        aggregate_id=aggregate_id,
+        payload=payload,
+        now=now,
+        delay_seconds=delay_seconds,
+        event_id=event_id,
     )
-    return event_id
+    conn.execute(_INSERT, values)
+    return values["event_id"]
+
+
+def enqueue_many(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    """Add several outbox rows (each made by ``row``) in one multi-row INSERT, in the caller's transaction."""
+    if rows:
+        conn.execute(_INSERT, rows)
+
+
+def row(
+    *,
+    event_type: str,
+    aggregate_id: str,
+    payload: dict[str, Any],
+    now: datetime,
+    delay_seconds: float = 0,
+    event_id: str | None = None,
+) -> dict[str, Any]:
+    """The outbox row ``enqueue`` writes (a new event id unless given)."""
+    return {
+        "event_id": event_id or new_id("evt"),
+        "event_type": event_type,
+        "aggregate_id": aggregate_id,
+        "payload": json.dumps(payload, sort_keys=True, default=str),
+        "status": OutboxStatus.PENDING,
+        "attempts": 0,
+        "next_attempt_at": now + timedelta(seconds=delay_seconds),
+        "created_at": now,
+        "updated_at": now,
+    }

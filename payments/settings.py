@@ -143,11 +143,11 @@ class Settings:
     """How long inline processing may hold the acknowledgement; past it the row is left to consumer and sweep."""
     publish_timeout_seconds: float = 0.5
     """Upper bound on any broker connect or publish attempt from the gateway."""
-    consumer_prefetch: int = 50
-    """Unacknowledged messages the consumer holds at once."""
-    consumer_batch_size: int = 20
-    """Messages the consumer processes in one transaction (a savepoint each) and answers with one ack; 1: one
-    transaction per message. Only a backlog fills a batch: a lone message is processed at once."""
+    consumer_prefetch: int = 100
+    """Unacknowledged messages the consumer holds at once (two batches: the next arrives while one is processed)."""
+    consumer_batch_size: int = 50
+    """Messages the consumer processes in one transaction (set-wise, or a savepoint each) and answers with one ack;
+    1: one transaction per message. Only a backlog fills a batch: a lone message is processed at once."""
     compensator_interval_seconds: float = 10.0
     """How often the callback sweep runs (1 s when there is no broker)."""
     compensator_grace_seconds: float = 60.0

@@ -90,6 +90,49 @@ def test_unbalanced_lines_are_refused_before_anything_is_written(sqlite):
         assert conn.execute(select(ledger_event.c.id)).first() is None
 
 
+def test_append_many_writes_what_append_writes_and_refuses_an_unbalanced_event_before_writing_any(engine):
+    now = utcnow()
+
+    def record(n: int, entries: list) -> dict:
+        return {
+            "event_type": "FeeCharged",
+            "dedupe_key": f"fee:{n}",
+            "amount_minor": 5,
+            "currency": "CNY",
+            "source_type": "test",
+            "source_id": str(n),
+            "now": now,
+            "entries": entries,
+            "details": {"n": n},
+        }
+
+    fee = [(ledger.EXPENSE_FEES, 5), (ledger.provider_account("sandbox"), -5)]
+    with engine.begin() as conn, pytest.raises(ledger.UnbalancedEntries):
+        ledger.append_many(conn, [record(1, fee), record(2, fee[:1])])
+    with engine.connect() as conn:
+        assert conn.execute(select(ledger_event.c.id)).first() is None
+    with engine.begin() as conn:
+        ids = ledger.append_many(conn, [record(1, fee), record(2, []), record(3, list(reversed(fee)))])
+        single = ledger.append(conn, **{**record(4, fee), "dedupe_key": "fee:4"})
+    with engine.connect() as conn:
+        lines = conn.execute(
+            select(ledger_entry.c.ledger_event_id, ledger_entry.c.account, ledger_entry.c.amount_minor).order_by(
+                ledger_entry.c.id
+            )
+        ).all()
+        keys = dict(conn.execute(select(ledger_event.c.id, ledger_event.c.dedupe_key)).all())
+    assert [keys[i] for i in ids] == ["fee:1", "fee:2", "fee:3"]
+    # Each event's lines in the order given, under its own id: what the seal digests.
+    assert [tuple(line) for line in lines] == [
+        (ids[0], ledger.EXPENSE_FEES, 5),
+        (ids[0], ledger.provider_account("sandbox"), -5),
+        (ids[2], ledger.provider_account("sandbox"), -5),
+        (ids[2], ledger.EXPENSE_FEES, 5),
+        (single, ledger.EXPENSE_FEES, 5),
+        (single, ledger.provider_account("sandbox"), -5),
+    ]
+
+
 # --- property: any sequence of charges, refunds, fees and adjustments ---------------------------------
 
 OPERATIONS = st.lists(

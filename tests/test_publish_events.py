@@ -158,7 +158,7 @@ def webhook_settings(receiver: Receiver, **more) -> dict:
 
 
 def add_event(engine, event_type: str = "PaymentSucceeded", payment_id: str | None = None, now=None) -> str:
-    """An outbox row exactly as events.enqueue_status_change writes one."""
+    """An outbox row exactly as transitions.apply_decision writes one."""
     payment_id = payment_id or f"pay_{uuid.uuid4().hex[:20]}"
     now = now or utcnow()
     with engine.begin() as conn:
