@@ -28,7 +28,7 @@ FULL = {
     "ingest": ["--concurrency", "1,8,32", "--duration", "10", "--repeats", "3"],
     "drain": ["--rows", "5000", "--consumers", "1,2,4", "--repeats", "3"],
     "charges": ["--payments", "2000", "--repeats", "3"],
-    "reconcile": ["--sizes", "10000,100000,1000000"],
+    "reconcile": ["--sizes", "10000,100000,1000000", "--repeats", "3"],
     "chaos": ["--payments", "1000"],
 }
 """The settings of the run behind BENCHMARKS.md."""
@@ -36,8 +36,8 @@ QUICK = {
     "ingest": ["--concurrency", "1,8,32", "--duration", "3", "--repeats", "1", "--warmup", "1"],
     "drain": ["--rows", "1000", "--consumers", "1,2,4", "--repeats", "1"],
     "charges": ["--payments", "300"],
-    "reconcile": ["--sizes", "10000,100000"],
-    "chaos": ["--payments", "150", "--process-kills", "3", "--no-database-restart"],
+    "reconcile": ["--sizes", "10000,50000"],
+    "chaos": ["--payments", "100", "--process-kills", "2", "--no-database-restart"],
 }
 """``BENCH_QUICK=1``: every benchmark, small, to see that each still runs and roughly where it stands."""
 SCRIPTS = {name: f"bench/{name}.py" for name in FULL}

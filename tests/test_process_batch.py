@@ -47,7 +47,7 @@ def test_a_failing_message_rolls_back_only_itself_and_the_rest_of_the_batch_comm
         CallbackResult.MISSING,
     ]
     with engine.connect() as conn:
-        statuses = dict(conn.execute(select(payment_callback_log.c.id, payment_callback_log.c.status)).tuples().all())
+        statuses = dict(conn.execute(select(payment_callback_log.c.id, payment_callback_log.c.status)).all())
         orphan_row = conn.execute(select(payment_callback_log).where(payment_callback_log.c.id == orphan)).one()
         ours = payment.c.payment_id.in_([*paid, twice])
         paid_status = conn.execute(select(payment.c.status).where(ours)).scalars().all()
