@@ -187,13 +187,21 @@ def check_clean(app: str, result: dict, connections: int) -> None:
         raise SystemExit(f"FAIL: {app} at {connections} connections had errors {errors}")
 
 
-def queue_depth(amqp_url: str, queue: str) -> int:
-    """Messages ready in ``queue`` (the gateway's fast path, nobody consuming)."""
+def queued_callbacks(amqp_url: str, queue: str) -> tuple[int, int]:
+    """(messages, callbacks they carry) in ``queue`` (the gateway's fast path, nobody consuming); empties it."""
     import pika
 
     conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    messages = callbacks = 0
     try:
-        return conn.channel().queue_declare(queue, passive=True).method.message_count
+        channel = conn.channel()
+        while True:
+            method, _props, body = channel.basic_get(queue, auto_ack=True)
+            if method is None:
+                return messages, callbacks
+            doc = json.loads(body)
+            messages += 1
+            callbacks += len(doc["deliveries"]) if "deliveries" in doc else 1
     finally:
         conn.close()
 
@@ -222,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, Process] = {}
     results: dict[tuple[str, int], list[dict]] = {}
     published = None
+    messages = 0
     try:
         for app in apps:
             env = process_env(**common_env, PORT=str(ports[app]))
@@ -293,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
                 rejected = conn.execute(text("SELECT COUNT(*) FROM payment_callback_log WHERE status = 3")).scalar()
                 processed = conn.execute(text("SELECT COUNT(*) FROM payment_callback_log WHERE status = 1")).scalar()
             broker = dict(item.split("=", 1) for item in args.gateway_env).get("AMQP_URL", args.amqp_url)
-            published = sum(queue_depth(args.amqp_url, f"{queue}_{a}") for a in apps if a in GATEWAYS) if broker else 0
+            queued = [queued_callbacks(args.amqp_url, f"{queue}_{a}") for a in apps if a in GATEWAYS] if broker else []
+            messages = sum(m for m, _ in queued)
+            published = sum(c for _, c in queued)
             if rejected:
                 raise SystemExit(f"FAIL: the gateway rejected {rejected} of the bench's signed callbacks")
     finally:
@@ -308,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = print_table(apps, concurrencies, results)
     if published is not None:
         print(
-            f"gateway(s): {stored} rows stored, {published} messages published to RabbitMQ "
-            f"({published / max(stored, 1):.1%}), {processed} processed inline, 0 rejected"
+            f"gateway(s): {stored} rows stored, {published} published to RabbitMQ "
+            f"({published / max(stored, 1):.1%}) in {messages} messages, {processed} processed inline, 0 rejected"
         )
     print(f"load after: {loadavg()}")
     out = args.json_out or RESULTS / f"ingest-{stamp}.json"

@@ -14,7 +14,7 @@ import signal
 import sys
 
 from broker.consume import Action, ConsumeLoop
-from consumer.handler import handle, handle_batch
+from consumer.handler import Answer, handle, handle_batch
 from payments import failpoints, metrics
 from payments.runtime import Runtime, build_runtime
 from payments.settings import start_process
@@ -37,6 +37,8 @@ class Consumer:
             batch_handler=self._handle_batch,
             batch_size=settings.consumer_batch_size,
         )
+        self.callbacks = 0
+        """Callbacks in the messages acknowledged so far (a message may carry several)."""
 
     @property
     def processed(self) -> int:
@@ -48,16 +50,17 @@ class Consumer:
         self.loop.stop()
 
     def _handle(self, body: bytes) -> Action:
-        action, _outcome = handle(self.runtime, body)
-        if action is Action.ACK:
-            failpoints.hit("consumer.after_commit")  # committed, not yet acknowledged
-        return action
+        return self._answered([handle(self.runtime, body)])[0]
 
     def _handle_batch(self, bodies: list[bytes]) -> list[Action]:
-        actions = [action for action, _outcome in handle_batch(self.runtime, bodies, stop=self.loop.stopping.is_set)]
-        if Action.ACK in actions:
+        return self._answered(handle_batch(self.runtime, bodies, stop=self.loop.stopping.is_set))
+
+    def _answered(self, answers: list[Answer]) -> list[Action]:
+        acked = [answer for answer in answers if answer.action is Action.ACK]
+        if acked:
             failpoints.hit("consumer.after_commit")  # committed, not yet acknowledged
-        return actions
+            self.callbacks += sum(answer.callbacks for answer in acked)
+        return [answer.action for answer in answers]
 
     def run(self) -> None:
         """Consume until stopped."""
@@ -76,7 +79,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, consumer.stop)
     signal.signal(signal.SIGINT, consumer.stop)
     consumer.run()
-    log.info("consumer stopped after %s messages", consumer.processed)
+    log.info("consumer stopped after %s messages (%s callbacks)", consumer.processed, consumer.callbacks)
     return 0
 
 

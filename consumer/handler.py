@@ -12,30 +12,43 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 from broker.consume import Action
 from payments import metrics
 from payments.callbacks import CallbackResult, process_callback
-from payments.delivery import Delivery, UnreadableMessage, decode_message, process_batch, process_delivery
+from payments.delivery import Delivery, UnreadableMessage, decode_messages, process_batch, process_delivery
 from payments.logs import REQUEST_ID
 from payments.runtime import Runtime
 
 log = logging.getLogger("paysync.consumer")
 
 
-def handle(runtime: Runtime, body: bytes) -> tuple[Action, CallbackResult | None]:
+class Answer(NamedTuple):
+    """What to tell the broker about one message, what processing did, and how many callbacks it carried."""
+
+    action: Action
+    outcome: CallbackResult | None
+    callbacks: int = 1
+
+
+def handle(runtime: Runtime, body: bytes) -> Answer:
     """Process one message; return what to tell the broker and what processing did."""
-    action, outcome = _handle(runtime, body)
-    metrics.consumer_message(action.value)
-    return action, outcome
+    answer = _handle(runtime, body)
+    metrics.consumer_message(answer.action.value)
+    return answer
 
 
-def _handle(runtime: Runtime, body: bytes) -> tuple[Action, CallbackResult | None]:
+def _handle(runtime: Runtime, body: bytes) -> Answer:
     try:
-        message = decode_message(body, runtime.settings.callback_max_body_bytes)
+        messages = decode_messages(body, runtime.settings.callback_max_body_bytes)
     except UnreadableMessage as exc:
         log.warning("unreadable message sent to the dead-letter queue (%d bytes): %s", len(body), exc)
-        return Action.DEAD_LETTER, None
+        return Answer(Action.DEAD_LETTER, None, 0)
+    if len(messages) > 1:  # several deliveries in one message: one transaction for them, as for a batch
+        answers = _handle_batch(runtime, [body], None, decoded=[messages])
+        return answers[0]
+    message = messages[0]
     log_id = message if isinstance(message, int) else message.log_id
     # The gateway request's id, for this consumer's own lines (processing binds the row's, the same one).
     token = REQUEST_ID.set(None if isinstance(message, int) else message.request_id)
@@ -46,47 +59,65 @@ def _handle(runtime: Runtime, body: bytes) -> tuple[Action, CallbackResult | Non
             _, outcome = process_delivery(runtime.engine, runtime.providers, message, runtime.callback_policy)
     except Exception as exc:  # noqa: BLE001 - database unreachable: not even the failure could be recorded
         log.error("callback %s: database unavailable (%s); message left for redelivery", log_id, type(exc).__name__)
-        return Action.REQUEUE, None
+        return Answer(Action.REQUEUE, None)
     finally:
         REQUEST_ID.reset(token)
-    return Action.ACK, outcome
+    return Answer(Action.ACK, outcome)
 
 
-def handle_batch(
-    runtime: Runtime, bodies: list[bytes], stop: Callable[[], bool] | None = None
-) -> list[tuple[Action, CallbackResult | None]]:
+def handle_batch(runtime: Runtime, bodies: list[bytes], stop: Callable[[], bool] | None = None) -> list[Answer]:
     """``handle`` for several messages at once: the readable ones are processed in one transaction.
 
     Once ``stop()`` is true no further message is started; those are REQUEUE (handed back).
     """
     answers = _handle_batch(runtime, bodies, stop)
-    for action, _outcome in answers:
-        metrics.consumer_message(action.value)
+    for answer in answers:
+        metrics.consumer_message(answer.action.value)
     return answers
 
 
 def _handle_batch(
-    runtime: Runtime, bodies: list[bytes], stop: Callable[[], bool] | None
-) -> list[tuple[Action, CallbackResult | None]]:
-    answers: list[tuple[Action, CallbackResult | None]] = [(Action.ACK, None)] * len(bodies)
-    readable: list[tuple[int, Delivery | int]] = []
+    runtime: Runtime,
+    bodies: list[bytes],
+    stop: Callable[[], bool] | None,
+    decoded: list[list[Delivery | int]] | None = None,
+) -> list[Answer]:
+    """Every readable message's deliveries, CONSUMER_BATCH_SIZE at a time, a transaction each.
+
+    A message is ACK once all its deliveries were processed; REQUEUE when one
+    was not (stop, or the database unreachable): its redelivery finds the
+    others done. The outcome shown for a message is its last delivery's.
+    """
+    answers = [Answer(Action.ACK, None, 0)] * len(bodies)
+    deliveries: list[tuple[int, Delivery | int]] = []  # (index of its message, delivery)
     for i, body in enumerate(bodies):
         try:
-            readable.append((i, decode_message(body, runtime.settings.callback_max_body_bytes)))
+            messages = (
+                decoded[i] if decoded is not None else decode_messages(body, runtime.settings.callback_max_body_bytes)
+            )
         except UnreadableMessage as exc:
             log.warning("unreadable message sent to the dead-letter queue (%d bytes): %s", len(body), exc)
-            answers[i] = (Action.DEAD_LETTER, None)
-    if not readable:
-        return answers
-    try:
-        outcomes = process_batch(
-            runtime.engine, runtime.providers, [m for _, m in readable], runtime.callback_policy, stop=stop
+            answers[i] = Answer(Action.DEAD_LETTER, None, 0)
+            continue
+        deliveries.extend((i, message) for message in messages)
+    size = max(runtime.settings.consumer_batch_size, 1)
+    outcomes: list[CallbackResult | None] = [None] * len(deliveries)
+    for start in range(0, len(deliveries), size):
+        chunk = deliveries[start : start + size]
+        try:
+            done = process_batch(
+                runtime.engine, runtime.providers, [m for _, m in chunk], runtime.callback_policy, stop=stop
+            )
+        except Exception as exc:  # noqa: BLE001 - database unreachable: not even the failures could be recorded
+            log.error("batch of %s: database unavailable (%s); left for redelivery", len(chunk), type(exc).__name__)
+            break
+        for offset, (_log_id, outcome) in enumerate(done):
+            outcomes[start + offset] = outcome
+        if stop is not None and stop():
+            break
+    for (i, _), outcome in zip(deliveries, outcomes, strict=True):
+        requeue = outcome is None or answers[i].action is Action.REQUEUE
+        answers[i] = Answer(
+            Action.REQUEUE if requeue else Action.ACK, None if requeue else outcome, answers[i].callbacks + 1
         )
-    except Exception as exc:  # noqa: BLE001 - database unreachable: not even the failures could be recorded
-        log.error("batch of %s: database unavailable (%s); left for redelivery", len(readable), type(exc).__name__)
-        for i, _ in readable:
-            answers[i] = (Action.REQUEUE, None)
-        return answers
-    for (i, _), (_log_id, outcome) in zip(readable, outcomes, strict=True):
-        answers[i] = (Action.REQUEUE, None) if outcome is None else (Action.ACK, outcome)
     return answers

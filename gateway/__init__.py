@@ -33,8 +33,9 @@ def create_app(
     settings: Settings | None = None, *, engine: Any = None, publisher: Any = None, runtime: Runtime | None = None
 ) -> Flask:
     """Build the gateway. ``gateway.wsgi`` passes the runtime; tests pass settings and their own engine or publisher."""
-    from broker.publisher import CallbackPublisher
+    from broker.publisher import PACKING_BYTES, CallbackPublisher
     from gateway.inline import InlineProcessor
+    from payments.delivery import encode_batch, max_message_bytes
     from payments.metrics import publish_failed  # not `metrics`: gateway.metrics (the blueprint) takes that name
 
     if runtime is None:
@@ -54,6 +55,11 @@ def create_app(
             quorum=settings.amqp_quorum_queue,
             timeout=settings.publish_timeout_seconds,
             on_failure=publish_failed,
+            linger=settings.publish_linger_seconds,
+            pack=encode_batch,
+            batch_max=settings.publish_batch_max,
+            # A batch is never larger than a message of one delivery may be: the consumer's bound holds.
+            batch_bytes=max_message_bytes(settings.callback_max_body_bytes) - PACKING_BYTES,
         ),
         "inline": InlineProcessor(runtime) if settings.process_inline else None,
     }

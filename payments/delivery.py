@@ -22,6 +22,13 @@ from backup): DESIGN.md invariant 12.
   instead of storing a second copy, and the inbox (``processed_event``) keeps
   the business effect to one, whichever copy gets there first.
 
+Several deliveries may share one message, ``{"deliveries": [<message>, ...]}``
+(``encode_batch``: the gateway's publisher packs what arrived within
+PUBLISH_LINGER_SECONDS), no larger than a message of one delivery may be;
+each entry is a message as above and gets exactly what a message of its own
+would. Broker work is per message, not per byte: on the 2-core machine a
+message cost RabbitMQ about 0.2 ms of CPU at ingest rates, whatever it held.
+
 A message of the earlier format, ``{"log_id": N}`` (queued before an upgrade),
 is still processed by its id; one without ``request_id`` (or with one that is
 not sane) is read as having none.
@@ -139,14 +146,58 @@ def _positive_int(value: Any) -> int | None:
     return None
 
 
+BATCH_KEY = b'{"deliveries":['
+"""How a message holding several deliveries begins (``encode_batch``)."""
+
+
+def encode_batch(messages: list[bytes]) -> bytes:
+    """One message carrying the already-encoded messages ``messages`` (one alone is sent as it is).
+
+    Adds 17 bytes and a comma per message: a publisher that keeps the sum of
+    the parts under ``max_message_bytes`` less 64 keeps every batch readable.
+    """
+    if len(messages) == 1:
+        return messages[0]
+    return BATCH_KEY + b",".join(messages) + b"]}"
+
+
+def decode_messages(raw: bytes, max_body_bytes: int) -> list[Delivery | int]:
+    """Every delivery ``raw`` carries (one, or the entries of an ``encode_batch`` message); raise UnreadableMessage.
+
+    A batch with one unreadable entry is unreadable as a whole (the dead-letter
+    queue keeps it as it came): the gateway only packs messages it encoded
+    itself, so such a batch is corrupt, and its rows are in the database for the sweep.
+    """
+    doc = _json_object(raw, max_body_bytes)
+    if set(doc) != {"deliveries"}:
+        return [_delivery(doc, max_body_bytes)]
+    entries = doc["deliveries"]
+    if not isinstance(entries, list) or not entries:
+        raise UnreadableMessage("deliveries must be a non-empty list")
+    try:
+        return [_delivery(entry, max_body_bytes) for entry in entries]
+    except UnreadableMessage as exc:
+        raise UnreadableMessage(f"an entry of a batch of {len(entries)}: {exc}") from None
+
+
 def decode_message(raw: bytes, max_body_bytes: int) -> Delivery | int:
     """A Delivery, or the log id of an earlier-format ``{"log_id": N}`` message; raise UnreadableMessage."""
+    return _delivery(_json_object(raw, max_body_bytes), max_body_bytes)
+
+
+def _json_object(raw: bytes, max_body_bytes: int) -> dict[str, Any]:
     if len(raw) > max_message_bytes(max_body_bytes):
         raise UnreadableMessage(f"message of {len(raw)} bytes is larger than any callback message")
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise UnreadableMessage("not JSON") from None
+    if not isinstance(doc, dict):
+        raise UnreadableMessage("not a JSON object")
+    return doc
+
+
+def _delivery(doc: Any, max_body_bytes: int) -> Delivery | int:
     if not isinstance(doc, dict):
         raise UnreadableMessage("not a JSON object")
     log_id = _positive_int(doc.get("log_id"))

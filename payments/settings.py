@@ -143,6 +143,11 @@ class Settings:
     """How long inline processing may hold the acknowledgement; past it the row is left to consumer and sweep."""
     publish_timeout_seconds: float = 0.5
     """Upper bound on any broker connect or publish attempt from the gateway."""
+    publish_linger_seconds: float = 0.02
+    """How long the gateway's publisher waits after a callback for others to share its message (0: publish at once).
+    The answer to the provider never waits for it; only the consumer's fast path starts this much later."""
+    publish_batch_max: int = 100
+    """Most callbacks the gateway packs into one broker message (1: a message each, the format before batching)."""
     consumer_prefetch: int = 100
     """Unacknowledged messages the consumer holds at once (two batches: the next arrives while one is processed)."""
     consumer_batch_size: int = 50
@@ -423,6 +428,8 @@ _PARSERS = {
     "callback_process_inline": lambda n, v: _bool(n, v) if v.strip() else None,
     "callback_inline_budget_seconds": lambda n, v: _float(n, v, 0.01, 25),
     "publish_timeout_seconds": lambda n, v: _float(n, v, 0.01, 30),
+    "publish_linger_seconds": lambda n, v: _float(n, v, 0, 1),
+    "publish_batch_max": lambda n, v: _int(n, v, 1, 1000),
     "consumer_prefetch": lambda n, v: _int(n, v, 1, 10000),
     "consumer_batch_size": lambda n, v: _int(n, v, 1, 1000),
     "compensator_interval_seconds": lambda n, v: _float(n, v, 0.1, 86400),

@@ -20,7 +20,7 @@ import requests
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
-from payments.delivery import encode_message
+from payments.delivery import decode_messages, encode_message
 from payments.schema import ledger_event, payment, payment_callback_log, processed_event
 from tests.support import SECRET, Proc, TcpProxy, env_for, free_port, wait_for_port, wait_until
 
@@ -171,6 +171,25 @@ def ready_count(amqp_url: str, queue: str) -> int:
     finally:
         if conn.is_open:
             conn.close()
+
+
+def queued_callbacks(amqp_url: str, queue: str) -> tuple[int, int]:
+    """(messages, callbacks they carry) ready in ``queue``: read without ack, so all of them go back to it."""
+    conn, ch = amqp_channel(amqp_url)
+    messages = callbacks = 0
+    try:
+        while True:
+            method, _props, body = ch.basic_get(queue, auto_ack=False)
+            if method is None:
+                break
+            messages += 1
+            callbacks += len(decode_messages(body, 1 << 20))
+    except pika.exceptions.ChannelClosedByBroker:
+        pass  # no such queue yet
+    finally:
+        if conn.is_open:
+            conn.close()  # every message read goes back, unacknowledged
+    return messages, callbacks
 
 
 def publish_raw(amqp_url: str, queue: str, bodies: Iterable[bytes]) -> None:

@@ -6,7 +6,9 @@ queue); then the database "fails over" to a state that lacks those rows:
 deleted behind the application's back, and in the second case with the
 AUTO_INCREMENT counter set back so the same ids go to other deliveries. The
 consumer then starts: every delivery is back, byte for byte with its receipt
-time, and applied exactly once.
+time, and applied exactly once. The first case packs the deliveries several
+to a message (a long PUBLISH_LINGER_SECONDS), the second one to a message
+(PUBLISH_BATCH_MAX=1): both formats restore.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tests.stack import (
     payment_status,
     post,
     publish_raw,
+    queued_callbacks,
     ready_count,
 )
 from tests.support import create_payment, sandbox_event, signed, wait_until
@@ -82,9 +85,12 @@ def test_acknowledged_callbacks_whose_rows_were_lost_are_restored_from_the_queue
     mariadb, amqp_url, amqp_queue, tmp_path
 ):
     with _stack(tmp_path, mariadb, amqp_url, amqp_queue) as stack:
-        _, port = stack.start_web(workers=2)
+        _, port = stack.start_web(workers=2, PUBLISH_LINGER_SECONDS="0.5")
         payments, bodies = _acknowledged(port, mariadb, N)
-        wait_until(lambda: ready_count(amqp_url, amqp_queue) == N, timeout=20, message="every delivery published")
+        wait_until(
+            lambda: queued_callbacks(amqp_url, amqp_queue)[1] == N, timeout=20, message="every delivery published"
+        )
+        assert queued_callbacks(amqp_url, amqp_queue)[0] < N, "several deliveries share a message"
         lost = callback_rows(mariadb)
         received = {bytes(r.callback_data): r.create_time for r in lost}
         _lose_rows(mariadb)
@@ -106,7 +112,7 @@ def test_lost_rows_whose_ids_went_to_other_deliveries_are_restored_beside_them_a
     mariadb, amqp_url, amqp_queue, tmp_path
 ):
     with _stack(tmp_path, mariadb, amqp_url, amqp_queue) as stack:
-        _, port = stack.start_web(workers=2)
+        _, port = stack.start_web(workers=2, PUBLISH_BATCH_MAX="1")
         lost_payments, lost_bodies = _acknowledged(port, mariadb, N)
         wait_until(lambda: ready_count(amqp_url, amqp_queue) == N, timeout=20, message="first deliveries published")
         lost_rows = callback_rows(mariadb)
