@@ -43,8 +43,9 @@ from sqlalchemy import (
     insert,
     update,
 )
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.schema import CreateIndex, CreateTable
+from sqlalchemy.sql.base import Executable
 
 from payments.schema import metadata, trigger_ddl
 
@@ -325,6 +326,53 @@ def insert_ignore(table):  # noqa: ANN001, ANN201
 BULK_STATEMENT_CHARS = 1_000_000
 """One statement of ``insert_ignore_rows`` stays under this many characters (PyMySQL's own executemany limit),
 well inside MariaDB's 16 MiB max_allowed_packet even in 4-byte characters; a longer row goes alone."""
+
+
+class DriverStatement:
+    """A Core statement compiled once to the driver's own SQL, run with ``conn.exec_driver_sql(sql, params(values))``.
+
+    For a statement run on every callback: this skips SQLAlchemy's
+    per-execution work (cache key, compiled-parameter construction, result
+    set-up), about 0.1 ms of the gateway's 1 ms of CPU per callback. Each
+    value still goes through its column type's bind processor, as
+    ``conn.execute`` would send it.
+    """
+
+    def __init__(self, statement: Executable, dialect: Dialect, keys: Sequence[str]) -> None:
+        compiled = statement.compile(dialect=dialect, column_keys=list(keys))
+        self.sql = str(compiled)
+        self.positional = compiled.positiontup  # None for named parameter styles (PyMySQL)
+        names = self.positional if self.positional is not None else list(compiled.binds)
+        self.binds = {name: compiled.binds[name] for name in names}
+        missing = set(self.binds) - set(keys)
+        if missing:  # a default SQLAlchemy would fill in: not for this shortcut
+            raise ValueError(f"values for {sorted(missing)} are needed")
+        self._processors = {
+            name: processor
+            for name, bind in self.binds.items()
+            if (processor := bind.type.dialect_impl(dialect).bind_processor(dialect)) is not None
+        }
+
+    def params(self, values: Mapping[str, Any]) -> Any:
+        """The driver's parameters for ``values`` (a tuple or a dict, as the driver's style wants)."""
+        processors = self._processors
+        if self.positional is not None:
+            return tuple(
+                processors[name](values[name]) if name in processors else values[name] for name in self.positional
+            )
+        return {name: processors[name](value) if name in processors else value for name, value in values.items()}
+
+
+_DRIVER_STATEMENTS: dict[tuple[int, int, tuple[str, ...]], DriverStatement] = {}
+
+
+def driver_statement(statement: Executable, dialect: Dialect, keys: Sequence[str]) -> DriverStatement:
+    """The ``DriverStatement`` of ``statement`` for ``dialect`` bound with ``keys``, built once."""
+    cache_key = (id(statement), id(dialect), tuple(keys))
+    found = _DRIVER_STATEMENTS.get(cache_key)
+    if found is None:
+        found = _DRIVER_STATEMENTS[cache_key] = DriverStatement(statement, dialect, keys)
+    return found
 
 
 def insert_ignore_rows(conn: Connection, table: Table, rows: Sequence[Mapping[str, Any]]) -> int:
