@@ -60,7 +60,7 @@ from common import (  # the bench directory is on sys.path when run as a script
 from sqlalchemy import Engine, func, insert, select, text
 
 from payments.db import utcnow
-from payments.delivery import encode_message
+from payments.delivery import encode_batch, encode_message
 from payments.schema import outbox, payment, payment_callback_log, processed_event
 from payments.states import CallbackStatus
 from sandbox import signing
@@ -82,6 +82,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="COMPENSATOR_CONCURRENCY values to try, e.g. 1,4 (default: the setting's default)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs per phase; medians shown (default 1)")
+    parser.add_argument(
+        "--per-message",
+        type=int,
+        default=1,
+        help="callbacks packed into each message, as the gateway's publisher packs them (default 1: one each)",
+    )
     parser.add_argument("--skip-compensator", action="store_true")
     parser.add_argument("--skip-consumer", action="store_true")
     parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL)
@@ -240,16 +246,20 @@ def check_effects(engine: Engine, rows: int) -> None:
         raise SystemExit(f"FAIL: expected {rows} of each effect, got {got}")
 
 
-def messages(engine: Engine, tree: Path) -> list[bytes]:
-    """One message per backlog row, in id order, in the format the gateway of ``tree`` publishes."""
+def messages(engine: Engine, tree: Path, per_message: int = 1) -> list[bytes]:
+    """The backlog rows in id order, ``per_message`` to a message, in the format the gateway of ``tree`` publishes."""
     with engine.connect() as conn:
         rows = conn.execute(select(payment_callback_log).order_by(payment_callback_log.c.id)).all()
-    if not (tree / "payments" / "delivery.py").exists():
+    delivery = tree / "payments" / "delivery.py"
+    if not delivery.exists():
         return [json.dumps({"log_id": r.id}).encode() for r in rows]  # the format before the delivery message
-    return [
+    one = [
         encode_message(r.id, r.provider, r.create_time, bytes(r.callback_data), json.loads(r.headers), r.remote_addr)
         for r in rows
     ]
+    if per_message <= 1 or "def encode_batch" not in delivery.read_text():
+        return one  # a tree from before batched messages: one each
+    return [encode_batch(one[i : i + per_message]) for i in range(0, len(one), per_message)]
 
 
 def code_env(tree: Path, **settings: str) -> dict[str, str]:
@@ -267,7 +277,7 @@ def consumer_phase(args: argparse.Namespace, consumers: int, tree: Path = ROOT, 
 
     engine = prepare_database(args.database_url)
     build_backlog(engine, args.rows)
-    bodies = messages(engine, tree)
+    bodies = messages(engine, tree, args.per_message)
     sealer = start_sealer(args) if seal else None
     lag = None
     queue = f"bench_drain_{uuid.uuid4().hex[:8]}"
