@@ -33,7 +33,11 @@
 
 The settings below make retries, sweeps and queries quicker than the
 defaults so that a run converges in minutes; each is a documented setting,
-nothing is patched.
+nothing is patched. ``--not-found-grace-seconds`` shortens one more
+(QUERY_NOT_FOUND_GRACE_SECONDS, otherwise paysync's 60 s): a charge that came
+back Unknown and is not found at the platform waits that long before it is
+sent again, and a re-sent QR order that is not found waits as long again
+before it is closed, so in a short run it sets the tail.
 """
 
 from __future__ import annotations
@@ -105,6 +109,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-database-restart", action="store_true", help="do not kill and restart MariaDB")
     p.add_argument("--downtime", type=float, default=2.0, help="seconds a killed server stays down")
     p.add_argument("--deadline", type=float, default=900.0, help="seconds to wait for convergence after the load")
+    p.add_argument(
+        "--not-found-grace-seconds",
+        type=float,
+        help="QUERY_NOT_FOUND_GRACE_SECONDS of the run: a query's NotFound this soon after a send is not believed "
+        "(default: paysync's own, 60 s)",
+    )
     p.add_argument("--database-url", help="use this database (emptied first) instead of a private MariaDB")
     p.add_argument("--amqp-url", help="use this RabbitMQ (queues of the run's own) instead of a private node")
     p.add_argument("--faults", help="JSON object of sandbox fault knobs replacing the defaults")
@@ -235,6 +245,8 @@ class ChaosRun:
         self.refund_loads: dict[str, RefundLoad] = {}
         """mix name -> its refund merchant, for the mixes that take part in refunds."""
         self.started = time.monotonic()
+        self.phases: dict[str, float] = {}
+        """Seconds each phase of the run took (stack start, load and kills, convergence tail, checks)."""
 
     def clock(self) -> float:
         """Seconds since the load started."""
@@ -243,6 +255,7 @@ class ChaosRun:
     def start_stack(self) -> None:
         """Servers, schema, the mixes' platforms, the gateway, consumers and compensators."""
         args = self.args
+        began = time.monotonic()
         print(f"chaos run {self.run_id}: seed {args.seed}, {args.payments} payments, work directory {self.work}")
         for server in (self.database, self.broker):
             took = server.start()
@@ -272,6 +285,8 @@ class ChaosRun:
             "ALERT_RULES_FILE": str(self._alert_rules_file()),
             "EVALUATE_ALERTS_INTERVAL_SECONDS": "1",
         }
+        if args.not_found_grace_seconds is not None:
+            paysync["QUERY_NOT_FOUND_GRACE_SECONDS"] = f"{args.not_found_grace_seconds:g}"
         if args.amqp_url:  # someone else's broker: a queue and an exchange of this run's own
             paysync["AMQP_QUEUE"] = f"paysync_chaos_{self.run_id}"
             paysync["EVENTS_EXCHANGE"] = f"paysync_chaos_events_{self.run_id}"
@@ -288,6 +303,7 @@ class ChaosRun:
         for proc in self.consumers + self.compensators:
             proc.start()
             self.procs.append(proc)
+        self.phases["stack_start"] = round(time.monotonic() - began, 1)
 
     def _alert_rules_file(self) -> Path:
         path = self.work / "alert_rules.toml"
@@ -336,6 +352,7 @@ class ChaosRun:
             time.sleep(0.2)
         self.load_seconds = self.driver.result.finished - self.driver.result.started
         self.load_end = self.clock()
+        self.phases["load_and_kills"] = round(self.load_end, 1)
         print(f"load done in {self.load_seconds:.1f} s; waiting for convergence (up to {args.deadline:.0f} s)")
 
     def start_refunds(self, load: threading.Thread) -> None:
@@ -380,11 +397,13 @@ class ChaosRun:
                 time.sleep(1.0)
             return None
         finally:
+            self.phases["convergence_tail"] = round(self.clock() - self.load_end, 1)
             self.sampler.stop()
 
     def report(self, converged_at: float | None) -> bool:
         """Observe, evaluate, print the table, write the JSON; True when every row holds."""
         args, schedule = self.args, self.schedule
+        began = time.monotonic()
         for mix in self.mixes:
             mix.after_convergence(lambda command: subprocess_run(command, self.paysync_env))
             mix.observe()
@@ -414,7 +433,13 @@ class ChaosRun:
             made += f" ({', '.join(late)} after the load had ended)"
         as_planned = not schedule.errors and kills_as_planned(counts, schedule, self.database, self.broker)
         rows.append(Row("kills made", "as planned", made, as_planned, schedule.errors[:5], "run"))
+        self.phases["checks"] = round(time.monotonic() - began, 1)
         print_table(rows)
+        ph = self.phases
+        print(
+            f"\n  phases: stack start {ph['stack_start']:.1f} s, load and kills {ph['load_and_kills']:.1f} s, "
+            f"convergence after them {ph['convergence_tail']:.1f} s, checks {ph['checks']:.1f} s"
+        )
         retries = dict(self.driver.result.retries)
         print(f"\n  merchant retries: {retries or 'none'}")
         for mix in self.mixes:
@@ -440,6 +465,7 @@ class ChaosRun:
                 "merchant_retries": retries,
                 "mixes": {m.name: m.summary() for m in self.mixes},
                 "refunds": {name: r.summary() for name, r in self.refund_loads.items()},
+                "phase_seconds": self.phases,
                 "timeseries": self.sampler.series,
             }
             args.json_out.parent.mkdir(parents=True, exist_ok=True)
