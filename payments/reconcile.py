@@ -63,7 +63,7 @@ from payments.bills import alipay as alipay_bill
 from payments.bills import sandbox as sandbox_bill
 from payments.bills import stripe as stripe_bill
 from payments.bills import wechatpay as wechatpay_bill
-from payments.db import insert_ignore_rows, utcnow
+from payments.db import insert_ignore_columns, utcnow
 from payments.providers.base import Provider
 from payments.review import escalate
 from payments.schema import (
@@ -509,7 +509,7 @@ def _stored_batches(
     """
     for batch in batches:
         with engine.begin() as conn:
-            stored = insert_ignore_rows(conn, settlement_line, [_line_row(file_id, line) for line in batch])
+            stored = insert_ignore_columns(conn, settlement_line, _line_columns(file_id, batch))
         yield batch, stored
 
 
@@ -670,6 +670,7 @@ def _end_run(engine: Engine, report: Report, status: str, error: str | None = No
 
 
 def _line_row(file_id: int, line: SettlementLine) -> dict[str, Any]:
+    """One line's ``settlement_line`` row (``_line_columns`` holds the same values column by column)."""
     return {
         "settlement_file_id": file_id,
         "line_no": line.line_no,
@@ -683,6 +684,24 @@ def _line_row(file_id: int, line: SettlementLine) -> dict[str, Any]:
         "occurred_at": line.occurred_at,
         "parse_error": line.error,
         "raw": line.raw,
+    }
+
+
+def _line_columns(file_id: int, lines: Sequence[SettlementLine]) -> dict[str, list[Any]]:
+    """The ``settlement_line`` rows of ``lines``, column by column (``insert_ignore_columns``)."""
+    return {
+        "settlement_file_id": [file_id] * len(lines),
+        "line_no": [line.line_no for line in lines],
+        "kind": [line.kind for line in lines],
+        "status": [line.status for line in lines],
+        "provider_reference": [line.provider_reference for line in lines],
+        "merchant_reference": [line.merchant_reference for line in lines],
+        "amount_minor": [line.amount_minor for line in lines],
+        "fee_minor": [line.fee_minor if line.kind not in (INFO, INVALID) else None for line in lines],
+        "currency": [line.currency for line in lines],
+        "occurred_at": [line.occurred_at for line in lines],
+        "parse_error": [line.error for line in lines],
+        "raw": [line.raw for line in lines],
     }
 
 

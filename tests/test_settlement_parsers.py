@@ -160,3 +160,22 @@ def test_checked_turns_a_plug_in_parsers_mistake_into_an_invalid_line(line, prob
     result = checked(line)
     assert result.kind == INVALID and problem in result.error and result.raw == "x"
     assert checked(SettlementLine(1, "x", FEE, fee_minor=-3, currency="CNY")).kind == FEE
+
+
+def test_the_hand_written_constructor_takes_the_dataclass_fields_in_order_with_their_defaults():
+    import dataclasses
+    import inspect
+
+    parameters = list(inspect.signature(SettlementLine.__init__).parameters.values())[1:]
+    fields = dataclasses.fields(SettlementLine)
+    assert [p.name for p in parameters] == [f.name for f in fields]
+    for parameter, field in zip(parameters, fields, strict=True):
+        expected = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
+        assert parameter.default == expected, field.name
+    line = SettlementLine(3, "raw", CHARGE, amount_minor=5)
+    assert vars(line) == {f.name: getattr(line, f.name) for f in fields}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        line.kind = INFO  # type: ignore[misc]
+    assert dataclasses.replace(line, kind=INVALID, error="x") == SettlementLine(
+        3, "raw", INVALID, amount_minor=5, error="x"
+    )

@@ -72,15 +72,14 @@ def read_line(line_no: int, raw: str, fields: list[str]) -> SettlementLine:
         return SettlementLine(line_no, raw, INFO)
     if len(fields) != len(COLUMNS):
         return _bad(line_no, raw, f"expected {len(COLUMNS)} fields, got {len(fields)}")
-    row = dict(zip(COLUMNS, fields, strict=True))
-    kind = _TYPES.get(row["type"])
+    provider_reference, merchant_reference, type_, amount, fee, currency, status, stamp = fields
+    kind = _TYPES.get(type_)
     if kind is None:
-        return _bad(line_no, raw, f"unknown type {row['type'][:20]!r}")
-    if row["status"] not in STATUSES:
-        return _bad(line_no, raw, f"unknown status {row['status'][:20]!r}")
-    if not _WHOLE.fullmatch(row["amount"]) or not _WHOLE.fullmatch(row["fee"]):
+        return _bad(line_no, raw, f"unknown type {type_[:20]!r}")
+    if status not in STATUSES:
+        return _bad(line_no, raw, f"unknown status {status[:20]!r}")
+    if not _WHOLE.fullmatch(amount) or not _WHOLE.fullmatch(fee):
         return _bad(line_no, raw, "amount and fee must be whole minor units")
-    stamp = row["created_at"]
     if not _TIME.fullmatch(stamp):
         return _bad(line_no, raw, "created_at must be YYYY-MM-DDTHH:MM:SSZ")
     try:  # by hand: strptime costs more than the rest of the line together
@@ -94,13 +93,13 @@ def read_line(line_no: int, raw: str, fields: list[str]) -> SettlementLine:
         line_no,
         raw,
         kind,
-        status=row["status"],
-        provider_reference=row["provider_transaction_id"] or None,
-        merchant_reference=row["merchant_transaction_id"] or None,
-        amount_minor=int(row["amount"]),
-        fee_minor=int(row["fee"]),
-        currency=row["currency"],
-        occurred_at=occurred,
+        status,
+        provider_reference or None,
+        merchant_reference or None,
+        int(amount),
+        int(fee),
+        currency,
+        occurred,
     )
 
 
