@@ -49,7 +49,9 @@ import logging
 import queue
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta, tzinfo
 from itertools import islice
@@ -133,7 +135,9 @@ ACCOUNTS: dict[str, tuple[str, ...]] = {
 """Provider -> the ``payment.provider`` values its file covers (default: itself). sandbox_legacy is the same account."""
 
 BATCH_LINES = 5000
-"""Records read, stored and matched per transaction."""
+"""Records read, stored and matched per transaction (the first few batches smaller: ``batch_sizes``)."""
+LOCAL_ONLY_WORKERS = 2
+"""Pages of the local-only pass queried at once (MariaDB; SQLite: one)."""
 LOCK_NAME = "paysync.reconcile"
 """Named database lock: one reconciliation at a time across every compensator."""
 
@@ -493,9 +497,51 @@ def reconcile(
 
 
 def _checked_batches(lines: Iterable[SettlementLine], size: int) -> Iterator[list[SettlementLine]]:
+    """Checked lines in batches of at most ``size``, the first ones smaller (``batch_sizes``)."""
     iterator = iter(lines)
-    while batch := list(islice(iterator, size)):
+    for limit in batch_sizes(size):
+        batch = list(islice(iterator, limit))
+        if not batch:
+            return
         yield [checked(line) for line in batch]
+
+
+def batch_sizes(size: int) -> Iterator[int]:
+    """size/8, size/4, size/2, then ``size`` for ever: matching starts after a small first batch, not a full one.
+
+    The pipeline (``read_ahead``) overlaps one batch's storing with the one
+    before's matching; the first batch has nothing to overlap with, so it is
+    kept short, and the batches grow to ``size`` while the pipeline fills.
+    """
+    limit = max(1, size // 8)
+    while limit < size:
+        yield limit
+        limit *= 2
+    while True:
+        yield size
+
+
+def ordered_map(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> Iterator[Any]:
+    """``fn(item)`` for each item, in order, up to ``workers`` of them running at once in threads of their own.
+
+    At most ``workers`` results wait at any time, so memory stays bounded;
+    the first error is raised where its result was due.
+    """
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="reconcile-worker") as pool:
+        running: deque[Future[Any]] = deque()
+        try:
+            for item in items:
+                running.append(pool.submit(fn, item))
+                if len(running) >= workers:
+                    yield running.popleft().result()
+            while running:
+                yield running.popleft().result()
+        finally:
+            for future in running:
+                future.cancel()
 
 
 def _stored_batches(
@@ -971,19 +1017,31 @@ class _Run:
         start, end = day_bounds(self.day, DAY_ZONES.get(self.provider, UTC))
         with self.engine.connect() as conn:
             files = current_files(conn, self.provider, self.day)
+        # The pages' anti-joins are the database's work and nothing else runs now: LOCAL_ONLY_WORKERS of them at
+        # once, on connections of their own; the few records they find are written here, in page order.
+        workers = 1 if self.engine.dialect.name == "sqlite" else LOCAL_ONLY_WORKERS
         for kind in ("payment", "refund"):
             event_type = "PaymentConfirmed" if kind == "payment" else "RefundConfirmed"
-            after: tuple[datetime, int] | None = None
-            while True:
+
+            def unsettled(page: tuple[Any, Any], kind: str = kind) -> list[Mapping[str, Any]]:
                 with self.engine.connect() as conn:
-                    upto = _page_end(conn, event_type, start, end, after, BATCH_LINES)
-                    query = self._unsettled_query(kind, files, start, end, after, upto)
-                    rows = conn.execute(query).mappings().all()
+                    query = self._unsettled_query(kind, files, start, end, *page)
+                    return list(conn.execute(query).mappings().all())
+
+            for rows in ordered_map(unsettled, self._pages(event_type, start, end), workers):
                 if rows:
                     self._local_only_items(kind, rows)
-                if upto is None:
-                    break
-                after = upto
+
+    def _pages(self, event_type: str, start: datetime, end: datetime) -> Iterator[tuple[Any, Any]]:
+        """(after, upto) keys of the day's confirmations, BATCH_LINES a page; the last page's upto is None."""
+        after: tuple[datetime, int] | None = None
+        while True:
+            with self.engine.connect() as conn:
+                upto = _page_end(conn, event_type, start, end, after, BATCH_LINES)
+            yield after, upto
+            if upto is None:
+                return
+            after = upto
 
     def _local_only_items(self, kind: str, rows: Sequence[Mapping[str, Any]]) -> None:
         with self.engine.begin() as conn:

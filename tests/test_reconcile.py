@@ -805,3 +805,40 @@ def test_read_ahead_stays_at_most_depth_ahead_and_a_caller_that_stops_stops_its_
     items.close()  # the caller's loop ended (an exception in its batch, say)
     assert not any(t.name == "reconcile-read-ahead" for t in threading.enumerate())
     assert len(produced) <= 3
+
+
+def test_batches_start_small_and_grow_to_the_batch_size_every_line_once_in_order():
+    from itertools import islice
+
+    assert list(islice(reconcile.batch_sizes(5000), 6)) == [625, 1250, 2500, 5000, 5000, 5000]
+    assert list(islice(reconcile.batch_sizes(1), 2)) == [1, 1]
+    lines = [SettlementLine(n, f"line {n}", "info") for n in range(1, 12_001)]
+    batches = list(reconcile._checked_batches(lines, 5000))
+    assert [len(b) for b in batches] == [625, 1250, 2500, 5000, 2625]
+    assert [line for batch in batches for line in batch] == lines
+
+
+def test_ordered_map_keeps_order_bounds_what_waits_and_raises_where_the_error_was_due():
+    import time as clock
+
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def slow(n: int) -> int:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        clock.sleep(0.01 * (n % 3))
+        with lock:
+            running[0] -= 1
+        if n == 7:
+            raise ValueError("seven")
+        return n * n
+
+    got = []
+    with pytest.raises(ValueError, match="seven"):
+        for value in reconcile.ordered_map(slow, range(10), 2):
+            got.append(value)
+    assert got == [n * n for n in range(7)]
+    assert most[0] <= 2
+    assert list(reconcile.ordered_map(slow, range(5), 1)) == [n * n for n in range(5)]
