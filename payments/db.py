@@ -375,6 +375,10 @@ def driver_statement(statement: Executable, dialect: Dialect, keys: Sequence[str
     return found
 
 
+LITERAL_ROWS = 1000
+"""``insert_ignore_columns`` writes the literals of this many rows at a time (memory: not a whole batch's)."""
+
+
 def insert_ignore_rows(conn: Connection, table: Table, rows: Sequence[Mapping[str, Any]]) -> int:
     """``insert_ignore(table)`` of many rows (same keys each) in as few statements as fit: how many were new.
 
@@ -417,20 +421,20 @@ def insert_ignore_columns(conn: Connection, table: Table, columns: Mapping[str, 
     dbapi_conn = conn.connection.dbapi_connection
     quote = conn.dialect.identifier_preparer.quote
     head = f"INSERT IGNORE INTO {quote(table.name)} ({', '.join(quote(name) for name in names)}) VALUES "
-    literals = []
-    for name, column in zip(names, values, strict=True):
-        process = table.c[name].type.dialect_impl(conn.dialect).bind_processor(conn.dialect)
-        if process is not None:
-            column = [process(value) for value in column]
-        literals.append(_literals(column, dbapi_conn))
+    processors = [table.c[name].type.dialect_impl(conn.dialect).bind_processor(conn.dialect) for name in names]
     inserted, chunk, size = 0, [], len(head)
-    for row in zip(*literals, strict=True):
-        value = "(" + ",".join(row) + ")"
-        if chunk and size + len(value) + 1 > BULK_STATEMENT_CHARS:
-            inserted += _execute_literal(conn, head + ",".join(chunk))
-            chunk, size = [], len(head)
-        chunk.append(value)
-        size += len(value) + 1
+    for first in range(0, count, LITERAL_ROWS):  # a slice of rows at a time: their literals are short-lived
+        literals = []
+        for column, process in zip(values, processors, strict=True):
+            part = column[first : first + LITERAL_ROWS]
+            literals.append(_literals([process(value) for value in part] if process else part, dbapi_conn))
+        for row in zip(*literals, strict=True):
+            value = "(" + ",".join(row) + ")"
+            if chunk and size + len(value) + 1 > BULK_STATEMENT_CHARS:
+                inserted += _execute_literal(conn, head + ",".join(chunk))
+                chunk, size = [], len(head)
+            chunk.append(value)
+            size += len(value) + 1
     inserted += _execute_literal(conn, head + ",".join(chunk))
     return inserted
 
