@@ -89,27 +89,21 @@ class SettlementLine:
         error: str | None = None,
     ) -> None:
         # By hand: the frozen dataclass's own __init__ sets each field through object.__setattr__, a third of
-        # a sandbox line's parse; one assignment of the instance dict stores the same attributes.
-        _set_attribute(
-            self,
-            "__dict__",
-            {
-                "line_no": line_no,
-                "raw": raw,
-                "kind": kind,
-                "status": status,
-                "provider_reference": provider_reference,
-                "merchant_reference": merchant_reference,
-                "amount_minor": amount_minor,
-                "fee_minor": fee_minor,
-                "currency": currency,
-                "occurred_at": occurred_at,
-                "error": error,
-            },
-        )
+        # a sandbox line's parse. Stored straight into the instance dict instead, in field order, so the dict
+        # keeps sharing its keys with every other line's (a third of the memory of a dict built apart).
+        fields = self.__dict__
+        fields["line_no"] = line_no
+        fields["raw"] = raw
+        fields["kind"] = kind
+        fields["status"] = status
+        fields["provider_reference"] = provider_reference
+        fields["merchant_reference"] = merchant_reference
+        fields["amount_minor"] = amount_minor
+        fields["fee_minor"] = fee_minor
+        fields["currency"] = currency
+        fields["occurred_at"] = occurred_at
+        fields["error"] = error
 
-
-_set_attribute = object.__setattr__
 
 Parser = Callable[[BinaryIO], Iterator[SettlementLine]]
 """``parse(stream)``: a pure generator over a binary file object."""
