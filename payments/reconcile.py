@@ -7,10 +7,11 @@ One run (``reconcile``), streamed so a file of any size takes flat memory:
    hashed; ``settlement_file`` records provider, day, SHA-256, size, source
    and import time, UNIQUE on (provider, day, sha256): the same bytes are one
    file however often they are imported.
-2. **Read, store, match in batches** of BATCH_LINES records: the provider's
-   parser (``PARSERS``) yields ``payments.settlement.SettlementLine`` records;
-   each is stored unchanged in ``settlement_line`` (``INSERT IGNORE`` on
-   (file, line number): a second import adds nothing, a crashed one resumes),
+2. **Read, store, match in batches** of BATCH_LINES records (the first few
+   smaller, ``batch_sizes``): the provider's parser (``PARSERS``) yields
+   ``payments.settlement.SettlementLine`` records; each is stored unchanged
+   in ``settlement_line`` (``INSERT IGNORE`` on (file, line number): a second
+   import adds nothing, a crashed one resumes),
    then matched to a local payment or refund by the provider's transaction id,
    then by our number, and classified by the pure ``classify``. Reading and
    storing run one batch ahead in a thread of their own (``read_ahead``), so
@@ -27,7 +28,8 @@ One run (``reconcile``), streamed so a file of any size takes flat memory:
      ``suspense:reconciliation``, and is escalated: a manual review and an
      alert, once per subject (``_escalate``, through ``review.escalate``).
 4. **Local only:** successes we confirmed that day that no current settlement
-   file names are items too, escalated once per payment or refund.
+   file names are items too, escalated once per payment or refund (the
+   database's anti-joins, LOCAL_ONLY_WORKERS pages at once).
 5. **Fees:** the day's fees (fee columns and fee lines) are booked as one
    ``FeeCharged`` event per currency.
 6. A ``reconciliation_run`` row holds the summary: count and amounts per
