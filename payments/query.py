@@ -225,13 +225,19 @@ def _not_found(
     deadline): its NotFound may be a charge not visible yet. Where a re-send
     is allowed, a NotFound within QUERY_NOT_FOUND_GRACE_SECONDS of the last
     send is not believed yet either: the next query comes after the grace.
+    Nor is one about a send the provider answered Pending: it has the order,
+    which it shows to a query only once the payer starts (an Alipay QR code
+    nobody scanned yet); re-sending it would only make the same order again,
+    once a grace period, for as long as it lives.
     """
     attempts = current["query_attempts"] + 1
     next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts))
     last = what.last_call(conn, current[what.key])
     grace_ends = last.started_at + timedelta(seconds=ctx.settings.query_not_found_grace_seconds) if last else now
-    believed = provider.capabilities.may_resend and now >= grace_ends
-    if provider.capabilities.may_resend and not believed:
+    accepted = last is not None and last.outcome == "Pending"
+    may_resend = provider.capabilities.may_resend and not accepted
+    believed = may_resend and now >= grace_ends
+    if may_resend and not believed:
         next_query_at = max(next_query_at, grace_ends)
     values = {"query_attempts": attempts, "next_query_at": next_query_at, "updated_at": now}
     conn.execute(update(what.table).where(what.table.c.id == current["id"]).values(**values))

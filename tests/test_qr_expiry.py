@@ -76,6 +76,26 @@ def test_an_unscanned_alipay_trade_is_not_found_and_the_payment_stays_pending(al
     assert row(alipay_rt, payment_id)["status"] == "Succeeded"
 
 
+def test_an_unscanned_alipay_trade_the_precreate_was_answered_for_is_never_sent_again(alipay_rt, fake_alipay):
+    payment_id = precreated(alipay_rt, fake_alipay)
+    grace = timedelta(seconds=alipay_rt.settings.query_not_found_grace_seconds)
+    for n in range(1, 4):  # each time well past the grace since the precreate: still no re-send
+        with alipay_rt.engine.begin() as conn:
+            conn.execute(
+                update(provider_call)
+                .where(provider_call.c.payment_id == payment_id, provider_call.c.operation == "charge")
+                .values(started_at=utcnow() - grace * 2)
+            )
+        due_now(alipay_rt, payment_id)
+        query_unresolved.run_once(alipay_rt)
+        relay_outbox.run_once(alipay_rt)
+        assert operations(alipay_rt, payment_id).count("query") == n
+    assert operations(alipay_rt, payment_id).count("charge") == 1, "Alipay has the order: the QR code is its answer"
+    precreates = [r for r in fake_alipay.fake.requests if r.get("method") == "alipay.trade.precreate"]
+    assert len(precreates) == 1
+    assert row(alipay_rt, payment_id)["status"] == "Pending"
+
+
 def test_the_precreate_names_an_absolute_expiry_fixed_by_the_payments_creation(alipay_rt, fake_alipay):
     payment_id = precreated(alipay_rt, fake_alipay)
     created = row(alipay_rt, payment_id)["created_at"]
