@@ -65,6 +65,7 @@ from payments.providers.base import (
     RefundRequest,
     Succeeded,
     Unknown,
+    api_session,
 )
 from payments.states import PaymentStatus
 
@@ -287,7 +288,7 @@ class AlipayProvider(Provider):
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
         if session is None:
-            session = self._local.session = requests.Session()
+            session = self._local.session = api_session(self._gateway_url)
         return session
 
     def signed_request(self, method: str, biz: Mapping[str, Any]) -> tuple[str, str]:

@@ -55,6 +55,7 @@ from payments.providers.base import (
     RefundRequest,
     Succeeded,
     Unknown,
+    api_session,
 )
 from payments.states import PaymentStatus
 
@@ -199,7 +200,7 @@ class SandboxProvider(Provider):
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
         if session is None:
-            session = self._local.session = requests.Session()
+            session = self._local.session = api_session(self._api_url)
             if self._api_key:
                 session.headers["Authorization"] = f"Bearer {self._api_key}"
         return session

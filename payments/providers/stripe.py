@@ -102,6 +102,7 @@ from payments.providers.base import (
     RefundRequest,
     Succeeded,
     Unknown,
+    api_session,
 )
 from payments.providers.stripe_money import AmountError, from_stripe, iso_currency, stripe_currency, to_stripe
 from payments.settings import Settings
@@ -546,7 +547,7 @@ class StripeProvider(Provider):
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
         if session is None:
-            session = self._local.session = requests.Session()
+            session = self._local.session = api_session(self._base)
         return session
 
     def _call(

@@ -77,6 +77,7 @@ from payments.providers.base import (
     RefundRequest,
     Succeeded,
     Unknown,
+    api_session,
 )
 from payments.settings import Settings, env_name
 from payments.states import PaymentStatus
@@ -407,7 +408,7 @@ class WechatPayProvider(Provider):
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
         if session is None:
-            session = self._local.session = requests.Session()
+            session = self._local.session = api_session(self.config.api_base)
         return session
 
     def _headers(self, method: str, path: str, body: bytes) -> dict[str, str]:
