@@ -90,6 +90,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="WEB_WORKERS for the gateway (default 2)")
     parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL)
     parser.add_argument("--timeout", type=float, default=300, help="give up waiting for Succeeded after this")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="create at most this many payments a second (default 0: as fast as --concurrency allows); "
+        "below the relay's capacity, the p50 is that of a system that is not saturated",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="passes (each with its own direct run); medians shown")
     parser.add_argument(
         "--before-tree",
@@ -136,12 +143,22 @@ def run_direct(sandbox_url: str, count: int, concurrency: int) -> dict:
     }
 
 
-def run_paysync(port: int, engine, count: int, concurrency: int, timeout: float, prefix: str = "") -> dict:  # noqa: ANN001
-    """Create ``count`` payments through the gateway and wait until the relay got every one Succeeded."""
+def run_paysync(
+    port: int,
+    engine,  # noqa: ANN001
+    count: int,
+    concurrency: int,
+    timeout: float,
+    prefix: str = "",
+    rate: float = 0.0,
+) -> dict:
+    """Create ``count`` payments through the gateway (``rate`` a second at most, 0: at once) and wait for Succeeded."""
     sessions = threading.local()
     prefix = f"{prefix}{uuid.uuid4().hex[:8]}"
 
     def create(n: int) -> None:
+        if rate:  # paced: payment n is created no sooner than n / rate seconds in
+            time.sleep(max(0.0, started + n / rate - time.monotonic()))
         session = getattr(sessions, "s", None) or requests.Session()
         sessions.s = session
         response = session.post(
@@ -260,7 +277,7 @@ def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
         print(f"{label}direct : its {set_aside} notifications to paysync deleted before the paysync run", flush=True)
         requests.post(f"http://127.0.0.1:{sandbox_port}/_sandbox/reset", timeout=10).raise_for_status()
 
-        paysync = run_paysync(web_port, engine, args.payments, args.concurrency, args.timeout)
+        paysync = run_paysync(web_port, engine, args.payments, args.concurrency, args.timeout, rate=args.rate)
         print(
             f"{label}paysync: {paysync['per_second']:8.1f} payments/s  p50 {paysync['p50_ms']:7.1f} ms   "
             f"p99 {paysync['p99_ms']:7.1f} ms   (creation to Succeeded; POST /payments at "
@@ -284,7 +301,9 @@ def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
             requests.post(
                 f"http://127.0.0.1:{sandbox_port}/_sandbox/faults", json=faults, timeout=10
             ).raise_for_status()
-            faulted = run_paysync(web_port, engine, args.payments, args.concurrency, args.timeout, prefix="faulted")
+            faulted = run_paysync(
+                web_port, engine, args.payments, args.concurrency, args.timeout, prefix="faulted", rate=args.rate
+            )
             faulted["faults"] = faults
             print(
                 f"{label}paysync+faults: {faulted['per_second']:8.1f} payments/s  p50 {faulted['p50_ms']:7.1f} ms   "
