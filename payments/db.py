@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -363,15 +364,19 @@ class DriverStatement:
         return {name: processors[name](value) if name in processors else value for name, value in values.items()}
 
 
-_DRIVER_STATEMENTS: dict[tuple[int, int, tuple[str, ...]], DriverStatement] = {}
+_DRIVER_STATEMENTS: weakref.WeakKeyDictionary[Dialect, dict[tuple[Executable, tuple[str, ...]], DriverStatement]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per dialect object (an engine's), not per id(): a disposed engine's id may come back as another database's."""
 
 
 def driver_statement(statement: Executable, dialect: Dialect, keys: Sequence[str]) -> DriverStatement:
     """The ``DriverStatement`` of ``statement`` for ``dialect`` bound with ``keys``, built once."""
-    cache_key = (id(statement), id(dialect), tuple(keys))
-    found = _DRIVER_STATEMENTS.get(cache_key)
+    built = _DRIVER_STATEMENTS.setdefault(dialect, {})
+    cache_key = (statement, tuple(keys))
+    found = built.get(cache_key)
     if found is None:
-        found = _DRIVER_STATEMENTS[cache_key] = DriverStatement(statement, dialect, keys)
+        found = built[cache_key] = DriverStatement(statement, dialect, keys)
     return found
 
 

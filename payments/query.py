@@ -234,7 +234,7 @@ def _not_found(
     next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts))
     last = what.last_call(conn, current[what.key])
     grace_ends = last.started_at + timedelta(seconds=ctx.settings.query_not_found_grace_seconds) if last else now
-    accepted = last is not None and last.outcome == "Pending"
+    accepted = last is not None and last.outcome == Pending.__name__  # as provider_calls.outcome_name writes it
     may_resend = provider.capabilities.may_resend and not accepted
     believed = may_resend and now >= grace_ends
     if may_resend and not believed:

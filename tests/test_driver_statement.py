@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import select
 
 from payments.callbacks import _STORE, store_callback
-from payments.db import DriverStatement, driver_statement
+from payments.db import DriverStatement, driver_statement, make_engine
 from payments.schema import payment_callback_log
 from payments.states import CallbackStatus
 
@@ -57,3 +57,14 @@ def test_it_is_built_once_per_dialect_and_refuses_to_skip_a_default(engine):
         DriverStatement(_STORE, engine.dialect, keys)
     full = tuple(c.name for c in payment_callback_log.columns if c.name != "id")
     assert driver_statement(_STORE, engine.dialect, full) is driver_statement(_STORE, engine.dialect, full)
+
+
+def test_each_engine_has_its_own_statement_in_its_drivers_style(engine, tmp_path):
+    # Keyed by the dialect object itself: an id() of a disposed engine's dialect may come back as another's.
+    other = make_engine(f"sqlite:///{tmp_path / 'other.db'}")
+    full = tuple(c.name for c in payment_callback_log.columns if c.name != "id")
+    mine, theirs = driver_statement(_STORE, engine.dialect, full), driver_statement(_STORE, other.dialect, full)
+    assert mine is not theirs
+    assert theirs.positional is not None and "?" in theirs.sql  # SQLite: qmark
+    assert (mine.positional is None) == (engine.dialect.paramstyle == "pyformat")
+    other.dispose()

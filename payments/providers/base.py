@@ -354,7 +354,7 @@ def api_session(base_url: str) -> requests.Session:
 
     With ``trust_env`` on, requests looks up the proxy variables (NO_PROXY
     included), ``~/.netrc`` and the CA bundle variables on every request:
-    about 0.15–0.2 ms of CPU per provider call on the development machine. An
+    about 0.13–0.22 ms of CPU per provider call on the development machine. An
     adapter talks to one host, so its proxies are resolved for that host once
     and the CA bundle variable is read once; ``.netrc`` never holds a
     provider's credentials (every adapter sends its own).
