@@ -29,7 +29,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, bindparam, select, update
+from sqlalchemy import Connection, Engine, Row, bindparam, or_, select, update
 
 from payments import breaker
 from payments.backoff import compute_backoff
@@ -150,6 +150,10 @@ _LAST_CHARGE_CALL = _LAST_CALL.where(
 _LAST_REFUND_CALL = _LAST_CALL.where(
     provider_call.c.refund_id == bindparam("p_refund_id"), provider_call.c.operation == "refund"
 ).limit(1)
+# A 429 (rate limited, or Stripe's lock_timeout) is a provider turning the request away before doing anything.
+_MAY_HAVE_REACHED = or_(provider_call.c.http_status.is_(None), provider_call.c.http_status != 429)
+_LAST_CHARGE_SEND = _LAST_CHARGE_CALL.where(_MAY_HAVE_REACHED)
+_LAST_REFUND_SEND = _LAST_REFUND_CALL.where(_MAY_HAVE_REACHED)
 
 
 def lock_payment(conn: Connection, payment_id: str) -> dict[str, Any] | None:
@@ -196,6 +200,16 @@ def last_refund_call(conn: Connection, refund_id: str) -> Row | None:
 def last_charge_call(conn: Connection, payment_id: str) -> Row | None:
     """The latest charge call recorded for a payment (id, started_at, outcome), or None if it was never sent."""
     return conn.execute(_LAST_CHARGE_CALL, {"p_payment_id": payment_id}).first()
+
+
+def last_refund_send(conn: Connection, refund_id: str) -> Row | None:
+    """As ``last_refund_call``, leaving out calls the provider turned away unprocessed (HTTP 429)."""
+    return conn.execute(_LAST_REFUND_SEND, {"p_refund_id": refund_id}).first()
+
+
+def last_charge_send(conn: Connection, payment_id: str) -> Row | None:
+    """As ``last_charge_call``, leaving out calls the provider turned away unprocessed (HTTP 429)."""
+    return conn.execute(_LAST_CHARGE_SEND, {"p_payment_id": payment_id}).first()
 
 
 def apply_outcome(

@@ -31,7 +31,9 @@ from payments.calls import (
     count,
     give_up_ambiguous,
     last_charge_call,
+    last_charge_send,
     last_refund_call,
+    last_refund_send,
     lock_payment,
     lock_refund,
     query_delay,
@@ -192,6 +194,7 @@ class _Resend:
     """Our number's column: payment_id or refund_id."""
     event_type: str
     last_call: Callable[[Connection, str], Any]
+    """The latest send that may have reached the provider (one turned away with a 429 did not)."""
     payload: Callable[[Mapping[str, Any]], dict[str, Any]]
 
 
@@ -199,14 +202,14 @@ _CHARGE = _Resend(
     payment,
     "payment_id",
     CHARGE_REQUESTED,
-    last_charge_call,
+    last_charge_send,
     lambda row: {"payment_id": row["payment_id"], "provider": row["provider"], "resend": True},
 )
 _REFUND = _Resend(
     refund,
     "refund_id",
     REFUND_REQUESTED,
-    last_refund_call,
+    last_refund_send,
     lambda row: {
         "refund_id": row["refund_id"],
         "payment_id": row["payment_id"],
@@ -228,7 +231,9 @@ def _not_found(
     Nor is one about a send the provider answered Pending: it has the order,
     which it shows to a query only once the payer starts (an Alipay QR code
     nobody scanned yet); re-sending it would only make the same order again,
-    once a grace period, for as long as it lives.
+    once a grace period, for as long as it lives. A send the provider turned
+    away with a 429 (rate limited) did nothing there, so it starts no grace:
+    the send before it, if any, is the one that counts.
     """
     attempts = current["query_attempts"] + 1
     next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts))

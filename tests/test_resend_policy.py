@@ -149,6 +149,52 @@ def test_a_not_found_right_after_the_last_send_is_not_believed_until_the_grace_h
     assert sandbox.charge_count(payment_id) == 1
 
 
+def _as_rate_limited(rt, call_id):
+    """Record a call as answered 429, as a rate-limited provider answers (the sandbox's faults have no 429)."""
+    with rt.engine.begin() as conn:
+        conn.execute(update(provider_call).where(provider_call.c.id == call_id).values(http_status=429))
+
+
+def test_a_send_turned_away_with_a_429_starts_no_grace(sandbox_runtime, sandbox):
+    rt = sandbox_runtime
+    sandbox.faults(error_5xx_rate=1.0)
+    payment_id = new_payment(rt)
+    relay_outbox.run_once(rt)
+    (charge,) = calls(rt, payment_id, "charge")
+    _as_rate_limited(rt, charge["id"])
+    sandbox.faults()
+
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    assert rt.settings.query_not_found_grace_seconds == 60
+    assert pending_charge_requests(rt, payment_id) == 1, "a 429 did nothing at the provider: believed at once"
+    relay_outbox.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Succeeded"
+    assert sandbox.charge_count(payment_id) == 1
+
+
+def test_a_429_after_an_ambiguous_send_leaves_that_sends_grace_in_force(sandbox_runtime, sandbox):
+    rt = sandbox_runtime
+    sandbox.faults(error_5xx_rate=1.0)  # a 503: as ambiguous as a timeout
+    payment_id = new_payment(rt)
+    relay_outbox.run_once(rt)
+    (first,) = calls(rt, payment_id, "charge")
+    sandbox.faults()
+    with rt.engine.begin() as conn:  # a later send of the same charge, turned away with a 429
+        later = {k: v for k, v in first.items() if k not in ("id", "started_at")}
+        conn.execute(provider_call.insert().values(**later, started_at=utcnow()))
+        conn.execute(
+            update(provider_call).where(provider_call.c.id > first["id"], provider_call.c.payment_id == payment_id)
+            .values(http_status=429)
+        )  # fmt: skip
+
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    assert pending_charge_requests(rt, payment_id) == 0, "the 503'd send may still be in flight"
+    grace = timedelta(seconds=rt.settings.query_not_found_grace_seconds)
+    assert row(rt, payment_id)["next_query_at"] >= first["started_at"] + grace
+
+
 def test_on_a_resend_a_refusal_is_unknown_and_only_the_first_attempts_decline_is_failed(mariadb):
     # Dedupes by our number: the re-send of a charge it did make is refused as a duplicate (a 4xx).
     refused = Failed("duplicate_merchant_transaction_id", definitive=True, refusal=True)
