@@ -64,6 +64,7 @@ def create_app(
         "inline": InlineProcessor(runtime) if settings.process_inline else None,
     }
 
+    from gateway.callbacks import CallbackFastPath
     from gateway.callbacks import bp as callbacks_bp
     from gateway.health import bp as health_bp
     from gateway.metrics import bp as metrics_bp
@@ -79,6 +80,8 @@ def create_app(
     app.register_blueprint(ops_bp)
 
     _request_ids(app)
+    # POST /callbacks/<provider> is answered before Flask's request machinery (gateway.callbacks).
+    app.wsgi_app = CallbackFastPath(app.extensions["paysync"], app.wsgi_app)  # type: ignore[method-assign]
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Any:

@@ -23,7 +23,7 @@ from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 
 from payments import metrics
 from payments.backoff import RetryPolicy
-from payments.db import driver_statement, insert_ignore, retry_on_disconnect, update_each, utcnow
+from payments.db import driver_statement, insert_ignore, insert_one, retry_on_disconnect, update_each, utcnow
 from payments.errors import CallbackRejected, EventIgnored, PaysyncError, TargetNotFound, UnsupportedContentType
 from payments.hints import HintLimits, hint_query
 from payments.logs import REQUEST_ID
@@ -151,16 +151,10 @@ def store_callback(
         "request_id": request_id,
     }
 
-    store = driver_statement(_STORE, engine.dialect, tuple(values))
-
-    def insert_row() -> int:
-        with engine.begin() as conn:
-            return int(conn.exec_driver_sql(store.sql, store.params(values)).lastrowid)
-
     # No ping before the INSERT (payments.db): a pooled connection the database dropped fails here once,
     # and the delivery is stored on a fresh one. Repeating is safe: if the lost reply was to a COMMIT that
     # did commit, the second row is the same delivery stored twice, as a provider's own retry would.
-    return retry_on_disconnect(insert_row)
+    return insert_one(engine, driver_statement(_STORE, engine.dialect, tuple(values)), values)
 
 
 def verify_callback(provider: Provider, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
