@@ -234,6 +234,10 @@ def create_payment(
     return answer
 
 
+_INSERT_PAYMENT = insert(payment)
+"""Built once, values at execute time (see payments.idempotency)."""
+
+
 def _write_payment(
     conn: Connection,
     request: CreatePayment,
@@ -245,22 +249,23 @@ def _write_payment(
     event_id: str,
 ) -> None:
     conn.execute(
-        insert(payment).values(
-            payment_id=payment_id,
-            order_no=request.order_no,
-            amount_minor=request.amount_minor,
-            currency=request.currency,
-            provider=request.provider,
-            status=PaymentStatus.CREATED.value,
-            idempotency_key=key,
-            request_digest=digest,
-            description=request.description,
-            payment_method=request.payment_method,
-            query_attempts=0,
-            deadline_at=now + timedelta(seconds=deadline_seconds),
-            created_at=now,
-            updated_at=now,
-        )
+        _INSERT_PAYMENT,
+        {
+            "payment_id": payment_id,
+            "order_no": request.order_no,
+            "amount_minor": request.amount_minor,
+            "currency": request.currency,
+            "provider": request.provider,
+            "status": PaymentStatus.CREATED.value,
+            "idempotency_key": key,
+            "request_digest": digest,
+            "description": request.description,
+            "payment_method": request.payment_method,
+            "query_attempts": 0,
+            "deadline_at": now + timedelta(seconds=deadline_seconds),
+            "created_at": now,
+            "updated_at": now,
+        },
     )
     outbox.enqueue(
         conn,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from sqlalchemy import Column, Connection, Table, update
+from sqlalchemy import Column, Connection, Table, bindparam, update
 
 from payments import events, ledger, outbox
 from payments.db import update_each
@@ -121,6 +121,16 @@ def plan_decision(
     )
 
 
+_GUARDED_UPDATE = {
+    kind: update(target.table).where(
+        target.table.c.id == bindparam("p_row_id"), target.table.c.status == bindparam("p_expected")
+    )
+    for kind, target in TARGETS.items()
+}
+"""apply_decision's UPDATE … WHERE id = ? AND status = ?, built once; the SET columns are the execute parameters
+named as columns (building the statement and its cache key per call cost as much as running it)."""
+
+
 def apply_decision(
     conn: Connection,
     kind: Kind,
@@ -152,10 +162,8 @@ def apply_decision(
         details=details,
         values=values,
     )
-    table = TARGETS[kind].table
-    changed = conn.execute(
-        update(table).where(table.c.id == plan.row_id, table.c.status == plan.expected).values(**plan.values)
-    ).rowcount
+    params = {"p_row_id": plan.row_id, "p_expected": plan.expected, **plan.values}
+    changed = conn.execute(_GUARDED_UPDATE[kind], params).rowcount
     if changed != 1:
         raise StaleTransition(f"{kind} {plan.change.reference} left {plan.expected} under us")
     if plan.ledger is not None:
