@@ -9,6 +9,7 @@ the webhook dispatcher a background thread inside that worker:
 - threads, because the timeout-after-commit fault parks a request for seconds
   (20% of requests at 3 s and 200 requests/s keep ~120 threads asleep): the
   default 256 threads leave room for the rest;
+- keep-alive connections idle up to 75 s (see ``load_config``);
 - gunicorn rather than werkzeug's threaded server, because werkzeug closes the
   connection after every response: measured here with wrk (16 connections, no
   faults) gthread with keep-alive answered 553 charges/s against 368 for
@@ -51,7 +52,11 @@ class SandboxServer(BaseApplication):
             "worker_class": "gthread",
             "threads": s.threads,
             "worker_connections": max(1000, s.threads * 4),
-            "keepalive": 5,
+            # As long as nginx's default (75 s): with 5 s, a client's pooled connection left idle that long was
+            # closed by us just as it was reused now and then, a connection error with no answer; paysync must
+            # take that as ambiguous, and a charge waited out QUERY_NOT_FOUND_GRACE_SECONDS (60 s) before its
+            # re-send (bench/charges.py: 1 to 5 payments of 1,000 took 65 s, in 3 of 6 passes without faults).
+            "keepalive": 75,
             "timeout": 30,
             "graceful_timeout": 10,
             "accesslog": None,  # a line per request costs throughput; the store records what matters
