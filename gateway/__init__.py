@@ -8,10 +8,11 @@ failpoints armed), plus the gateway's own pieces: the callback publisher
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
-from flask import Flask, jsonify
+from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
 
 from payments.runtime import Runtime, build_runtime
@@ -20,13 +21,22 @@ from payments.settings import Settings, load_settings
 log = logging.getLogger("paysync.gateway")
 
 
+def error_body(code: str, message: str) -> bytes:
+    """The JSON error shape of DESIGN.md section 5, as bytes (what Flask's jsonify writes for it)."""
+    return json.dumps({"error": {"code": code, "message": message}}, separators=(",", ":")).encode() + b"\n"
+
+
 def error_response(code: str, message: str, status: int, headers: dict[str, str] | None = None) -> Any:
-    """The JSON error shape of DESIGN.md section 5."""
-    response = jsonify({"error": {"code": code, "message": message}})
-    response.status_code = status
+    """The JSON error shape of DESIGN.md section 5, as a Flask response."""
+    response = Response(error_body(code, message), status, content_type="application/json")
     for key, value in (headers or {}).items():
         response.headers[key] = value
     return response
+
+
+def http_error(exc: HTTPException) -> tuple[str, str, int]:
+    """(code, message, status) of the error answer to a werkzeug HTTPException (a 400 for a cut request, a 405…)."""
+    return (exc.name or "error").lower().replace(" ", "_"), exc.description or exc.name, exc.code or 500
 
 
 def create_app(
@@ -85,9 +95,8 @@ def create_app(
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Any:
-        code = (exc.name or "error").lower().replace(" ", "_")
         headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else None
-        return error_response(code, exc.description or exc.name, exc.code or 500, headers)
+        return error_response(*http_error(exc), headers)
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> Any:

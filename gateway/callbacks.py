@@ -16,7 +16,6 @@ the same function.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -29,6 +28,7 @@ from werkzeug.exceptions import ClientDisconnected, HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 from werkzeug.wsgi import get_content_length
 
+from gateway import error_body, http_error
 from payments import failpoints, metrics
 from payments.callbacks import hint_rejected, reject_callback, store_callback, verify_callback
 from payments.db import utcnow
@@ -53,9 +53,8 @@ class Answer(NamedTuple):
 
 
 def error_answer(code: str, message: str, status: int, headers: Mapping[str, str] | None = None) -> Answer:
-    """The JSON error shape of DESIGN.md section 5 (as ``gateway.error_response`` writes it)."""
-    body = json.dumps({"error": {"code": code, "message": message}}, separators=(",", ":")).encode() + b"\n"
-    return Answer(status, body, "application/json", tuple((headers or {}).items()))
+    """The JSON error shape of DESIGN.md section 5 (``gateway.error_body``) as an Answer."""
+    return Answer(status, error_body(code, message), "application/json", tuple((headers or {}).items()))
 
 
 def receive_delivery(
@@ -160,7 +159,7 @@ class CallbackFastPath:
         path = environ.get("PATH_INFO", "")
         provider_name = path[len(PREFIX) :]
         if environ.get("REQUEST_METHOD") != "POST" or not path.startswith(PREFIX) or not provider_name:
-            return self.flask_wsgi(environ, start_response)
+            return self.flask_wsgi(environ, start_response)  # another route or method: Flask's, its 405 included
         if "/" in provider_name:
             return self.flask_wsgi(environ, start_response)  # not the route: Flask's 404
         if not provider_name.isascii():  # PEP 3333 paths are latin-1 text of the raw bytes; Flask decodes UTF-8
@@ -170,10 +169,8 @@ class CallbackFastPath:
         token = REQUEST_ID.set(request_id)
         try:
             answer = receive_delivery(self.paysync, provider_name, environ, request_id)
-        except HTTPException as exc:  # ClientDisconnected: answered as Flask's handler answers it
-            answer = error_answer(
-                (exc.name or "error").lower().replace(" ", "_"), exc.description or "", exc.code or 400
-            )
+        except HTTPException as exc:  # ClientDisconnected: answered as the app's handler answers it
+            answer = error_answer(*http_error(exc))
         except Exception as exc:  # noqa: BLE001 - as the app's own handler: logged, and a JSON 500
             log.error("unhandled error", exc_info=exc)
             answer = error_answer("internal_error", "internal error", 500)

@@ -193,7 +193,7 @@ class _Resend:
     key: str
     """Our number's column: payment_id or refund_id."""
     event_type: str
-    last_call: Callable[[Connection, str], Any]
+    last_send: Callable[[Connection, str], Any]
     """The latest send that may have reached the provider (one turned away with a 429 did not)."""
     payload: Callable[[Mapping[str, Any]], dict[str, Any]]
 
@@ -237,7 +237,7 @@ def _not_found(
     """
     attempts = current["query_attempts"] + 1
     next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts))
-    last = what.last_call(conn, current[what.key])
+    last = what.last_send(conn, current[what.key])
     grace_ends = last.started_at + timedelta(seconds=ctx.settings.query_not_found_grace_seconds) if last else now
     accepted = last is not None and last.outcome == Pending.__name__  # as provider_calls.outcome_name writes it
     may_resend = provider.capabilities.may_resend and not accepted
