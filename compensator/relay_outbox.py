@@ -30,6 +30,7 @@ import json
 import logging
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from sqlalchemy import Engine, select
@@ -39,8 +40,11 @@ from compensator.workpool import drain
 from payments.calls import Context, Result
 from payments.charges import CHARGE_REQUESTED
 from payments.db import claim_rows, utcnow
+from payments.group_commit import GroupCommit
+from payments.providers.base import QueryOutcome
 from payments.refunds import REFUND_REQUESTED
 from payments.relay import relay_charge, relay_refund
+from payments.relay_batch import PreparedCharge, apply_charges, prepare_charges, send_prepared
 from payments.runtime import Runtime
 from payments.schema import outbox as outbox_table
 from payments.states import OutboxStatus
@@ -119,6 +123,10 @@ def run_scheduled(runtime: Runtime) -> int:
     return run_once(runtime, linger_seconds=runtime.settings.relay_interval_seconds * 0.9)
 
 
+APPLY_GROUP_MAX = 100
+"""At most this many call outcomes are applied in one transaction (``payments.group_commit``)."""
+
+
 def run_once(runtime: Runtime, *, max_seconds: float | None = None, linger_seconds: float = 0.0) -> int:
     """Relay until nothing is due and nothing is in flight; return the number of rows handled."""
     settings = runtime.settings
@@ -126,17 +134,33 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None, linger_secon
     lease = settings.call_lease_seconds
     turns = db_turns(settings.relay_db_concurrency)
 
-    def work(item: tuple[int, str, datetime, str]) -> Result:
-        outbox_id, provider, lease_until, event_type = item
+    def turn() -> threading.BoundedSemaphore:
+        return turns
+
+    def apply_group(units: Sequence[tuple[PreparedCharge, QueryOutcome]]) -> list[Result | None]:
+        with turns:
+            return apply_charges(ctx, units)
+
+    group: GroupCommit[tuple[PreparedCharge, QueryOutcome], Result | None] = GroupCommit(apply_group, APPLY_GROUP_MAX)
+
+    def work(item: PreparedCharge | tuple[int, str, datetime, str]) -> Result:
+        provider = item.provider.name if isinstance(item, PreparedCharge) else item[1]
         # A row waiting here keeps its lease: prepare re-checks the token, so a row whose lease ran out
         # meanwhile (another compensator took it over) sends nothing.
         with provider_slots(provider, settings.relay_provider_concurrency):
             throttle(provider, settings.provider_rate_limit)
-            return RELAYS[event_type](ctx, outbox_id, provider, lease_until, lambda: turns)
+            if isinstance(item, PreparedCharge):
+                return send_prepared(ctx, item, group, turn)
+            outbox_id, _, lease_until, event_type = item
+            return RELAYS[event_type](ctx, outbox_id, provider, lease_until, turn)
 
-    def claim(n: int) -> list[tuple[int, str, datetime, str]]:
+    def claim(n: int) -> list[PreparedCharge | tuple[int, str, datetime, str]]:
         with turns:
-            return claim_batch(runtime.engine, utcnow(), n, lease)
+            rows = claim_batch(runtime.engine, utcnow(), n, lease)
+            charges = [(r[0], r[1], r[2]) for r in rows if r[3] == CHARGE_REQUESTED]
+            prepared, others = prepare_charges(ctx, charges) if charges else ([], [])
+        rest = set(others)
+        return [*prepared, *(r for r in rows if r[3] != CHARGE_REQUESTED or r[0] in rest)]
 
     results = drain(
         claim,
@@ -150,5 +174,9 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None, linger_secon
     counts = Counter(r.value for r in results)
     handled = sum(n for r, n in counts.items() if r != Result.SKIPPED)
     if handled:
-        log.info("relayed %s charge and refund requests", handled, extra={"results": dict(counts)})
+        log.info(
+            "relayed %s charge and refund requests",
+            handled,
+            extra={"results": dict(counts), "apply_groups": group.groups, "applied_in_groups": group.units},
+        )
     return handled

@@ -49,7 +49,7 @@ from payments.providers.base import (
 from payments.review import Escalation, escalate
 from payments.schema import payment, provider_call, refund
 from payments.settings import Settings
-from payments.states import TERMINAL, PaymentStatus, Verdict, decide
+from payments.states import TERMINAL, Decision, PaymentStatus, Verdict, decide
 from payments.transitions import TARGETS, Kind, apply_decision
 
 log = logging.getLogger("paysync.calls")
@@ -212,6 +212,67 @@ def last_charge_send(conn: Connection, payment_id: str) -> Row | None:
     return conn.execute(_LAST_CHARGE_SEND, {"p_payment_id": payment_id}).first()
 
 
+@dataclass(frozen=True)
+class Assessment:
+    """What an outcome means for the payment (or refund) it is about, before anything is written (``assess``)."""
+
+    decision: Decision
+    report: PaymentStatus
+    contradiction: str | None
+    """Why the answer contradicts what we hold (escalated, never applied), or None."""
+    needs_review: str | None
+    """An Unknown a person should hear about (``REVIEW_PREFIX``), or None."""
+    values: dict[str, Any]
+    """Columns an unresolved outcome sets beside the status (next query, attempts, QR code)."""
+    reference: str | None
+    """The provider's id for the charge or refund, as the outcome gives it."""
+    failure_code: str | None
+
+
+def assess(
+    settings: Settings,
+    current: Mapping[str, Any],
+    provider: Provider,
+    outcome: QueryOutcome,
+    now: datetime,
+    *,
+    query: bool = False,
+    resend: bool = False,
+) -> Assessment:
+    """Work out what ``outcome`` does to the row ``current`` (pure; ``apply_outcome`` writes it)."""
+    kind = kind_of(current)
+    status = PaymentStatus(current["status"])
+    reference = getattr(outcome, "provider_transaction_id", None)
+    known = current[TARGETS[kind].provider_ref.name]
+    needs_review = None
+    if isinstance(outcome, Unknown) and outcome.reason.startswith(REVIEW_PREFIX):
+        needs_review = outcome.reason
+    report = reported_status(outcome, resend=resend) or PaymentStatus.UNKNOWN
+    decision = decide(status, report)
+    if isinstance(outcome, Mismatch):
+        contradiction = f"provider's {kind} is for another amount or currency than ours ({outcome.reason})"
+    elif reference and known and reference != known:
+        contradiction = f"provider reports {kind} {reference}, we have {known}"
+    elif decision.verdict == Verdict.CONFLICT:
+        contradiction = decision.reason
+    else:
+        contradiction = None
+    values: dict[str, Any] = {}
+    if report in (PaymentStatus.PENDING, PaymentStatus.UNKNOWN):
+        attempts = current["query_attempts"] + (1 if query else 0)
+        if report == PaymentStatus.PENDING and not query:
+            delay = settings.query_pending_after_seconds
+        else:
+            delay = query_delay(settings, attempts + 1)
+        values = {"next_query_at": now + timedelta(seconds=delay), "query_attempts": attempts}
+        if report == PaymentStatus.UNKNOWN and not provider.capabilities.query_by_merchant_id:
+            values["next_query_at"] = None
+    if isinstance(outcome, Pending) and outcome.qr_code and kind == "payment":
+        values["qr_code"] = outcome.qr_code  # shown by GET /payments/<id> until the payer scans it
+    failure_code = outcome.code if isinstance(outcome, Failed) and report == PaymentStatus.FAILED else None
+    return Assessment(decision, report, contradiction, needs_review, values, reference, failure_code)
+
+
 def apply_outcome(
     ctx: Context,
     conn: Connection,
@@ -237,23 +298,12 @@ def apply_outcome(
     kind = kind_of(current)
     table, ref_column = TARGETS[kind].table, TARGETS[kind].provider_ref.name
     status = PaymentStatus(current["status"])
-    reference = getattr(outcome, "provider_transaction_id", None)
-    known = current[ref_column]
-    if isinstance(outcome, Unknown) and outcome.reason.startswith(REVIEW_PREFIX):
+    seen = assess(ctx.settings, current, provider, outcome, now, query=query, resend=resend)
+    if seen.needs_review is not None:
         # Still resolved by query like any Unknown; a person is told once per payment.
-        review(conn, current, "provider_answer_needs_review", f"{source}: {outcome.reason}", now)
-    report = reported_status(outcome, resend=resend) or PaymentStatus.UNKNOWN
-    decision = decide(status, report)
-    if isinstance(outcome, Mismatch):
-        contradiction = f"provider's {kind} is for another amount or currency than ours ({outcome.reason})"
-    elif reference and known and reference != known:
-        contradiction = f"provider reports {kind} {reference}, we have {known}"
-    elif decision.verdict == Verdict.CONFLICT:
-        contradiction = decision.reason
-    else:
-        contradiction = None
-    if contradiction is not None:
-        conflict(conn, current, contradiction, source, now)
+        review(conn, current, "provider_answer_needs_review", f"{source}: {seen.needs_review}", now)
+    if seen.contradiction is not None:
+        conflict(conn, current, seen.contradiction, source, now)
         if status not in TERMINAL:
             # Looked at again after a backoff, like any unresolved payment; never as soon as the lease ends.
             attempts = current["query_attempts"] + (1 if query else 0)
@@ -268,45 +318,31 @@ def apply_outcome(
             )
         return Result.REVIEW
 
-    unresolved_values: dict[str, Any] = {}
-    if report in (PaymentStatus.PENDING, PaymentStatus.UNKNOWN):
-        attempts = current["query_attempts"] + (1 if query else 0)
-        if report == PaymentStatus.PENDING and not query:
-            delay = ctx.settings.query_pending_after_seconds
-        else:
-            delay = query_delay(ctx.settings, attempts + 1)
-        unresolved_values = {"next_query_at": now + timedelta(seconds=delay), "query_attempts": attempts}
-        if report == PaymentStatus.UNKNOWN and not provider.capabilities.query_by_merchant_id:
-            unresolved_values["next_query_at"] = None
-    if isinstance(outcome, Pending) and outcome.qr_code and kind == "payment":
-        unresolved_values["qr_code"] = outcome.qr_code  # shown by GET /payments/<id> until the payer scans it
-
-    if decision.verdict == Verdict.NOOP:
+    if seen.decision.verdict == Verdict.NOOP:
         if status in TERMINAL:
             return Result.UNCHANGED
-        values = dict(unresolved_values)
-        if reference and not known:
-            values[ref_column] = reference
+        values = dict(seen.values)
+        if seen.reference and not current[ref_column]:
+            values[ref_column] = seen.reference
         if values:
             values["updated_at"] = now
             conn.execute(update(table).where(table.c.id == current["id"]).values(**values))
         return Result.UNCHANGED
 
-    failure_code = outcome.code if isinstance(outcome, Failed) and report == PaymentStatus.FAILED else None
     target = apply_decision(
         conn,
         kind,
         current,
-        decision,
+        seen.decision,
         source=source,
         now=now,
-        provider_reference=reference,
-        failure_code=failure_code,
-        values=unresolved_values,
+        provider_reference=seen.reference,
+        failure_code=seen.failure_code,
+        values=seen.values,
         details={"outcome": type(outcome).__name__},
     )
     if target == PaymentStatus.UNKNOWN and not provider.capabilities.query_by_merchant_id:
-        # Already Unknown with no query scheduled (unresolved_values): a person and reconciliation decide.
+        # Already Unknown with no query scheduled (see assess): a person and reconciliation decide.
         reason = f"outcome unknown ({getattr(outcome, 'reason', '')}); cannot be queried, reconcile by hand"
         review(conn, current, "unresolved_not_resendable", reason, now)
         return Result.REVIEW

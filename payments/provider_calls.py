@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, insert, select, update
 
 from payments import metrics
+from payments.db import update_each
 from payments.providers.base import Failed, Mismatch, QueryOutcome, Unknown
 from payments.schema import provider_call
 
@@ -55,6 +56,33 @@ def outcome_code(outcome: QueryOutcome) -> str | None:
     return None
 
 
+def _start_row(
+    provider: str,
+    operation: str,
+    params: dict[str, Any],
+    now: datetime,
+    payment_id: str | None,
+    refund_id: str | None,
+    idempotency_key: str | None,
+) -> dict[str, Any]:
+    return {
+        "payment_id": payment_id,
+        "refund_id": refund_id,
+        "provider": provider,
+        "operation": operation,
+        "idempotency_key": idempotency_key,
+        "request_digest": request_digest(operation, params),
+        "started_at": now,
+    }
+
+
+def _in_flight(call_id: int, provider: str, operation: str) -> None:
+    with _in_flight_lock:
+        if len(_IN_FLIGHT) >= _IN_FLIGHT_MAX:
+            _IN_FLIGHT.clear()
+        _IN_FLIGHT[call_id] = (provider, operation)
+
+
 def start(
     conn: Connection,
     *,
@@ -67,46 +95,108 @@ def start(
     idempotency_key: str | None = None,
 ) -> int:
     """Record that a call is about to go out, in the caller's transaction; return the row id."""
-    result = conn.execute(
-        _START,
-        {
-            "payment_id": payment_id,
-            "refund_id": refund_id,
-            "provider": provider,
-            "operation": operation,
-            "idempotency_key": idempotency_key,
-            "request_digest": request_digest(operation, params),
-            "started_at": now,
-        },
-    )
-    call_id = int(result.inserted_primary_key[0])
-    with _in_flight_lock:
-        if len(_IN_FLIGHT) >= _IN_FLIGHT_MAX:
-            _IN_FLIGHT.clear()
-        _IN_FLIGHT[call_id] = (provider, operation)
+    row = _start_row(provider, operation, params, now, payment_id, refund_id, idempotency_key)
+    call_id = int(conn.execute(_START, row).inserted_primary_key[0])
+    _in_flight(call_id, provider, operation)
     return call_id
+
+
+_CHARGE_CALLS_STARTED = select(provider_call.c.payment_id, provider_call.c.id).where(
+    provider_call.c.payment_id.in_(bindparam("payment_ids", expanding=True)),
+    provider_call.c.operation == "charge",
+    provider_call.c.started_at == bindparam("p_started_at"),
+)
+
+
+def start_first_charges(
+    conn: Connection, calls: list[tuple[str, str, str, dict[str, Any]]], now: datetime
+) -> dict[str, int]:
+    """``start`` for several first charge calls at once: (payment_id, provider, idempotency key, params) each.
+
+    Two statements whatever the count: one multi-row INSERT and one SELECT of
+    the new ids by payment (portable: no RETURNING, no reliance on consecutive
+    AUTO_INCREMENT values). The caller holds every payment's lock and has
+    seen no charge call for any of them, so each payment has exactly one
+    charge call started at ``now``: anything else raises RuntimeError, which
+    rolls the caller back. Returns payment_id -> call id.
+    """
+    if not calls:
+        return {}
+    rows = [
+        _start_row(provider, "charge", params, now, payment_id, None, key)
+        for payment_id, provider, key, params in calls
+    ]
+    conn.execute(_START, rows)
+    payment_ids = [payment_id for payment_id, _, _, _ in calls]
+    found = conn.execute(_CHARGE_CALLS_STARTED, {"payment_ids": payment_ids, "p_started_at": now}).all()
+    ids = {payment_id: int(call_id) for payment_id, call_id in found}
+    if len(found) != len(calls) or set(ids) != set(payment_ids):
+        raise RuntimeError(f"{len(found)} charge calls found for {len(calls)} started")
+    for payment_id, provider, _, _ in calls:
+        _in_flight(ids[payment_id], provider, "charge")
+    return ids
+
+
+def _finish_values(outcome: QueryOutcome, now: datetime) -> dict[str, Any]:
+    evidence = outcome.evidence
+    return {
+        "outcome": outcome_name(outcome),
+        "error_code": outcome_code(outcome),
+        "http_status": evidence.http_status if evidence else None,
+        "response": evidence.response if evidence else None,
+        "latency_ms": evidence.latency_ms if evidence else None,
+        "finished_at": now,
+    }
+
+
+def _count(call_id: int, outcome: QueryOutcome) -> None:
+    with _in_flight_lock:
+        labels = _IN_FLIGHT.pop(call_id, None)
+    if labels is not None:
+        evidence = outcome.evidence
+        latency = evidence.latency_ms / 1000 if evidence and evidence.latency_ms is not None else None
+        metrics.provider_call(*labels, outcome_name(outcome), latency)
 
 
 def finish(conn: Connection, call_id: int, outcome: QueryOutcome, now: datetime) -> None:
     """Record what the call came back with, in the transaction that applies it."""
-    evidence = outcome.evidence
+    conn.execute(_FINISH, {"p_call_id": call_id, **_finish_values(outcome, now)})
+    _count(call_id, outcome)
+
+
+def withdraw(conn: Connection, call_id: int, reason: str, now: datetime) -> None:
+    """Record that a started call never went out after all (``reason``): outcome Failed, charged nothing.
+
+    A later send of the same payment is then a first send, not a re-send
+    (``relay``: only a call that may have reached the provider makes one).
+    Not counted in the metrics: no request was made.
+    """
     conn.execute(
         _FINISH,
         {
             "p_call_id": call_id,
-            "outcome": outcome_name(outcome),
-            "error_code": outcome_code(outcome),
-            "http_status": evidence.http_status if evidence else None,
-            "response": evidence.response if evidence else None,
-            "latency_ms": evidence.latency_ms if evidence else None,
+            "outcome": "Failed",
+            "error_code": reason[:64],
+            "http_status": None,
+            "response": None,
+            "latency_ms": None,
             "finished_at": now,
         },
     )
     with _in_flight_lock:
-        labels = _IN_FLIGHT.pop(call_id, None)
-    if labels is not None:
-        latency = evidence.latency_ms / 1000 if evidence and evidence.latency_ms is not None else None
-        metrics.provider_call(*labels, outcome_name(outcome), latency)
+        _IN_FLIGHT.pop(call_id, None)
+
+
+def finish_many(conn: Connection, finished: list[tuple[int, QueryOutcome]], now: datetime) -> None:
+    """``finish`` for several calls of one operation kind at once: one UPDATE, each row its own values."""
+    if not finished:
+        return
+    rows = {call_id: _finish_values(outcome, now) for call_id, outcome in finished}
+    operations = ["charge", "refund", "query"]
+    if update_each(conn, provider_call, rows, provider_call.c.operation, operations) != len(rows):
+        raise RuntimeError("a provider_call row to finish is missing")
+    for call_id, outcome in finished:
+        _count(call_id, outcome)
 
 
 def for_payment(conn: Connection, payment_id: str) -> list[dict[str, Any]]:

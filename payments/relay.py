@@ -108,7 +108,7 @@ def relay_charge(
     failpoints.hit("relay.after_provider_call")
     with db_turn():
         lock = partial(lock_payment, payment_id=current["payment_id"])
-        result = _apply(ctx, outbox_id, call_id, lock, provider, outcome, resend)
+        result = apply_call(ctx, outbox_id, call_id, lock, provider, outcome, resend)
         count(ctx, provider, outcome, gate)
     return result
 
@@ -208,7 +208,7 @@ def _prepare(
             conn,
             provider=provider.name,
             operation="charge",
-            params=_charge_params(current),
+            params=charge_params(current),
             now=now,
             payment_id=payment_id,
             idempotency_key=current["idempotency_key"],
@@ -222,7 +222,7 @@ def _prepare(
     return call_id, current, resend
 
 
-def _apply(
+def apply_call(
     ctx: Context,
     outbox_id: int,
     call_id: int,
@@ -259,7 +259,8 @@ def _apply(
     return result
 
 
-def _charge_params(current: Mapping[str, Any]) -> dict[str, Any]:
+def charge_params(current: Mapping[str, Any]) -> dict[str, Any]:
+    """The business fields of a charge call, as its provider_call row's request digest covers them."""
     return {
         "merchant_transaction_id": current["payment_id"],
         "amount": int(current["amount_minor"]),
@@ -299,7 +300,7 @@ def relay_refund(
     failpoints.hit("relay.after_provider_call")
     with db_turn():
         lock = partial(lock_refund, refund_id=current["refund_id"])
-        result = _apply(ctx, outbox_id, call_id, lock, provider, outcome, resend)
+        result = apply_call(ctx, outbox_id, call_id, lock, provider, outcome, resend)
         count(ctx, provider, outcome, gate)
     return result
 

@@ -717,6 +717,9 @@ def test_memory_stays_flat_however_long_the_file(sqlite, tmp_path, monkeypatch):
 def test_aging_shows_where_each_payment_stands_across_the_three_records_by_age(engine, tmp_path):
     now = utcnow()
     today = now.date()
+    # The report is read at the end of today; the undelivered callback is 5 hours old then, whatever the hour now
+    # (5 hours before now would be over a day old at 23:59 when the test runs before 05:00 UTC).
+    report_at = now.replace(hour=23, minute=59)
     settled_unknown = create_payment(engine, amount=100, status="Unknown")
     confirmed_payment(engine, 200, ref="ch_unsettled", on=today)
     old = confirmed_payment(engine, 300, ref="ch_old", on=today - timedelta(days=2))
@@ -731,7 +734,7 @@ def test_aging_shows_where_each_payment_stands_across_the_three_records_by_age(e
                 status=0,
                 retry_count=0,
                 next_retry_at=now,
-                create_time=now - timedelta(hours=5),
+                create_time=report_at - timedelta(hours=5),
                 update_time=now,
             )
         )
@@ -761,7 +764,7 @@ def test_aging_shows_where_each_payment_stands_across_the_three_records_by_age(e
 
             parsed = read_line(n, text, text.split(","))
             conn.execute(insert(settlement_line).values(**reconcile._line_row(file_id, parsed)))
-    report = aging.aging(engine, now=now.replace(hour=23, minute=59))
+    report = aging.aging(engine, now=report_at)
     by = report["categories"]
     assert by["callback_not_applied"]["<1d"]["count"] == 1
     assert sum(b["count"] for b in by["succeeded_not_settled"].values()) == 2
