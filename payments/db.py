@@ -239,6 +239,10 @@ def claim_rows(engine: Engine, query: Select, table: Table, lease_column: Column
     return rows
 
 
+UPDATE_EACH_MAX = 128
+"""``update_each`` writes at most this many rows a statement (more take several)."""
+
+
 def update_each(
     conn: Connection, table: Table, rows: Mapping[int, Mapping[str, Any]], guard: Column, allowed: Sequence[Any]
 ) -> int:
@@ -250,17 +254,28 @@ def update_each(
     CASE on the id. The guard (``status IN ('Pending')``, say) holds for every
     row, so a rowcount short of ``len(rows)`` means some row was no longer as
     the caller saw it. The statement for each shape (table, columns, which of
-    them differ, row count, guard) is built once and kept.
+    them differ, guard, and the number of WHENs) is built once and kept. The
+    WHENs come in powers of two, the last row's repeated to fill them: with a
+    shape per row count, groups of every size from 1 to 100 compiled a new
+    statement most of the time, and compiling a CASE of many WHENs cost more
+    than running it. More than UPDATE_EACH_MAX rows take several statements.
     """
     ids = list(rows)
+    if len(ids) > UPDATE_EACH_MAX:
+        return sum(
+            update_each(conn, table, {i: rows[i] for i in ids[n : n + UPDATE_EACH_MAX]}, guard, allowed)
+            for n in range(0, len(ids), UPDATE_EACH_MAX)
+        )
     first = rows[ids[0]]
     varying = tuple(name for name in first if any(rows[i][name] != first[name] for i in ids[1:]))
-    key = (table.name, tuple(first), varying, len(ids), guard.name)
+    whens = 1 << (len(ids) - 1).bit_length() if varying else 0
+    key = (table.name, tuple(first), varying, whens, guard.name)
     statement = _UPDATE_EACH.get(key)
     if statement is None:
-        statement = _UPDATE_EACH[key] = _update_each_statement(table, tuple(first), varying, len(ids), guard)
+        statement = _UPDATE_EACH[key] = _update_each_statement(table, tuple(first), varying, whens, guard)
     params: dict[str, Any] = {"ids": ids, "allowed": list(allowed)}
-    for k, i in enumerate(ids):
+    for k in range(whens):
+        i = ids[min(k, len(ids) - 1)]
         params[f"id_{k}"] = i
         for name in varying:
             params[f"{name}_{k}"] = rows[i][name]
