@@ -12,7 +12,14 @@ RELAY_INTERVAL_SECONDS), on MariaDB database ``paysync_bench_charges``
 - ``direct``: the baseline. ``--concurrency`` threads call ``POST /v1/charges``
   on the sandbox in a loop with the same adapter paysync uses (one
   idempotency key each, no database, no outbox): charges per second and the
-  p50/p99 latency of one call.
+  p50/p99 latency of one call. The platform notifies every charge, so the
+  baseline has a receiver too: a second sandbox, started for this phase only,
+  sends its notifications to the INSERT-only app of ``bench/ingest.py``
+  (``bench/baseline_apps.py``: store the body, COMMIT, answer 200, under the
+  gateway's gunicorn settings), the least a merchant must do with one. Before
+  this stop they went to paysync's own gateway, which stored them and failed
+  to apply them (no such payment): the baseline then depended on paysync's
+  code, and a cheaper failure path in paysync made the ratio fall.
 - ``paysync``: ``--concurrency`` threads ``POST /payments`` (bearer token,
   Idempotency-Key) until ``--payments`` exist; the relay sends them, the
   answers are applied. Payments per second from the first creation to the
@@ -60,11 +67,11 @@ from common import (  # the bench directory is on sys.path when run as a script
     procfile_command,
     wait_for_http,
 )
-from sqlalchemy import delete, func, select
+from sqlalchemy import func, select, text
 
 from payments.providers.base import ChargeRequest, Succeeded
 from payments.providers.sandbox import SandboxProvider
-from payments.schema import payment, payment_callback_log
+from payments.schema import payment
 
 TOKEN = "bench-merchant-token"
 DEFAULT_DATABASE_URL = "mysql+pymysql://root@127.0.0.1:3306/paysync_bench_charges"
@@ -216,25 +223,62 @@ def tree_env(tree: Path, **settings: str) -> dict[str, str]:
     return env
 
 
-def set_aside_direct_webhooks(engine, prefix: str, count: int, timeout: float = 60.0) -> int:  # noqa: ANN001
-    """Wait until the sandbox's notifications of the direct charges are stored, then delete those callback rows.
-
-    The sandbox notifies paysync's gateway of every charge, the direct loop's
-    too: payments paysync never created, so each row would fail ("no such
-    payment (yet)") and be retried by the compensator all through the
-    paysync run that follows, CPU no real merchant spends. Returns how many.
-    """
-    log = payment_callback_log
-    ours = log.c.order_no.like(f"{prefix}_%")  # "_" matches any character: the prefix is unique anyway
+def received(engine, count: int, timeout: float = 60.0) -> int:  # noqa: ANN001
+    """Wait until the INSERT-only receiver stored ``count`` notifications (or ``timeout``); return how many it has."""
     deadline = time.monotonic() + timeout
     while True:
         with engine.connect() as conn:
-            stored = conn.execute(select(func.count()).where(ours)).scalar()
+            stored = conn.execute(text("SELECT COUNT(*) FROM bench_insert_only")).scalar()
         if stored >= count or time.monotonic() > deadline:
-            break
+            return stored
         time.sleep(0.2)
-    with engine.begin() as conn:
-        return conn.execute(delete(log).where(ours)).rowcount
+
+
+def run_direct_phase(args: argparse.Namespace, tree: Path, engine, label: str) -> dict:  # noqa: ANN001
+    """The baseline: a sandbox of its own, its notifications to the INSERT-only receiver; both stopped after."""
+    receiver_port, sandbox_port = free_port(), free_port()
+    state = Path(f"/tmp/paysync_bench_charges_direct_{uuid.uuid4().hex[:8]}.db")
+    receiver_env = process_env(
+        DATABASE_URL=args.database_url, PORT=str(receiver_port), WEB_WORKERS=str(args.workers), AMQP_URL=""
+    )
+    receiver_command = [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "-c",
+        "gateway/gunicorn_conf.py",
+        "bench.baseline_apps:insert_app",
+    ]
+    sandbox_env = tree_env(
+        tree,
+        SANDBOX_PORT=str(sandbox_port),
+        SANDBOX_DB_PATH=str(state),
+        SANDBOX_CALLBACK_URL=f"http://127.0.0.1:{receiver_port}/callbacks/sandbox",
+    )
+    procs = [
+        Process(receiver_command, receiver_env, label="charges_receiver"),
+        Process(procfile_command("sandbox"), sandbox_env, label="charges_direct_sandbox", cwd=tree),
+    ]
+    try:
+        wait_for_http(sandbox_port, "/_sandbox/truth")
+        wait_for_http(receiver_port, "/")
+        direct = run_direct(f"http://127.0.0.1:{sandbox_port}", args.payments, args.concurrency)
+        print(
+            f"{label}direct : {direct['per_second']:8.1f} charges/s   p50 {direct['p50_ms']:7.1f} ms   "
+            f"p99 {direct['p99_ms']:7.1f} ms   ({direct['count']} calls in {direct['seconds']:.1f} s)",
+            flush=True,
+        )
+        direct["notifications_received"] = received(engine, args.payments)
+        print(f"{label}direct : {direct['notifications_received']} notifications stored by the receiver", flush=True)
+        return direct
+    except Exception:
+        for proc in procs:
+            print(f"--- {proc.label} ---\n{proc.tail()}", file=sys.stderr)
+        raise
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        state.unlink(missing_ok=True)
 
 
 def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
@@ -267,15 +311,7 @@ def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
         load_before = loadavg()
         print(f"{label}load average before: {load_before}", flush=True)
 
-        direct = run_direct(f"http://127.0.0.1:{sandbox_port}", args.payments, args.concurrency)
-        print(
-            f"{label}direct : {direct['per_second']:8.1f} charges/s   p50 {direct['p50_ms']:7.1f} ms   "
-            f"p99 {direct['p99_ms']:7.1f} ms   ({direct['count']} calls in {direct['seconds']:.1f} s)",
-            flush=True,
-        )
-        set_aside = set_aside_direct_webhooks(engine, direct["prefix"], args.payments)
-        print(f"{label}direct : its {set_aside} notifications to paysync deleted before the paysync run", flush=True)
-        requests.post(f"http://127.0.0.1:{sandbox_port}/_sandbox/reset", timeout=10).raise_for_status()
+        direct = run_direct_phase(args, tree, engine, label)
 
         paysync = run_paysync(web_port, engine, args.payments, args.concurrency, args.timeout, rate=args.rate)
         print(

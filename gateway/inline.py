@@ -8,26 +8,37 @@ mode a payment is Succeeded by the time the provider has its answer.
 The acknowledgement still depends only on the raw row's commit. Processing
 runs on a thread pool of this worker, one thread per request thread
 (WEB_THREADS), and the request waits for it at most
-CALLBACK_INLINE_BUDGET_SECONDS: a failure is recorded on the row by
-``process_callback`` (status 2, backoff) and an overrun carries on in the
-background, so either way the row stays 0 or 2 for the consumer and the
+CALLBACK_INLINE_BUDGET_SECONDS: a failure is recorded on the row (status 2,
+backoff) and an overrun carries on in the background, so either way the row stays 0 or 2 for the consumer and the
 sweep. When every inline thread is still busy with earlier overruns (a
 database that hangs), new callbacks skip inline processing instead of queueing
 behind them.
+
+Callbacks that arrive while another is being processed are processed
+together, in one transaction (``payments.group_commit`` with
+``delivery.process_batch``, as the consumer processes a batch of messages:
+set-wise when they are the usual reports, a savepoint each otherwise), each
+with exactly the effects it would get alone.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from payments.callbacks import CallbackResult, process_callback
+from payments.callbacks import CallbackResult
+from payments.delivery import process_batch
+from payments.group_commit import GroupCommit
 from payments.hints import HintLimits
 from payments.runtime import Runtime
 
 log = logging.getLogger("paysync.gateway.inline")
+
+GROUP_MAX = 50
+"""At most this many callbacks are processed in one transaction."""
 
 
 class InlineProcessor:
@@ -42,6 +53,8 @@ class InlineProcessor:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._busy = 0
+        self._hints = HintLimits.from_settings(runtime.settings)
+        self._group: GroupCommit[int, CallbackResult | None] = GroupCommit(self._write, GROUP_MAX)
 
     def _executor(self) -> ThreadPoolExecutor:
         # Created on first use, so a gunicorn worker gets its own threads after the fork.
@@ -51,11 +64,14 @@ class InlineProcessor:
                     self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="inline")
         return self._pool
 
-    def _run(self, log_id: int) -> CallbackResult:
+    def _write(self, log_ids: Sequence[int]) -> list[CallbackResult | None]:
+        rt = self.runtime
+        outcomes = process_batch(rt.engine, rt.providers, list(log_ids), rt.callback_policy, hints=self._hints)
+        return [outcome for _, outcome in outcomes]
+
+    def _run(self, log_id: int) -> CallbackResult | None:
         try:
-            rt = self.runtime
-            hints = HintLimits.from_settings(rt.settings)
-            return process_callback(rt.engine, rt.providers, log_id, rt.callback_policy, hints=hints)
+            return self._group.submit(log_id)
         finally:
             with self._lock:
                 self._busy -= 1
@@ -67,7 +83,7 @@ class InlineProcessor:
                 log.warning("callback %s: inline processing skipped, every inline thread is busy", log_id)
                 return None
             self._busy += 1
-        future: Future[CallbackResult] = self._executor().submit(self._run, log_id)
+        future: Future[CallbackResult | None] = self._executor().submit(self._run, log_id)
         try:
             return future.result(timeout=self.budget)
         except FutureTimeout:

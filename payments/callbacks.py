@@ -356,8 +356,9 @@ def process_locked_batch(
 
     ``items`` are (log id, expect) pairs, each row once, all locked by the
     caller (``lock_rows``). The common case, every row a fresh verified report
-    that moves its payment or refund on, costs the same few statements whatever
-    the batch size: one multi-row INSERT into ``processed_event`` (the inbox),
+    that moves its payment or refund on or finds it already there (a NOOP: the
+    provider call's answer got there first), costs the same few statements
+    whatever the batch size: one multi-row INSERT into ``processed_event`` (the inbox),
     one SELECT … FOR UPDATE of the targets, the guarded UPDATEs, ledger and
     outbox rows of ``transitions.apply_planned``, and one guarded UPDATE of
     the callback rows. Every row gets exactly the effects ``process_locked``
@@ -366,8 +367,7 @@ def process_locked_batch(
 
     Anything else (a row rejected, ignored or failing verification, a
     duplicate event, two rows for one payment, a target not found, a
-    conflict, a report that changes nothing, a row changed under us, any
-    error while writing) makes it return None with nothing written (rolled
+    conflict, a row changed under us, any error while writing) makes it return None with nothing written (rolled
     back to its savepoint); the caller then processes the rows one by one, so
     an unusual row gets its own outcome and never undoes the others.
     """
@@ -387,7 +387,7 @@ def process_locked_batch(
             event = _verified_event(providers, row)
         except Exception:  # noqa: BLE001 - rejected, ignored or failing: the per-row path records which
             return None
-        outcomes.append(CallbackResult.APPLIED)
+        outcomes.append(CallbackResult.APPLIED)  # or NOOP: _apply_batch says which
         fresh.append((log_id, row, event))
     if not fresh:
         return outcomes
@@ -397,21 +397,28 @@ def process_locked_batch(
         return None  # one event twice, or two reports for one payment: their order matters, one by one
     conn.exec_driver_sql(f"SAVEPOINT {BATCH_SAVEPOINT}")
     try:
-        _apply_batch(conn, providers, fresh, now)
+        noops = _apply_batch(conn, providers, fresh, now)
     except Exception as exc:  # noqa: BLE001 - _NotUsual or a write that failed: undone, then row by row
         # Raises if the server already rolled everything back (a deadlock): the caller redoes the batch.
         conn.exec_driver_sql(f"ROLLBACK TO SAVEPOINT {BATCH_SAVEPOINT}")
         log.debug("batch of %s goes row by row: %s", len(fresh), exc)
         return None
-    for _, row, _ in fresh:
-        metrics.callback_applied(row.provider, row.create_time, now)
+    positions = {log_id: n for n, (log_id, _) in enumerate(items)}
+    for log_id, row, _ in fresh:
+        if log_id in noops:
+            outcomes[positions[log_id]] = CallbackResult.NOOP
+        else:
+            metrics.callback_applied(row.provider, row.create_time, now)
     return outcomes
 
 
 def _apply_batch(
     conn: Connection, providers: dict[str, Provider], fresh: list[tuple[int, Any, CallbackEvent]], now: datetime
-) -> None:
-    """The writes of ``process_locked_batch``; raises _NotUsual (or a database error) to send it row by row."""
+) -> set[int]:
+    """The writes of ``process_locked_batch``; return the ids of the NOOP rows.
+
+    Raises _NotUsual (or a database error) to send the batch row by row.
+    """
     claimed = conn.execute(
         _CLAIM_EVENT,
         [
@@ -428,6 +435,7 @@ def _apply_batch(
         for current in conn.execute(_LOCK_TARGETS[kind], {"references": references}).mappings():
             currents[kind, current[spec.key.name]] = current
     plans = []
+    noops: set[int] = set()
     finished: dict[int, dict[str, Any]] = {}
     for log_id, _, event in fresh:
         current = currents.get((event.target, event.merchant_reference))
@@ -436,6 +444,15 @@ def _apply_batch(
         if _mismatch(event, current, TARGETS[event.target], providers):
             raise _NotUsual("a report that does not fit its target")
         decision = decide(PaymentStatus(current["status"]), event.report)
+        if decision.verdict == Verdict.NOOP:  # as _apply_event: nothing to change, the row is processed
+            noops.add(log_id)
+            finished[log_id] = {
+                "status": CallbackStatus.PROCESSED,
+                "result": f"noop: {decision.reason}"[:500],
+                "update_time": now,
+                **_indexed(event),
+            }
+            continue
         if decision.verdict != Verdict.APPLY:
             raise _NotUsual(f"a {decision.verdict} report")
         plans.append(
@@ -465,6 +482,7 @@ def _apply_batch(
     retryable = [int(status) for status in CALLBACK_RETRYABLE]
     if update_each(conn, payment_callback_log, finished, payment_callback_log.c.status, retryable) != len(finished):
         raise _NotUsual("a callback row changed under its lock")
+    return noops
 
 
 def _indexed(event: CallbackEvent) -> dict[str, str | None]:

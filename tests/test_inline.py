@@ -123,3 +123,59 @@ def test_in_embedded_mode_every_payment_is_succeeded_before_its_callback_is_answ
         assert [r.status for r in callback_rows(engine)] == [CallbackStatus.PROCESSED] * 20
         engine.dispose()
         assert "database is locked" not in stack.output()
+
+
+@pytest.mark.mariadb
+def test_callbacks_that_arrive_together_are_processed_in_one_transaction_each_with_its_own_outcome(
+    mariadb, monkeypatch
+):
+    import payments.delivery
+    from gateway.inline import InlineProcessor
+    from payments.callbacks import CallbackResult, store_callback
+    from payments.runtime import build_runtime
+
+    runtime = build_runtime(make_settings(database_url=db_url(mariadb)), mariadb)
+    inline = InlineProcessor(runtime, threads=40)
+    paid = [create_payment(mariadb, amount=700 + n) for n in range(30)]
+    settled = create_payment(mariadb, status="Succeeded", provider_transaction_id="ch_settled", amount=900)
+
+    def stored(event):
+        body, headers = signed(event)
+        return store_callback(mariadb, provider="sandbox", body=body, headers=headers, remote_addr="127.0.0.1")
+
+    usual = [stored(sandbox_event(p, amount=700 + n)) for n, p in enumerate(paid)]
+    noop = stored(sandbox_event(settled, amount=900, provider_transaction_id="ch_settled"))
+    unknown = stored(sandbox_event("pay_01NOSUCHPAYMENT0000000000", amount=5))
+    first_group = threading.Event()
+    real = payments.delivery.process_batch
+    sizes: list[int] = []
+
+    def slow_first(engine, providers, messages, *args, **kwargs):
+        sizes.append(len(messages))
+        if len(sizes) == 1:
+            first_group.wait(5)  # the first callback is slow: the others arrive meanwhile
+        return real(engine, providers, messages, *args, **kwargs)
+
+    monkeypatch.setattr("gateway.inline.process_batch", slow_first)
+    outcomes: dict[int, CallbackResult | None] = {}
+
+    def process(log_id):
+        outcomes[log_id] = inline.process(log_id)
+
+    threads = [threading.Thread(target=process, args=(log_id,)) for log_id in [usual[0], *usual[1:], noop, unknown]]
+    threads[0].start()
+    time.sleep(0.1)
+    for t in threads[1:]:
+        t.start()
+    time.sleep(0.3)
+    first_group.set()
+    for t in threads:
+        t.join(10)
+
+    assert sizes[0] == 1 and len(sizes) <= 3 and sum(sizes) == 32, sizes
+    assert [outcomes[i] for i in usual] == [CallbackResult.APPLIED] * 30
+    assert (outcomes[noop], outcomes[unknown]) == (CallbackResult.NOOP, CallbackResult.RETRY)
+    assert {payment_status(mariadb, p) for p in paid} == {"Succeeded"}
+    rows = {r.id: r for r in callback_rows(mariadb)}
+    assert {rows[i].status for i in [*usual, noop]} == {CallbackStatus.PROCESSED}
+    assert (rows[unknown].status, rows[unknown].retry_count) == (CallbackStatus.FAILED, 1)

@@ -125,6 +125,8 @@ def _scenario(engine, tag: str) -> tuple[list[int], list[str]]:
         (pay(3), event(f"pay_{tag}_3", 3, event_type="charge.failed", failure_code="card_declined")),
         (pay(4), event(f"pay_{tag}_4", 4, event_type="charge.failed")),  # no code: "declined"
         (pay(5, provider_transaction_id=f"ch_{tag}_5"), event(f"pay_{tag}_5", 5)),  # reference already known
+        # Already Succeeded by the provider call's answer: a NOOP, the row processed, nothing else written.
+        (pay(7, status="Succeeded", provider_transaction_id=f"ch_{tag}_7"), event(f"pay_{tag}_7", 7)),
     ]
     paid = pay(6, status="Succeeded", provider_transaction_id=f"ch_{tag}_6")
     refund_id = create_refund(engine, paid, 300)
@@ -219,15 +221,15 @@ def _effects(engine, ids: list[int], references: list[str], tag: str) -> list[di
 def test_a_usual_batch_is_written_set_wise_with_every_effect_each_row_gets_alone(engine, monkeypatch):
     providers = build_providers(make_settings())
     alone_ids, alone_refs = _scenario(engine, "alone")
-    for log_id in alone_ids:
-        assert process_callback(engine, providers, log_id, RetryPolicy()) == CallbackResult.APPLIED
+    expected = [CallbackResult.APPLIED] * 6 + [CallbackResult.NOOP, CallbackResult.APPLIED]
+    assert [process_callback(engine, providers, log_id, RetryPolicy()) for log_id in alone_ids] == expected
     batch_ids, batch_refs = _scenario(engine, "batch")
     _go_row_by_row_forbidden(monkeypatch)
     # A redelivery in the same batch, a row already processed and a row the database lost ride along.
     messages = [*batch_ids, batch_ids[2], alone_ids[0], 987654321]
     outcomes = process_batch(engine, providers, messages, RetryPolicy())
 
-    assert [o for _, o in outcomes] == [CallbackResult.APPLIED] * len(batch_ids) + [
+    assert [o for _, o in outcomes] == expected + [
         CallbackResult.SKIPPED,
         CallbackResult.SKIPPED,
         CallbackResult.MISSING,
@@ -239,9 +241,11 @@ def test_a_usual_batch_is_written_set_wise_with_every_effect_each_row_gets_alone
     # Spot checks that the comparison compares something.
     assert batch[1]["ledger"][0]["details"]["path"] == ["Pending", "Succeeded"]
     assert batch[3]["target"]["error_code"] == "card_declined" and batch[4]["target"]["error_code"] == "declined"
-    assert batch[6]["ledger"][0]["event_type"] == "RefundConfirmed"
+    assert batch[7]["ledger"][0]["event_type"] == "RefundConfirmed"
     assert batch[0]["row"]["provider_event_id"] == "evt_T_0"
-    assert all(len(effect["inbox"]) == 1 and len(effect["outbox"]) == 1 for effect in batch)
+    assert batch[6]["row"]["result"] == "noop: already Succeeded" and batch[6]["ledger"] == []
+    assert all(len(effect["inbox"]) == 1 for effect in batch)
+    assert [len(effect["outbox"]) for effect in batch] == [1] * 6 + [0, 1]
 
 
 def test_a_batch_with_unusual_rows_goes_row_by_row_and_each_row_gets_its_own_outcome(engine, monkeypatch):
