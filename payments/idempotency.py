@@ -1,16 +1,22 @@
 """The merchant's Idempotency-Key, for every POST that creates something (``POST /payments``, ``POST …/refunds``).
 
-``run`` is the whole protocol. The key is claimed first in a short transaction
-of its own (an ``idempotency_request`` row, status ``started``), so a second
-request with the same key while the first is still in flight sees it and gets
-409. Then ONE transaction does the caller's work and stores its answer
+``run`` is the whole protocol. ONE transaction claims the key (an
+``idempotency_request`` row), does the caller's work and stores its answer
 (status ``done``): a retry with the same key and the same request gets that
 answer again, byte for byte; with another request (another digest), 422. A
-request whose work raises (a validation the database must answer, such as
-"this refund is more than is left") writes nothing and frees the key at once,
-so the merchant's retry is judged afresh. A claim left ``started`` by a process
-that died is taken over after ``lock_seconds`` (see ``run``'s ``then`` for work
-that must commit before its final answer is known).
+second request with the same key while the first is in that transaction waits
+on the key's row (the UNIQUE index) until the first commits, milliseconds, and
+then gets its answer; it never does the work again. A request whose work
+raises (a validation the database must answer, such as "this refund is more
+than is left") writes nothing, the key included, so the merchant's retry is
+judged afresh.
+
+Work whose final answer is known only after it committed (``run``'s ``then``:
+a QR code asked of the provider) commits with the key ``started``: a request
+with the same key meanwhile gets 409. A claim left ``started`` by a process
+that died is taken over after ``lock_seconds``. (Until this version the key
+was claimed in a transaction of its own first; such a claim, left by a process
+that died, is taken over the same way.)
 
 Keys live in a ``scope`` (the endpoint family): the same key string may be
 used once for a payment and once for a refund.
@@ -107,7 +113,7 @@ def run(
     """Answer a request under the merchant's ``key`` (module docstring); ``work`` runs in the answer's transaction.
 
     ``work`` writes what the request creates and returns the answer to store;
-    anything it raises rolls back and frees the key.
+    anything it raises rolls back, the key's claim with it.
 
     With ``then``, the work commits with its answer kept on the claim (still
     ``started``, so a concurrent request gets 409), ``then`` runs after that
@@ -116,19 +122,28 @@ def run(
     over the work's own answer instead of doing the work again.
     """
     now = now or utcnow()
-    try:
-        token = _claim(engine, scope, key, digest, lock_seconds, now)
-    except _Replay as replay:
-        return replay.answer
+    token = now
     try:
         with engine.begin() as conn:
+            if not _claim(conn, scope, key, digest, now):
+                raise _Taken()
             stored = work(conn)
             if not _store(conn, scope, key, token, stored, "started" if then else "done", now):
-                # Our claim expired and a retry with the same key took it over: let that one finish.
-                raise in_progress()
-    except BaseException:
-        _release(engine, scope, key, token)
-        raise
+                raise RuntimeError("the claim made in this transaction is gone")
+    except _Taken:
+        answer_or_token = _existing(engine, scope, key, digest, lock_seconds, now)
+        if isinstance(answer_or_token, Answer):
+            return answer_or_token
+        token = answer_or_token  # a claim whose request died: ours now
+        try:
+            with engine.begin() as conn:
+                stored = work(conn)
+                if not _store(conn, scope, key, token, stored, "started" if then else "done", now):
+                    # Our takeover expired and yet another request took the key over: let that one finish.
+                    raise in_progress()
+        except BaseException:
+            _release(engine, scope, key, token)
+            raise
     if then is None:
         return Answer(stored.status, stored.body)
     final = then(stored)
@@ -158,18 +173,18 @@ def in_progress() -> IdempotencyConflict:
     return IdempotencyConflict("a request with this Idempotency-Key is in progress", "request_in_progress", 409)
 
 
-class _Replay(Exception):  # noqa: N818 - control flow, not an error
-    """The key was used before for the same request: answer with the stored first answer."""
-
-    def __init__(self, answer: Answer) -> None:
-        super().__init__("replay")
-        self.answer = answer
+class _Taken(Exception):  # noqa: N818 - control flow, not an error
+    """The key is on file already (committed by another request): see what it holds."""
 
 
-def _claim(engine: Engine, scope: str, key: str, digest: str, lock_seconds: float, now: datetime) -> datetime:
-    """Take the key for this request (committed at once); return the lock token, or raise with the answer."""
-    with engine.begin() as conn:
-        fresh = conn.execute(
+def _claim(conn: Connection, scope: str, key: str, digest: str, now: datetime) -> bool:
+    """Take the key for this request in the caller's transaction; False if it is on file already.
+
+    A request holding the same key in an uncommitted transaction makes this
+    wait for it (the UNIQUE index), then see its row or its absence.
+    """
+    return bool(
+        conn.execute(
             _CLAIM,
             {
                 "scope": scope,
@@ -181,12 +196,7 @@ def _claim(engine: Engine, scope: str, key: str, digest: str, lock_seconds: floa
                 "updated_at": now,
             },
         ).rowcount
-    if fresh:
-        return now
-    answer_or_token = _existing(engine, scope, key, digest, lock_seconds, now)
-    if isinstance(answer_or_token, Answer):
-        raise _Replay(answer_or_token)
-    return answer_or_token
+    )
 
 
 def _existing(
