@@ -111,7 +111,9 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                     "description": (
                         "The same key with the same body answers the first answer again (header "
                         "`Idempotent-Replayed: true`); the same key with another body is refused with 422; "
-                        "while the first request with a key is still in flight, 409. Retry a 503 or a lost "
+                        "a second request with a key while the first is being written waits for it and gets "
+                        "its answer; while an Alipay or WeChat Pay first request waits for its QR code, 409. "
+                        "Retry a 503 or a lost "
                         "answer with the same key. With Alipay or WeChat Pay the charge is sent at once, and the "
                         "answer is Pending with `qr_code` if the provider gave one within "
                         "CHARGE_INLINE_BUDGET_SECONDS; else Created, and the charge goes on in the background."
@@ -144,7 +146,7 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                         },
                         "400": _error_response("Malformed request; nothing was written"),
                         "401": _error_response("Missing or wrong bearer token"),
-                        "409": _error_response("A request with this Idempotency-Key is still in flight"),
+                        "409": _error_response("A request with this Idempotency-Key is still waiting for its QR code"),
                         "413": _error_response("Body too large"),
                         "415": _error_response("Body is not JSON"),
                         "422": _error_response("This Idempotency-Key was used with a different request"),
