@@ -59,12 +59,14 @@ from common import (  # the bench directory is on sys.path when run as a script
     RESULTS,
     ROOT,
     SECRET,
+    CpuMeter,
     Process,
     free_port,
     loadavg,
     prepare_database,
     process_env,
     procfile_command,
+    server_pids,
     wait_for_http,
 )
 from sqlalchemy import func, select, text
@@ -223,6 +225,12 @@ def tree_env(tree: Path, **settings: str) -> dict[str, str]:
     return env
 
 
+def cpu_line(cpu: dict[str, float]) -> str:
+    """CPU per payment by process, as a bench line prints it."""
+    parts = ", ".join(f"{name} {ms:.2f}" for name, ms in cpu.items() if name != "total")
+    return f"CPU per payment (ms): {parts}; total {cpu['total']:.2f}"
+
+
 def received(engine, count: int, timeout: float = 60.0) -> int:  # noqa: ANN001
     """Wait until the INSERT-only receiver stored ``count`` notifications (or ``timeout``); return how many it has."""
     deadline = time.monotonic() + timeout
@@ -262,6 +270,10 @@ def run_direct_phase(args: argparse.Namespace, tree: Path, engine, label: str) -
     try:
         wait_for_http(sandbox_port, "/_sandbox/truth")
         wait_for_http(receiver_port, "/")
+        meter = CpuMeter(
+            {"sandbox": [procs[1].popen.pid], "receiver": [procs[0].popen.pid], "mariadb": server_pids("mariadbd")}
+        )
+        meter.start()
         direct = run_direct(f"http://127.0.0.1:{sandbox_port}", args.payments, args.concurrency)
         print(
             f"{label}direct : {direct['per_second']:8.1f} charges/s   p50 {direct['p50_ms']:7.1f} ms   "
@@ -269,7 +281,9 @@ def run_direct_phase(args: argparse.Namespace, tree: Path, engine, label: str) -
             flush=True,
         )
         direct["notifications_received"] = received(engine, args.payments)
+        direct["cpu_ms"] = meter.per_unit(args.payments)
         print(f"{label}direct : {direct['notifications_received']} notifications stored by the receiver", flush=True)
+        print(f"{label}direct : {cpu_line(direct['cpu_ms'])}", flush=True)
         return direct
     except Exception:
         for proc in procs:
@@ -313,13 +327,24 @@ def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
 
         direct = run_direct_phase(args, tree, engine, label)
 
+        meter = CpuMeter(
+            {
+                "gateway": [procs[1].popen.pid],
+                "compensator": [procs[2].popen.pid],
+                "sandbox": [procs[0].popen.pid],
+                "mariadb": server_pids("mariadbd"),
+            }
+        )
+        meter.start()
         paysync = run_paysync(web_port, engine, args.payments, args.concurrency, args.timeout, rate=args.rate)
+        paysync["cpu_ms"] = meter.per_unit(args.payments)
         print(
             f"{label}paysync: {paysync['per_second']:8.1f} payments/s  p50 {paysync['p50_ms']:7.1f} ms   "
             f"p99 {paysync['p99_ms']:7.1f} ms   (creation to Succeeded; POST /payments at "
             f"{paysync['created_per_second']:.1f}/s; {paysync['via_unknown']} via Unknown)",
             flush=True,
         )
+        print(f"{label}paysync: {cpu_line(paysync['cpu_ms'])}", flush=True)
         truth = requests.get(f"http://127.0.0.1:{sandbox_port}/_sandbox/truth", timeout=60).json()
         if truth["multiple_charges"]:
             raise RuntimeError(f"charged twice: {truth['multiple_charges'][:5]}")
@@ -337,15 +362,18 @@ def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
             requests.post(
                 f"http://127.0.0.1:{sandbox_port}/_sandbox/faults", json=faults, timeout=10
             ).raise_for_status()
+            meter.start()
             faulted = run_paysync(
                 web_port, engine, args.payments, args.concurrency, args.timeout, prefix="faulted", rate=args.rate
             )
+            faulted["cpu_ms"] = meter.per_unit(args.payments)
             faulted["faults"] = faults
             print(
                 f"{label}paysync+faults: {faulted['per_second']:8.1f} payments/s  p50 {faulted['p50_ms']:7.1f} ms   "
                 f"p99 {faulted['p99_ms']:7.1f} ms   (faults {args.faults})",
                 flush=True,
             )
+            print(f"{label}paysync+faults: {cpu_line(faulted['cpu_ms'])}", flush=True)
             truth = requests.get(f"http://127.0.0.1:{sandbox_port}/_sandbox/truth", timeout=60).json()
             if truth["multiple_charges"]:
                 raise RuntimeError(f"charged twice: {truth['multiple_charges'][:5]}")
@@ -381,7 +409,12 @@ def summarize(passes: list[dict]) -> dict:
     if all(p["faulted"] for p in passes):
         figures["faulted_per_second"] = [p["faulted"]["per_second"] for p in passes]
         figures["faulted_p50_ms"] = [p["faulted"]["p50_ms"] for p in passes]
-    return {name: statistics.median(values) for name, values in figures.items()}
+    medians: dict = {name: statistics.median(values) for name, values in figures.items()}
+    for phase in ("direct", "paysync", "faulted"):
+        if all(p[phase] and "cpu_ms" in p[phase] for p in passes):
+            names = passes[0][phase]["cpu_ms"]
+            medians[f"{phase}_cpu_ms"] = {n: statistics.median(p[phase]["cpu_ms"][n] for p in passes) for n in names}
+    return medians
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -408,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
             f"direct {m['direct_per_second']:6.1f}/s = {m['ratio']:.2f}x   p50 {m['p50_ms']:7.1f} ms   "
             f"p99 {m['p99_ms']:7.1f} ms   POST /payments {m['created_per_second']:6.1f}/s{faulted}"
         )
+        for phase in ("direct", "paysync", "faulted"):
+            if f"{phase}_cpu_ms" in m:
+                print(f"      {phase:<8} {cpu_line(m[f'{phase}_cpu_ms'])}")
     ours = summaries[""]
     verdict = "met" if ours["ratio"] >= TARGET_RATIO else "MISSED"
     print(f"target throughput >= {TARGET_RATIO:g}x direct: {ours['ratio']:.2f}x {verdict}")

@@ -203,3 +203,79 @@ def chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
     """Consecutive slices of ``items`` of at most ``size``."""
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+def _children(pid: int) -> list[int]:
+    """The children of ``pid`` (every thread's), from /proc."""
+    found: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found.extend(int(child) for child in f.read().split())
+    except OSError:
+        pass
+    return found
+
+
+def _own_cpu(pid: int) -> float:
+    """User plus system CPU seconds of one process (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of ``pid`` and its descendants still running (a gunicorn master and its workers, say)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += _own_cpu(current)
+        todo.extend(_children(current))
+    return total
+
+
+def server_pids(name: str) -> list[int]:
+    """Pids whose command line starts with a program named ``name`` (``mariadbd``), for its CPU."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                program = f.read().split(b"\0", 1)[0].decode(errors="replace")
+        except OSError:
+            continue
+        if os.path.basename(program) == name:
+            pids.append(int(entry))
+    return pids
+
+
+class CpuMeter:
+    """CPU seconds spent by named processes between ``start`` and ``per_unit`` (each a pid and its descendants).
+
+    ``"bench"`` is this process (its client threads). Server processes started
+    outside the benchmark (MariaDB) are named by their program.
+    """
+
+    def __init__(self, pids: dict[str, list[int]]) -> None:
+        self.pids = {name: list(ids) for name, ids in pids.items()}
+        self.before: dict[str, float] = {}
+
+    def read(self) -> dict[str, float]:
+        """CPU seconds so far, by name."""
+        totals = {name: sum(tree_cpu(pid) for pid in ids) for name, ids in self.pids.items()}
+        usage = os.times()
+        totals["bench"] = usage.user + usage.system
+        return totals
+
+    def start(self) -> None:
+        """Mark the start of the window."""
+        self.before = self.read()
+
+    def per_unit(self, units: int) -> dict[str, float]:
+        """Milliseconds of CPU per unit of work since ``start``, by name, and their ``total``."""
+        after = self.read()
+        out = {name: round(1000 * (after[name] - self.before.get(name, 0.0)) / max(units, 1), 3) for name in after}
+        out["total"] = round(sum(out.values()), 3)
+        return out
