@@ -254,8 +254,8 @@ def update_each(
     CASE on the id. The guard (``status IN ('Pending')``, say) holds for every
     row, so a rowcount short of ``len(rows)`` means some row was no longer as
     the caller saw it. The statement for each shape (table, columns, which of
-    them differ, guard, and the number of WHENs) is built once and kept. The
-    WHENs come in powers of two, the last row's repeated to fill them: with a
+    them differ, guard, and the number of ids) is built once and kept. The
+    ids come in powers of two, the last row's repeated to fill them: with a
     shape per row count, groups of every size from 1 to 100 compiled a new
     statement most of the time, and compiling a CASE of many WHENs cost more
     than running it. More than UPDATE_EACH_MAX rows take several statements.
@@ -268,13 +268,13 @@ def update_each(
         )
     first = rows[ids[0]]
     varying = tuple(name for name in first if any(rows[i][name] != first[name] for i in ids[1:]))
-    whens = 1 << (len(ids) - 1).bit_length() if varying else 0
-    key = (table.name, tuple(first), varying, whens, guard.name)
+    slots = 1 << (len(ids) - 1).bit_length()
+    key = (table.name, tuple(first), varying, slots, guard.name, len(allowed))
     statement = _UPDATE_EACH.get(key)
     if statement is None:
-        statement = _UPDATE_EACH[key] = _update_each_statement(table, tuple(first), varying, whens, guard)
-    params: dict[str, Any] = {"ids": ids, "allowed": list(allowed)}
-    for k in range(whens):
+        statement = _UPDATE_EACH[key] = _update_each_statement(table, tuple(first), varying, slots, guard, len(allowed))
+    params: dict[str, Any] = {f"allowed_{n}": value for n, value in enumerate(allowed)}
+    for k in range(slots):
         i = ids[min(k, len(ids) - 1)]
         params[f"id_{k}"] = i
         for name in varying:
@@ -289,22 +289,23 @@ _UPDATE_EACH: dict[tuple, Update] = {}
 
 
 def _update_each_statement(
-    table: Table, columns: tuple[str, ...], varying: tuple[str, ...], count: int, guard: Column
+    table: Table, columns: tuple[str, ...], varying: tuple[str, ...], slots: int, guard: Column, allowed: int
 ) -> Update:
-    """The UPDATE ``update_each`` runs for one shape, with a named parameter for every value."""
+    """The UPDATE ``update_each`` runs for one shape, with a named parameter for every value.
+
+    Plain parameters throughout, no expanding IN lists: those are rendered anew at every execution.
+    """
     values: dict[str, Any] = {}
     for name in columns:
         column = table.c[name]
         if name in varying:
-            whens = {bindparam(f"id_{k}"): bindparam(f"{name}_{k}", type_=column.type) for k in range(count)}
+            whens = {bindparam(f"id_{k}"): bindparam(f"{name}_{k}", type_=column.type) for k in range(slots)}
             values[name] = case(whens, value=table.c.id)
         else:
             values[name] = bindparam(f"set_{name}", type_=column.type)
-    return (
-        update(table)
-        .where(table.c.id.in_(bindparam("ids", expanding=True)), guard.in_(bindparam("allowed", expanding=True)))
-        .values(values)
-    )
+    ids = [bindparam(f"id_{k}") for k in range(slots)]
+    guards = [bindparam(f"allowed_{n}", type_=guard.type) for n in range(allowed)]
+    return update(table).where(table.c.id.in_(ids), guard.in_(guards)).values(values)
 
 
 def upsert(conn: Connection, table: Table, values: dict[str, Any], key: Column, changes: dict[str, Any]) -> None:
