@@ -33,6 +33,13 @@ Prints both and the ratios paysync / direct. Then, unless ``--faults ''``,
 payments per second and latencies (target: still 100 payments/s). Results,
 with every latency for the charts, go to ``bench/results/`` (``--json-out``).
 
+Each phase also prints the CPU it cost per payment, by process (gateway,
+compensator, sandbox, MariaDB, the bench's own client threads; for the
+baseline its sandbox and receiver), read from /proc around the phase
+(``common.CpuMeter``). A paysync phase's window runs until its notifications
+are all stored and processed (they trail the charges under load), and the
+next phase starts only then, so no phase pays for another's.
+
 ``--repeats N`` runs N passes, each its own start of the three processes and
 its own direct run, and prints medians (the ratio is the median of the
 per-pass ratios). ``--before-tree DIR`` runs a pass of DIR's code (the
@@ -73,7 +80,7 @@ from sqlalchemy import func, select, text
 
 from payments.providers.base import ChargeRequest, Succeeded
 from payments.providers.sandbox import SandboxProvider
-from payments.schema import payment
+from payments.schema import payment, payment_callback_log
 
 TOKEN = "bench-merchant-token"
 DEFAULT_DATABASE_URL = "mysql+pymysql://root@127.0.0.1:3306/paysync_bench_charges"
@@ -225,6 +232,25 @@ def tree_env(tree: Path, **settings: str) -> dict[str, str]:
     return env
 
 
+def settle(engine, timeout: float = 120.0) -> float:  # noqa: ANN001
+    """Wait until every payment's notification is stored and processed (or ``timeout``); return the seconds waited.
+
+    The platform's notifications trail the charges under load; a phase that
+    began while the last one's were still arriving would pay for them.
+    """
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        with engine.connect() as conn:
+            payments = conn.execute(select(func.count()).select_from(payment)).scalar()
+            log = payment_callback_log
+            rows = conn.execute(select(func.count()).select_from(log)).scalar()
+            waiting = conn.execute(select(func.count()).where(log.c.status.in_((0, 2)))).scalar()
+        if rows >= payments and not waiting:
+            break
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
 def cpu_line(cpu: dict[str, float]) -> str:
     """CPU per payment by process, as a bench line prints it."""
     parts = ", ".join(f"{name} {ms:.2f}" for name, ms in cpu.items() if name != "total")
@@ -337,6 +363,7 @@ def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
         )
         meter.start()
         paysync = run_paysync(web_port, engine, args.payments, args.concurrency, args.timeout, rate=args.rate)
+        paysync["settle_seconds"] = settle(engine)
         paysync["cpu_ms"] = meter.per_unit(args.payments)
         print(
             f"{label}paysync: {paysync['per_second']:8.1f} payments/s  p50 {paysync['p50_ms']:7.1f} ms   "
@@ -344,7 +371,11 @@ def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
             f"{paysync['created_per_second']:.1f}/s; {paysync['via_unknown']} via Unknown)",
             flush=True,
         )
-        print(f"{label}paysync: {cpu_line(paysync['cpu_ms'])}", flush=True)
+        print(
+            f"{label}paysync: its notifications all processed {paysync['settle_seconds']:.1f} s after the last "
+            f"Succeeded; {cpu_line(paysync['cpu_ms'])}",
+            flush=True,
+        )
         truth = requests.get(f"http://127.0.0.1:{sandbox_port}/_sandbox/truth", timeout=60).json()
         if truth["multiple_charges"]:
             raise RuntimeError(f"charged twice: {truth['multiple_charges'][:5]}")
@@ -366,6 +397,7 @@ def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
             faulted = run_paysync(
                 web_port, engine, args.payments, args.concurrency, args.timeout, prefix="faulted", rate=args.rate
             )
+            faulted["settle_seconds"] = settle(engine)
             faulted["cpu_ms"] = meter.per_unit(args.payments)
             faulted["faults"] = faults
             print(
@@ -373,7 +405,11 @@ def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
                 f"p99 {faulted['p99_ms']:7.1f} ms   (faults {args.faults})",
                 flush=True,
             )
-            print(f"{label}paysync+faults: {cpu_line(faulted['cpu_ms'])}", flush=True)
+            print(
+                f"{label}paysync+faults: notifications processed {faulted['settle_seconds']:.1f} s after; "
+                f"{cpu_line(faulted['cpu_ms'])}",
+                flush=True,
+            )
             truth = requests.get(f"http://127.0.0.1:{sandbox_port}/_sandbox/truth", timeout=60).json()
             if truth["multiple_charges"]:
                 raise RuntimeError(f"charged twice: {truth['multiple_charges'][:5]}")
