@@ -8,7 +8,7 @@ SANDBOX_PORT ?= 8100
 # `make run` is for a developer's machine: development fills in dev tokens and secrets, and says so once.
 PAYSYNC_ENV ?= development
 
-.PHONY: run test lint format venv import-graph chaos bench bench-charts bench-ingest bench-drain bench-charges bench-events bench-reconcile clean
+.PHONY: run test lint format venv import-graph chaos bench bench-charts bench-ingest bench-drain bench-charges bench-charge-parts bench-events bench-reconcile clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "paysync needs Python 3.11 or newer")'
@@ -67,6 +67,11 @@ bench-ingest: venv
 # Needs MariaDB and RabbitMQ. A quick run: BENCH_ARGS="--rows 2000".
 bench-drain: venv
 	$(BIN)/python bench/drain.py $(BENCH_ARGS)
+
+# Needs MariaDB and wrk. E.g. BENCH_ARGS="--repeats 3 --before-tree /tmp/before".
+bench-charge-parts: venv
+	@command -v wrk >/dev/null || { echo "bench-charge-parts needs wrk: sudo apt-get install -y wrk"; exit 2; }
+	$(BIN)/python bench/charge_parts.py $(BENCH_ARGS)
 
 bench-events: venv
 	$(BIN)/python bench/events.py $(BENCH_ARGS)
