@@ -93,6 +93,16 @@ def relay_charge(
     if isinstance(prepared, Result):
         return prepared
     call_id, current, resend = prepared
+    outcome = send_charge(ctx, provider, current)
+    with db_turn():
+        lock = partial(lock_payment, payment_id=current["payment_id"])
+        result = apply_call(ctx, outbox_id, call_id, lock, provider, outcome, resend)
+        count(ctx, provider, outcome, gate)
+    return result
+
+
+def send_charge(ctx: Context, provider: Provider, current: Mapping[str, Any]) -> QueryOutcome:
+    """The charge call itself, outside any transaction, with the payment's fixed idempotency key (invariant 6)."""
     outcome = provider.charge(
         ChargeRequest(
             current["payment_id"],
@@ -106,11 +116,7 @@ def relay_charge(
         ctx.settings.provider_timeout_seconds,
     )
     failpoints.hit("relay.after_provider_call")
-    with db_turn():
-        lock = partial(lock_payment, payment_id=current["payment_id"])
-        result = apply_call(ctx, outbox_id, call_id, lock, provider, outcome, resend)
-        count(ctx, provider, outcome, gate)
-    return result
+    return outcome
 
 
 def relay_charge_inline(

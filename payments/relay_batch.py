@@ -42,13 +42,13 @@ from typing import Any
 
 from sqlalchemy import bindparam, select, update
 
-from payments import breaker, failpoints, provider_calls
+from payments import breaker, provider_calls
 from payments.calls import Context, Result, assess, count, lock_payment
 from payments.charges import CHARGE_REQUESTED
 from payments.db import utcnow
 from payments.group_commit import GroupCommit
-from payments.providers.base import ChargeRequest, Failed, Provider, QueryOutcome
-from payments.relay import apply_call, charge_params
+from payments.providers.base import Failed, Provider, QueryOutcome
+from payments.relay import apply_call, charge_params, send_charge
 from payments.schema import outbox, payment, provider_call
 from payments.states import TERMINAL, BreakerState, OutboxStatus, PaymentStatus, Verdict, decide
 from payments.transitions import PlannedChange, apply_planned, plan_decision
@@ -196,19 +196,7 @@ def send_prepared(
     if snapshot.state != BreakerState.CLOSED:
         with db_turn():
             return _withhold(ctx, charge, snapshot)
-    outcome = charge.provider.charge(
-        ChargeRequest(
-            current["payment_id"],
-            int(current["amount_minor"]),
-            current["currency"],
-            description=current["description"],
-            created_at=current["created_at"],
-            payment_method=current["payment_method"],
-        ),
-        current["idempotency_key"],
-        ctx.settings.provider_timeout_seconds,
-    )
-    failpoints.hit("relay.after_provider_call")
+    outcome = send_charge(ctx, charge.provider, current)
     result = group.submit((charge, outcome))
     if result is None:
         with db_turn():
