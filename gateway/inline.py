@@ -9,8 +9,8 @@ The acknowledgement still depends only on the raw row's commit. Processing
 runs on a thread pool of this worker, one thread per request thread
 (WEB_THREADS), and the request waits for it at most
 CALLBACK_INLINE_BUDGET_SECONDS: a failure is recorded on the row (status 2,
-backoff) and an overrun carries on in the background, so either way the row stays 0 or 2 for the consumer and the
-sweep. When every inline thread is still busy with earlier overruns (a
+backoff) and an overrun carries on in the background, so either way the row
+stays 0 or 2 for the consumer and the sweep. When every inline thread is still busy with earlier overruns (a
 database that hangs), new callbacks skip inline processing instead of queueing
 behind them.
 
