@@ -8,7 +8,7 @@ SANDBOX_PORT ?= 8100
 # `make run` is for a developer's machine: development fills in dev tokens and secrets, and says so once.
 PAYSYNC_ENV ?= development
 
-.PHONY: run test lint format venv import-graph chaos bench bench-charts bench-ingest bench-drain bench-charges bench-charge-parts bench-events bench-reconcile clean
+.PHONY: run test test-fast test-serial lint format venv import-graph chaos bench bench-charts bench-ingest bench-drain bench-charges bench-charge-parts bench-events bench-reconcile clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "paysync needs Python 3.11 or newer")'
@@ -28,8 +28,28 @@ run: venv
 	@echo ""
 	PATH="$(CURDIR)/$(BIN):$$PATH" PAYSYNC_ENV=$(PAYSYNC_ENV) SANDBOX_PORT=$(SANDBOX_PORT) $(BIN)/honcho start -p $(PORT)
 
+# Compiled bytecode kept under the venv even where the environment says PYTHONDONTWRITEBYTECODE: without it every
+# pytest worker re-compiles and re-rewrites every test module (10 s of CPU each) and every process a test starts
+# compiles paysync anew.
+PYCACHE := env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/pycache
+
+# The suite in parallel: TEST_WORKERS processes (xdist), each with its own MariaDB database, RabbitMQ vhost and
+# ports; the whole-stack runs start first (tests/conftest.py). Then the coverage table and its floors.
+TEST_WORKERS ?= 4
+COVERAGE_ARGS ?= --cov --cov-report= --no-cov-on-fail
 test: venv
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	@rm -f .coverage .coverage.*
+	$(PYCACHE) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 1 --durations=25 $(COVERAGE_ARGS) $(PYTEST_ARGS)
+	$(BIN)/python -m tests.coverage_floor
+
+# The tests that need no service and start no process: state machine, signatures, parsers, matching, settings,
+# the scrubber, property tests at fewer examples. For the edit-test loop; `make test` before a commit.
+test-fast: venv
+	$(PYCACHE) HYPOTHESIS_PROFILE=fast $(BIN)/python -m pytest -m fast -n 2 $(PYTEST_ARGS)
+
+# One process, in collection order: to read a failure without xdist in the way.
+test-serial: venv
+	$(PYCACHE) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

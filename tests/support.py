@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shlex
@@ -121,15 +122,52 @@ def signed(event: dict[str, Any] | bytes, secret: str = SECRET, timestamp: int |
     return body, {signing.HEADER: signing.sign(secret, body, timestamp), "Content-Type": "application/json"}
 
 
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_PORT_BLOCK = 1000
+_next_port = itertools.count()
+_port_lock = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nobody listens on right now.
+
+    Under xdist each worker takes ports from a block of its own below the
+    kernel's ephemeral range (20000 + 1000 per worker), handed out in turn: a
+    port the kernel picks for one worker could otherwise be picked for another
+    worker's server in the moment before the first one binds it.
+    """
+    if not _WORKER:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    base = 20000 + _PORT_BLOCK * int(_WORKER.removeprefix("gw") or 0)
+    for _ in range(_PORT_BLOCK):
+        with _port_lock:
+            port = base + next(_next_port) % _PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + _PORT_BLOCK - 1}")
+
+
+WAIT_SCALE = float(os.environ.get("PAYSYNC_TEST_WAIT_SCALE", "4"))
+"""How far past its nominal bound a wait may go before the test fails (PAYSYNC_TEST_WAIT_SCALE, default 4).
+
+A wait returns the moment its event happens, so the bound costs nothing when
+things work; it is there so that a hung test fails instead of hanging. On a
+busy machine (parallel workers, a CPU hog beside the suite) a process start
+that takes 2 s on a quiet one can take 20: a bound that tight turns load into
+failures that say nothing about the code. A test that means to assert a speed
+belongs in bench/, not in a wait.
+"""
 
 
 def wait_for_port(port: int, timeout: float = 20.0) -> None:
     """Block until something accepts connections on ``port``."""
+    timeout *= WAIT_SCALE
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -141,7 +179,8 @@ def wait_for_port(port: int, timeout: float = 20.0) -> None:
 
 
 def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05, message: str = "condition"):  # noqa: ANN001
-    """Poll ``predicate`` until it returns something truthy; return that, or fail."""
+    """Poll ``predicate`` until it returns something truthy; return that, or fail (after ``timeout`` x WAIT_SCALE)."""
+    timeout *= WAIT_SCALE
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()

@@ -145,6 +145,7 @@ def test_settings_refuse_a_missing_rules_file_and_the_retired_alert_settings(env
         load_settings({"PAYSYNC_ENV": "development", **environ})
 
 
+@pytest.mark.server
 def test_a_bad_rules_file_stops_the_compensator_with_one_line(tmp_path):
     path = tmp_path / "rules.toml"
     path.write_text('[rules.callback_backlog]\nthreshold = 100\nchannels = ["email", "pager"]\n')

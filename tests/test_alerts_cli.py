@@ -5,8 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.notify_fakes import TOKEN, FakeService, smtp_server
 from tests.support import ROOT, env_for, free_port
+
+pytestmark = pytest.mark.server  # each test runs the command as a process
 
 
 def _alerts_test(channel: str, tmp_path, **settings: str) -> subprocess.CompletedProcess:

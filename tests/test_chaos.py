@@ -35,6 +35,7 @@ SERVERS = ["mariadb-install-db", "mariadbd", "/usr/lib/rabbitmq/bin/rabbitmq-ser
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.mariadb
 @pytest.mark.rabbitmq
 def test_the_small_chaos_run_holds_every_invariant(tmp_path):
@@ -230,6 +231,7 @@ def test_the_chain_row_fails_on_a_break_or_an_event_left_unsealed():
         assert _failing(mix.rows(_db(), _load().created)) == {"ledger chain verifies"}
 
 
+@pytest.mark.server
 def test_the_chaos_command_line_names_its_options():
     answer = subprocess.run(
         [sys.executable, str(Path(ROOT, "bench", "chaos.py")), "--help"], capture_output=True, text=True, check=True

@@ -24,7 +24,7 @@ from tests.sandbox_process import start_sandbox
 from tests.stack import Stack, db_url
 from tests.support import wait_until
 
-pytestmark = [pytest.mark.mariadb, pytest.mark.slow]
+pytestmark = [pytest.mark.mariadb, pytest.mark.slow, pytest.mark.alone]
 
 TOKEN = "soak-merchant-token"
 

@@ -424,6 +424,7 @@ def test_the_real_service_wants_an_api_key_and_a_local_host_and_origin(url):
 # --- process life ------------------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_the_service_logs_its_url_and_stops_cleanly_on_sigterm(tmp_path):
     proc, url = start(tmp_path, f"http://127.0.0.1:{free_port()}/callbacks/sandbox")
     assert charge(url, mid()).status_code == 200
