@@ -711,7 +711,8 @@ def _app_id(name: str, raw: str) -> str:
 
 
 def check_alipay_settings(settings: Settings) -> None:
-    """When Alipay is enabled: its three settings present, its keys readable RSA of 2048+ bits.
+    """When Alipay is enabled: its three settings present, its keys readable RSA of 2048+ bits, certificate
+    mode whole (ALIPAY_APP_CERT_FILE with our key's certificate, ALIPAY_ROOT_CERT_FILE) or not used at all.
 
     Raises ConfigError naming the variable, the file and why; the production
     start-up check calls this (build_providers reads the keys the same way).
@@ -720,8 +721,11 @@ def check_alipay_settings(settings: Settings) -> None:
     if "alipay" in enabled_providers(settings):
         from payments.providers import alipay_sign
 
-        alipay_sign.load_private_key("ALIPAY_APP_PRIVATE_KEY_FILE", settings.alipay_app_private_key_file)
+        key = alipay_sign.load_private_key("ALIPAY_APP_PRIVATE_KEY_FILE", settings.alipay_app_private_key_file)
         alipay_sign.load_public_keys("ALIPAY_PUBLIC_KEY_FILES", settings.alipay_public_key_files)
+        alipay_sign.cert_mode(
+            settings.alipay_app_cert_file, settings.alipay_root_cert_file, settings.alipay_public_key_files, key
+        )
 
 
 def _check_wechatpay(settings: Settings) -> None:

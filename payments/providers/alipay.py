@@ -123,9 +123,11 @@ class AlipayProvider(Provider):
         order_expire_seconds: int = 7200,
         seller_id: str = "",
         bill_max_bytes: int = DEFAULT_BILL_MAX_BYTES,
+        cert_mode: sig.CertMode | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._app_id = app_id
+        self._cert_mode = cert_mode
         self._seller_id = seller_id
         self._bill_max_bytes = bill_max_bytes
         self._private_key = private_key
@@ -327,6 +329,9 @@ class AlipayProvider(Provider):
             "timestamp": sig.format_beijing(self._clock()),
             "version": "1.0",
         }
+        if self._cert_mode is not None:
+            common["app_cert_sn"] = self._cert_mode.app_cert_sn
+            common["alipay_root_cert_sn"] = self._cert_mode.alipay_root_cert_sn
         if method == PRECREATE and self._notify_url:
             common["notify_url"] = self._notify_url
         app = {"biz_content": json.dumps(biz, ensure_ascii=False, separators=(",", ":"))}
@@ -391,6 +396,9 @@ def from_settings(settings: Any) -> AlipayProvider:
         raise ConfigError("ALIPAY_APP_ID is required when the ALIPAY_* key files are set")
     private_key = sig.load_private_key("ALIPAY_APP_PRIVATE_KEY_FILE", settings.alipay_app_private_key_file)
     public_keys = sig.load_public_keys("ALIPAY_PUBLIC_KEY_FILES", settings.alipay_public_key_files)
+    cert_mode = sig.cert_mode(
+        settings.alipay_app_cert_file, settings.alipay_root_cert_file, settings.alipay_public_key_files, private_key
+    )
     return AlipayProvider(
         settings.alipay_app_id,
         private_key,
@@ -401,6 +409,7 @@ def from_settings(settings: Any) -> AlipayProvider:
         order_expire_seconds=settings.alipay_order_expire_seconds,
         seller_id=settings.alipay_seller_id,
         bill_max_bytes=settings.alipay_bill_max_bytes,
+        cert_mode=cert_mode,
     )
 
 
