@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from payments.errors import ConfigError
 from payments.providers import alipay_sign as sig
@@ -129,3 +130,11 @@ def test_a_certificate_without_certificate_mode_or_half_of_it_is_refused_at_star
     )
     check_alipay_settings(keyed)
     assert "alipay" in build_providers(keyed)
+
+
+def test_alipays_certificate_is_the_leaf_of_its_bundle_whatever_the_order(keys, certs, tmp_path):
+    leaf, ca = sig.read_certificates("ALIPAY_PUBLIC_KEY_FILES", certs.alipay_cert)
+    reversed_bundle = tmp_path / "alipayCertPublicKey_RSA2.crt"
+    reversed_bundle.write_bytes(b"".join(c.public_bytes(serialization.Encoding.PEM) for c in (ca, leaf)))
+    (key,) = sig.load_public_keys("ALIPAY_PUBLIC_KEY_FILES", [str(reversed_bundle)])
+    assert key.public_numbers() == keys.alipay.public_key().public_numbers()

@@ -87,7 +87,7 @@ def load_public_keys(env_name: str, paths: Sequence[str]) -> tuple[rsa.RSAPublic
         data = _read(env_name, path)
         try:
             if b"BEGIN CERTIFICATE" in data:
-                key = x509.load_pem_x509_certificate(data).public_key()
+                key = _leaf(read_certificates(env_name, path)).public_key()
             else:
                 key = serialization.load_pem_public_key(data)
         except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
@@ -179,6 +179,12 @@ def cert_mode(
             f"certificate mode needs ALIPAY_APP_CERT_FILE and ALIPAY_ROOT_CERT_FILE: {missing} is not set"
         )
     return load_cert_mode(app_cert_file, root_cert_file, private_key)
+
+
+def _leaf(certs: Sequence[x509.Certificate]) -> x509.Certificate:
+    """The certificate of a bundle that issued none of the others: alipayCertPublicKey_RSA2.crt carries its CA too."""
+    issued = [c for c in certs if not any(o is not c and o.issuer == c.subject for o in certs)]
+    return issued[0] if issued else certs[0]
 
 
 def _read(env_name: str, path: str) -> bytes:
