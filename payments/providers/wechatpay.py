@@ -11,10 +11,11 @@ The body's ``id`` is the event id. Accepted: 204, no body; refused: 4xx with
 ``{"code": "FAIL", "message": …}`` (WeChat then retries, up to 15 times).
 
 Outbound: every request carries ``Authorization: WECHATPAY2-SHA256-RSA2048 …``
-over the exact bytes sent, and ``Wechatpay-Serial`` naming the platform key we
-hold (``request_serial``), as the official SDKs send it; every 2xx answer must carry a valid platform
-signature, or it is Unknown (WeChat: "a successful response without a
-signature should be considered forged"). A 4xx carries no signature (WeChat
+over the exact bytes sent, and ``Wechatpay-Serial`` naming the platform key
+we hold (``request_serial``), as the official SDKs send it; every 2xx answer
+must carry a valid platform signature, or it is Unknown (WeChat: "a
+successful response without a signature should be considered forged"). A
+4xx carries no signature (WeChat
 signs only what passed its own check); its ``code`` is read as given, but a
 4xx whose signature headers are present and wrong is Unknown.
 
@@ -421,8 +422,6 @@ class WechatPayProvider(Provider):
         self._fetched: dict[str, sign.PlatformKey] = {}
         self._fetch_lock = threading.Lock()
         self._last_fetch: float | None = None
-        self.certificate_fetches = 0
-        """How many /v3/certificates downloads this adapter made."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WechatPayProvider:
@@ -547,7 +546,6 @@ class WechatPayProvider(Provider):
         only WeChat and we know (the official SDKs trust a first download the
         same way). Anything wrong: nothing is learned, and the caller refuses.
         """
-        self.certificate_fetches += 1
         status, headers, content, _, error = self._exchange(
             "GET", CERTIFICATES_PATH, None, CERTIFICATE_FETCH_TIMEOUT_SECONDS
         )
