@@ -5,7 +5,10 @@ RECONCILE_DAYS_BACK days (yesterday included) are downloaded through the
 adapter and reconciled by ``payments.reconcile``. A day whose file is
 unchanged since a completed run is skipped; a file the provider has not
 published yet (or cannot serve) is logged and tried again on the next day's
-run, as long as the day is still inside the window. Runs hold the named lock
+run, as long as the day is still inside the window. A file past its size cap
+(``SettlementTooLarge``: trying again brings the same file) raises the alert
+``settlement_too_large`` for a person, once per provider and day; a later
+download of that day that fits resolves it. Runs hold the named lock
 ``payments.reconcile.LOCK_NAME``, so however many compensators run, one
 reconciles; re-running a day adds no second adjustment.
 """
@@ -16,9 +19,10 @@ import logging
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
-from payments.db import batch_engine
+from payments import alerts
+from payments.db import batch_engine, utcnow
 from payments.locks import named_lock
-from payments.providers.base import ProviderUnavailable
+from payments.providers.base import ProviderUnavailable, SettlementTooLarge
 from payments.reconcile import LOCK_NAME, PARSERS, ReconcileError, Report, Source, download, open_file, reconcile
 from payments.runtime import Runtime
 from payments.settlement import SettlementFormatError
@@ -68,7 +72,23 @@ def reconcile_download(
     adapter = runtime.providers.get(provider)
     if adapter is None:
         raise ReconcileError(f"provider {provider!r} is not configured: give its file with --file")
-    source = download(adapter, day, runtime.settings.provider_timeout_seconds)
+    key = f"settlement_too_large:{provider}:{day.isoformat()}"
+    try:
+        source = download(adapter, day, runtime.settings.provider_timeout_seconds)
+    except SettlementTooLarge as exc:
+        with runtime.engine.begin() as conn:
+            alerts.observe(
+                conn,
+                rule="settlement_too_large",
+                key=key,
+                message=str(exc),
+                now=utcnow(),
+                severity="critical",
+                details={"provider": provider, "day": day.isoformat()},
+            )
+        raise
+    with runtime.engine.begin() as conn:
+        alerts.clear(conn, key=key, now=utcnow())
     try:
         return _reconcile(runtime, provider, day, source, started_by=started_by, skip_unchanged=skip_unchanged)
     finally:

@@ -350,6 +350,8 @@ EVALUATED_ELSEWHERE: dict[str, str] = {
     "event_delivery_gave_up": "payments/events.py (review.escalate), one per event and destination that gave up",
     "event_delivery_failing": "payments/events.py (publish_events), while a destination keeps failing",
     "alert_channel_failing": "compensator/notify_alerts.py, when a notification gives up on a channel",
+    "settlement_too_large": "compensator/reconcile.py, one per provider and day whose settlement file is past its "
+    "size cap",
 }
 """Rules whose alerts are raised where the event happens; the rules file only routes them."""
 

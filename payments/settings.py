@@ -322,6 +322,14 @@ class Settings:
     """Comma-separated networks Alipay notifications may come from; empty: any source."""
     alipay_order_expire_seconds: int = 7200
     """time_expire of a precreate, counted from the payment's creation; past it the order is closed and Failed."""
+    alipay_seller_id: str = ""
+    """Our Alipay account's user id (PID, 2088 + 12 digits); when set, a notify naming another seller_id is refused."""
+    alipay_bill_max_bytes: int = 1 << 30
+    """Largest trade-bill zip a download may bring; past it the download stops with an error and an alert."""
+    alipay_app_cert_file: str = ""
+    """Certificate mode: PEM file of our application's public-key certificate (appCertPublicKey_<APPID>.crt)."""
+    alipay_root_cert_file: str = ""
+    """Certificate mode: PEM file of Alipay's root certificate chain (alipayRootCert.crt)."""
     seal_interval_seconds: float = 2.0
     """How often seal_ledger chains newly committed ledger events."""
     reconcile_time: str = "02:30"
@@ -514,6 +522,10 @@ _PARSERS = {
     "alipay_notify_url": lambda n, v: _url(n, v, ("http://", "https://")),
     "alipay_source_cidrs": lambda n, v: _cidrs(n, v),
     "alipay_order_expire_seconds": lambda n, v: _int(n, v, 60, 15 * 86400),
+    "alipay_seller_id": lambda n, v: _matching(n, v, _ALIPAY_PID, "Alipay's 16-digit user id (2088…)"),
+    "alipay_bill_max_bytes": lambda n, v: _int(n, v, 1 << 20, 1 << 40),
+    "alipay_app_cert_file": lambda n, v: v.strip(),
+    "alipay_root_cert_file": lambda n, v: v.strip(),
     "seal_interval_seconds": lambda n, v: _float(n, v, 0.1, 3600),
     "reconcile_time": lambda n, v: _time_of_day(n, v),
     "reconcile_days_back": lambda n, v: _int(n, v, 1, 90),
@@ -539,6 +551,7 @@ _PARSERS = {
 
 _MCHID = re.compile(r"[0-9]{1,32}", re.ASCII)
 _APPID = re.compile(r"[0-9A-Za-z_]{1,32}", re.ASCII)
+_ALIPAY_PID = re.compile(r"2088[0-9]{12}", re.ASCII)
 _HEX_SERIAL = re.compile(r"[0-9A-Fa-f]{1,64}", re.ASCII)
 _PUB_KEY_ID = re.compile(r"PUB_KEY_ID_[0-9A-Za-z_]{1,64}", re.ASCII)
 _ACCESS_KEY_ID = re.compile(r"[0-9A-Za-z]{1,64}", re.ASCII)
@@ -698,7 +711,8 @@ def _app_id(name: str, raw: str) -> str:
 
 
 def check_alipay_settings(settings: Settings) -> None:
-    """When Alipay is enabled: its three settings present, its keys readable RSA of 2048+ bits.
+    """When Alipay is enabled: its three settings present, its keys readable RSA of 2048+ bits, certificate
+    mode whole (ALIPAY_APP_CERT_FILE with our key's certificate, ALIPAY_ROOT_CERT_FILE) or not used at all.
 
     Raises ConfigError naming the variable, the file and why; the production
     start-up check calls this (build_providers reads the keys the same way).
@@ -707,8 +721,11 @@ def check_alipay_settings(settings: Settings) -> None:
     if "alipay" in enabled_providers(settings):
         from payments.providers import alipay_sign
 
-        alipay_sign.load_private_key("ALIPAY_APP_PRIVATE_KEY_FILE", settings.alipay_app_private_key_file)
+        key = alipay_sign.load_private_key("ALIPAY_APP_PRIVATE_KEY_FILE", settings.alipay_app_private_key_file)
         alipay_sign.load_public_keys("ALIPAY_PUBLIC_KEY_FILES", settings.alipay_public_key_files)
+        alipay_sign.cert_mode(
+            settings.alipay_app_cert_file, settings.alipay_root_cert_file, settings.alipay_public_key_files, key
+        )
 
 
 def _check_wechatpay(settings: Settings) -> None:

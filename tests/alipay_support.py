@@ -10,13 +10,16 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import NameOID
 
 from payments.providers.alipay import AlipayProvider
 from sandbox.fakes.alipay import FakeAlipay, beijing_now, rsa2_sign, serve, sign_string
@@ -61,6 +64,78 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
     for name, key in made.items():
         files.update(_write(directory, name, key))
     return Keys(**made, files=files)
+
+
+@dataclass(frozen=True)
+class Certs:
+    """Certificate mode's files, issued as Alipay issues them: Alipay's CA signs our key and its own."""
+
+    app_cert: str
+    """appCertPublicKey_<APPID>.crt: our app key's certificate."""
+    alipay_cert: str
+    """alipayCertPublicKey_RSA2.crt: the platform key's certificate, then the CA that issued it."""
+    root_cert: str
+    """alipayRootCert.crt: two RSA-signed roots and an ECDSA one (which alipay_root_cert_sn leaves out)."""
+    stranger_cert: str
+    """A certificate of a key that is not our app key."""
+
+
+def _name(cn: str) -> x509.Name:
+    # Alipay's issuer names are C, O, OU, CN (in that order in the certificate).
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.COUNTRY_NAME, "CN"),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Ant Financial"),
+            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "Certification Authority"),
+            x509.NameAttribute(NameOID.COMMON_NAME, cn),
+        ]
+    )
+
+
+def issue(subject: x509.Name, public_key: Any, issuer: x509.Name, signer: Any, serial: int | None = None) -> bytes:
+    """A PEM certificate for ``public_key`` named ``subject``, signed by ``signer`` as ``issuer``."""
+    now = datetime.now(UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(serial or x509.random_serial_number())
+        .not_valid_before(now - timedelta(days=1))
+        .not_valid_after(now + timedelta(days=365))
+        .sign(signer, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+@pytest.fixture(scope="session")
+def certs(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    """A root chain file, an intermediate CA, and certificates of our app key and of the platform key."""
+    directory = tmp_path_factory.mktemp("alipay-certs")
+    root_key, class2_key = keys.stranger, rsa.generate_private_key(65537, 2048)
+    ec_root_key = ec.generate_private_key(ec.SECP256R1())
+    root, ec_root, second_root = (
+        _name("Ant Financial Certification Authority R1"),
+        _name("Ant Financial Certification Authority E1"),
+        _name("iTrusChina Class 2 Root CA - G3"),
+    )
+    class2 = _name("Ant Financial Certification Authority Class 2 R1")
+    ca_pem = issue(class2, class2_key.public_key(), root, root_key)
+    files = {
+        "root_cert": issue(root, root_key.public_key(), root, root_key)
+        + issue(ec_root, ec_root_key.public_key(), ec_root, ec_root_key)
+        + issue(second_root, keys.app_next.public_key(), second_root, keys.app_next),
+        "app_cert": issue(_name(f"{APP_ID}-app"), keys.app.public_key(), class2, class2_key),
+        "alipay_cert": issue(_name("支付宝(中国)网络技术有限公司-alipay"), keys.alipay.public_key(), class2, class2_key)
+        + ca_pem,
+        "stranger_cert": issue(_name("someone else"), keys.stranger.public_key(), class2, class2_key),
+    }
+    paths = {}
+    for name, pem in files.items():
+        path = directory / f"{name}.crt"
+        path.write_bytes(pem)
+        paths[name] = str(path)
+    return Certs(**paths)
 
 
 def notify_fields(out_trade_no: str, **overrides: Any) -> dict[str, str]:

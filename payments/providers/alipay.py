@@ -2,9 +2,10 @@
 
 Inbound: the asynchronous notify (``POST /callbacks/alipay``), form-encoded,
 RSA2-signed by Alipay (``alipay_sign`` has the exact rules). We refuse ``RSA``
-(SHA-1), a foreign ``app_id``, and a ``notify_time`` outside the window in which
-Alipay delivers (see ``NOTIFY_MAX_AGE_SECONDS``). ``notify_id`` is the event id:
-Alipay keeps it across the retries of one notification. We answer exactly
+(SHA-1), a foreign ``app_id`` or (with ALIPAY_SELLER_ID) ``seller_id``, and a
+``notify_time`` outside the window in which Alipay delivers (see
+``NOTIFY_MAX_AGE_SECONDS``). ``notify_id`` is the event id: Alipay keeps it
+across the retries of one notification. We answer exactly
 ``success`` once stored and verified; anything else (we send ``fail``) makes
 Alipay retry, 8 times within 25 hours.
 
@@ -63,6 +64,7 @@ from payments.providers.base import (
     ProviderUnavailable,
     QueryOutcome,
     RefundRequest,
+    SettlementTooLarge,
     Succeeded,
     Unknown,
     api_session,
@@ -77,6 +79,8 @@ NOTIFY_RETRY_WINDOW_SECONDS = 25 * 3600
 """Alipay re-sends an unacknowledged notify 8 times within 25 hours (4m, 10m, 10m, 1h, 2h, 6h, 15h)."""
 MAX_RESPONSE_CHARS = 2000
 """Raw answers are kept this long in provider_call.response (with the sign blanked)."""
+DEFAULT_BILL_MAX_BYTES = 1 << 30
+"""ALIPAY_BILL_MAX_BYTES's default: a day's trade-bill zip is tens of megabytes even for a large merchant."""
 
 PRECREATE = "alipay.trade.precreate"
 QUERY = "alipay.trade.query"
@@ -89,6 +93,12 @@ _CONFIG_CODES = frozenset({"20001", "40001", "40002", "40003", "40006"})
 """Gateway refusals caused by our own configuration (key, app id, permissions): fix and retry, not a decline."""
 _CONFIG_SUB_CODES = frozenset({"ACQ.ACCESS_FORBIDDEN", "ACQ.PARTNER_ERROR", "ACQ.INVALID_PARAMETER"})
 """Business refusals that are ours to fix, not the buyer's: not definitive."""
+
+
+class WrongMerchant(SignatureInvalid):
+    """A notify signed by Alipay for another application (app_id) or another seller (seller_id): not ours to apply."""
+
+    code = "wrong_merchant"
 
 
 class AlipayProvider(Provider):
@@ -111,9 +121,15 @@ class AlipayProvider(Provider):
         notify_url: str = "",
         tolerance_seconds: int = 300,
         order_expire_seconds: int = 7200,
+        seller_id: str = "",
+        bill_max_bytes: int = DEFAULT_BILL_MAX_BYTES,
+        cert_mode: sig.CertMode | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._app_id = app_id
+        self._cert_mode = cert_mode
+        self._seller_id = seller_id
+        self._bill_max_bytes = bill_max_bytes
         self._private_key = private_key
         self._public_keys = tuple(public_keys)
         self._gateway_url = gateway_url
@@ -134,6 +150,7 @@ class AlipayProvider(Provider):
             encoding=encoding,
             keys=self._public_keys,
             app_id=self._app_id,
+            seller_id=self._seller_id,
             now=now,
             tolerance_seconds=self._tolerance,
             provider=self.platform,
@@ -242,7 +259,8 @@ class AlipayProvider(Provider):
         if Alipay has no bill to give); the zip is fetched as it is read, which
         the caller does at once: the URL is good for 30 seconds. A download
         that breaks off raises ProviderUnavailable mid-way. ``payments.bills.alipay``
-        reads the bytes.
+        reads the bytes. Past ALIPAY_BILL_MAX_BYTES the download stops with
+        SettlementTooLarge (a ProviderUnavailable).
         """
         return self._bill_chunks(day, self._bill_url(day, timeout), timeout)
 
@@ -262,7 +280,16 @@ class AlipayProvider(Provider):
             with self._session().get(url, timeout=(min(timeout, 3.0), timeout), stream=True) as download:
                 if download.status_code != 200:
                     raise ProviderUnavailable(f"trade bill for {day}: download answered {download.status_code}")
-                yield from download.iter_content(64 * 1024)
+                size = 0
+                for chunk in download.iter_content(64 * 1024):
+                    size += len(chunk)
+                    if size > self._bill_max_bytes:
+                        # Counted as it arrives: a Content-Length can be absent or wrong, and nothing is kept.
+                        raise SettlementTooLarge(
+                            f"trade bill for {day}: larger than ALIPAY_BILL_MAX_BYTES ({self._bill_max_bytes} bytes);"
+                            " download stopped, nothing imported"
+                        )
+                    yield chunk
         except requests.RequestException as exc:
             raise ProviderUnavailable(f"trade bill for {day}: download failed ({type(exc).__name__})") from None
 
@@ -302,6 +329,9 @@ class AlipayProvider(Provider):
             "timestamp": sig.format_beijing(self._clock()),
             "version": "1.0",
         }
+        if self._cert_mode is not None:
+            common["app_cert_sn"] = self._cert_mode.app_cert_sn
+            common["alipay_root_cert_sn"] = self._cert_mode.alipay_root_cert_sn
         if method == PRECREATE and self._notify_url:
             common["notify_url"] = self._notify_url
         app = {"biz_content": json.dumps(biz, ensure_ascii=False, separators=(",", ":"))}
@@ -366,6 +396,9 @@ def from_settings(settings: Any) -> AlipayProvider:
         raise ConfigError("ALIPAY_APP_ID is required when the ALIPAY_* key files are set")
     private_key = sig.load_private_key("ALIPAY_APP_PRIVATE_KEY_FILE", settings.alipay_app_private_key_file)
     public_keys = sig.load_public_keys("ALIPAY_PUBLIC_KEY_FILES", settings.alipay_public_key_files)
+    cert_mode = sig.cert_mode(
+        settings.alipay_app_cert_file, settings.alipay_root_cert_file, settings.alipay_public_key_files, private_key
+    )
     return AlipayProvider(
         settings.alipay_app_id,
         private_key,
@@ -374,6 +407,9 @@ def from_settings(settings: Any) -> AlipayProvider:
         notify_url=settings.alipay_notify_url,
         tolerance_seconds=settings.callback_tolerance_seconds,
         order_expire_seconds=settings.alipay_order_expire_seconds,
+        seller_id=settings.alipay_seller_id,
+        bill_max_bytes=settings.alipay_bill_max_bytes,
+        cert_mode=cert_mode,
     )
 
 
@@ -440,6 +476,7 @@ def read_notify(
     now: float,
     tolerance_seconds: int,
     provider: str = "alipay",
+    seller_id: str = "",
 ) -> CallbackEvent:
     """Verify a decoded notify and read it into a CallbackEvent (pure); raise CallbackRejected if not genuine."""
     signature = fields.get("sign")
@@ -452,8 +489,11 @@ def read_notify(
     content = sig.notify_sign_content(fields).encode(encoding)
     if not sig.verify(keys, content, signature):
         raise SignatureInvalid("sign does not verify with any ALIPAY_PUBLIC_KEY_FILES key")
+    # Alipay signs every merchant's notifies with the same key: only these two fields say the notify is ours.
     if not hmac.compare_digest(fields.get("app_id", "").encode(), app_id.encode()):
-        raise SignatureInvalid("app_id is not ours")
+        raise WrongMerchant("app_id is not ours")
+    if seller_id and not hmac.compare_digest(fields.get("seller_id", "").encode(), seller_id.encode()):
+        raise WrongMerchant("seller_id is not ALIPAY_SELLER_ID")
     try:
         sent_at = sig.parse_beijing(fields.get("notify_time"))
     except ValueError:

@@ -14,6 +14,15 @@ The rules, from Alipay's documentation and its official SDKs (alipay-sdk-java-al
   received, byte for byte; ``sign`` is its sibling at the top level. The Java
   SDK retries once with ``\\/`` unescaped to ``/``; so do we.
 
+**Certificate mode** (公钥证书模式): every request also carries ``app_cert_sn``
+and ``alipay_root_cert_sn`` (signed like any parameter), or Alipay answers
+``isv.missing-app-cert-sn``. A certificate's SN is the MD5 (hex, 32 digits)
+of its issuer's distinguished name as Java's ``X500Principal.getName()`` writes
+it (RFC 2253: ``CN=…,OU=…,O=…,C=CN``) followed by its serial number in decimal
+(``AntCertificationUtil.getCertSN``); the root SN is the SNs of the RSA-signed
+certificates of the root chain file, in file order, joined by ``_`` (the SM2
+and ECDSA roots are left out: ``getRootCertSN``).
+
 ``RSA`` (SHA-1) is refused everywhere. Amounts are yuan with at most two
 decimals (``total_amount``); times are ``yyyy-MM-dd HH:mm:ss`` in Beijing time
 (UTC+8, no daylight saving).
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,6 +56,9 @@ BEIJING = timezone(timedelta(hours=8), "Asia/Shanghai")
 """Alipay's clock: every timestamp it sends or expects is Beijing time without a zone."""
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 _AMOUNT = re.compile(r"\d{1,11}(\.\d{1,2})?")
+RSA_SIGNATURE_OIDS = "1.2.840.113549.1.1."
+"""Signature algorithms of the root certificates whose SNs make alipay_root_cert_sn (sha1/sha256WithRSA, …)."""
+_PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.DOTALL)
 
 
 # --------------------------------------------------------------------------------------------- keys
@@ -74,7 +87,7 @@ def load_public_keys(env_name: str, paths: Sequence[str]) -> tuple[rsa.RSAPublic
         data = _read(env_name, path)
         try:
             if b"BEGIN CERTIFICATE" in data:
-                key = x509.load_pem_x509_certificate(data).public_key()
+                key = _leaf(read_certificates(env_name, path)).public_key()
             else:
                 key = serialization.load_pem_public_key(data)
         except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
@@ -85,6 +98,93 @@ def load_public_keys(env_name: str, paths: Sequence[str]) -> tuple[rsa.RSAPublic
             raise ConfigError(f"{env_name}: {path} is a {key.key_size}-bit key; RSA2 needs at least {MIN_KEY_BITS}")
         keys.append(key)
     return tuple(keys)
+
+
+def has_certificate(env_name: str, paths: Sequence[str]) -> str | None:
+    """The first of ``paths`` that holds a PEM certificate (certificate mode's Alipay certificate), or None."""
+    return next((path for path in paths if b"BEGIN CERTIFICATE" in _read(env_name, path)), None)
+
+
+def cert_sn(cert: x509.Certificate) -> str:
+    """A certificate's SN as Alipay's SDKs compute it: MD5 hex of the RFC 2253 issuer and the decimal serial."""
+    # rfc4514_string() is RFC 2253's order (CN first) and escaping, i.e. what Java's getName() returns.
+    text = cert.issuer.rfc4514_string() + str(cert.serial_number)
+    return hashlib.md5(text.encode("utf-8")).hexdigest()  # noqa: S324 - Alipay's identifier, not a security hash
+
+
+def root_cert_sn(certs: Sequence[x509.Certificate]) -> str:
+    """alipay_root_cert_sn: the SNs of the RSA-signed certificates of the root chain, in order, joined by ``_``."""
+    return "_".join(cert_sn(c) for c in certs if c.signature_algorithm_oid.dotted_string.startswith(RSA_SIGNATURE_OIDS))
+
+
+def read_certificates(env_name: str, path: str) -> list[x509.Certificate]:
+    """Every PEM certificate of a file, in order; ConfigError naming the file if there is none or one is unreadable."""
+    data = _read(env_name, path)
+    blocks = _PEM_CERT.findall(data)
+    if not blocks:
+        raise ConfigError(f"{env_name}: {path} holds no PEM certificate")
+    try:
+        return [x509.load_pem_x509_certificate(block) for block in blocks]
+    except ValueError as exc:
+        raise ConfigError(f"{env_name}: {path} has an unreadable certificate ({_why(exc)})") from None
+
+
+@dataclass(frozen=True)
+class CertMode:
+    """What certificate mode adds to every request."""
+
+    app_cert_sn: str
+    alipay_root_cert_sn: str
+
+
+def load_cert_mode(app_cert_path: str, root_cert_path: str, private_key: rsa.RSAPrivateKey) -> CertMode:
+    """The two SNs of certificate mode from our app certificate and Alipay's root chain; ConfigError saying why not.
+
+    Our certificate must hold our private key's public half: Alipay verifies
+    each request with the key of the certificate ``app_cert_sn`` names.
+    """
+    app_cert = read_certificates("ALIPAY_APP_CERT_FILE", app_cert_path)[0]
+    public = app_cert.public_key()
+    if not isinstance(public, rsa.RSAPublicKey) or public.public_numbers() != private_key.public_key().public_numbers():
+        raise ConfigError(
+            f"ALIPAY_APP_CERT_FILE: {app_cert_path} is not the certificate of ALIPAY_APP_PRIVATE_KEY_FILE's key"
+        )
+    root_sn = root_cert_sn(read_certificates("ALIPAY_ROOT_CERT_FILE", root_cert_path))
+    if not root_sn:
+        raise ConfigError(f"ALIPAY_ROOT_CERT_FILE: {root_cert_path} holds no RSA-signed root certificate")
+    return CertMode(cert_sn(app_cert), root_sn)
+
+
+def cert_mode(
+    app_cert_file: str, root_cert_file: str, public_key_files: Sequence[str], private_key: rsa.RSAPrivateKey
+) -> CertMode | None:
+    """Certificate mode when ALIPAY_APP_CERT_FILE and ALIPAY_ROOT_CERT_FILE are both set; None for key mode.
+
+    ConfigError for a half configuration, and for an Alipay certificate in
+    ALIPAY_PUBLIC_KEY_FILES without the two: an application in certificate
+    mode whose requests lack the two SNs is refused by Alipay on every call.
+    """
+    if not app_cert_file and not root_cert_file:
+        found = has_certificate("ALIPAY_PUBLIC_KEY_FILES", public_key_files)
+        if found is not None:
+            raise ConfigError(
+                f"ALIPAY_PUBLIC_KEY_FILES: {found} is a certificate: certificate mode also needs ALIPAY_APP_CERT_FILE"
+                " and ALIPAY_ROOT_CERT_FILE (Alipay refuses its requests without app_cert_sn and"
+                " alipay_root_cert_sn); in public-key mode give Alipay's public key instead"
+            )
+        return None
+    if not app_cert_file or not root_cert_file:
+        missing = "ALIPAY_APP_CERT_FILE" if not app_cert_file else "ALIPAY_ROOT_CERT_FILE"
+        raise ConfigError(
+            f"certificate mode needs ALIPAY_APP_CERT_FILE and ALIPAY_ROOT_CERT_FILE: {missing} is not set"
+        )
+    return load_cert_mode(app_cert_file, root_cert_file, private_key)
+
+
+def _leaf(certs: Sequence[x509.Certificate]) -> x509.Certificate:
+    """The certificate of a bundle that issued none of the others: alipayCertPublicKey_RSA2.crt carries its CA too."""
+    issued = [c for c in certs if not any(o is not c and o.issuer == c.subject for o in certs)]
+    return issued[0] if issued else certs[0]
 
 
 def _read(env_name: str, path: str) -> bytes:

@@ -235,6 +235,16 @@ class ProviderUnavailable(PaysyncError):
     code = "provider_unavailable"
 
 
+class SettlementTooLarge(ProviderUnavailable):
+    """A settlement file past its configured size cap: the download was stopped there and nothing was imported.
+
+    Trying again brings the same file, so the reconciliation job raises an
+    alert for a person (raise the cap, or find out why the file is so big).
+    """
+
+    code = "settlement_too_large"
+
+
 @dataclass(frozen=True)
 class HttpAnswer:
     """A response in the provider's dialect: body, status, content type."""

@@ -11,9 +11,11 @@ The body's ``id`` is the event id. Accepted: 204, no body; refused: 4xx with
 ``{"code": "FAIL", "message": …}`` (WeChat then retries, up to 15 times).
 
 Outbound: every request carries ``Authorization: WECHATPAY2-SHA256-RSA2048 …``
-over the exact bytes sent; every 2xx answer must carry a valid platform
-signature, or it is Unknown (WeChat: "a successful response without a
-signature should be considered forged"). A 4xx carries no signature (WeChat
+over the exact bytes sent, and ``Wechatpay-Serial`` naming the platform key
+we hold (``request_serial``), as the official SDKs send it; every 2xx answer
+must carry a valid platform signature, or it is Unknown (WeChat: "a
+successful response without a signature should be considered forged"). A
+4xx carries no signature (WeChat
 signs only what passed its own check); its ``code`` is read as given, but a
 4xx whose signature headers are present and wrong is Unknown.
 
@@ -26,6 +28,14 @@ ever placing a second one. WeChat dedupes by our merchant number
 number with the same parameters gives back the same order, which is why the
 order's ``time_expire`` is computed from the payment's creation time and
 never from the clock at send time.
+
+Platform certificates rotate: a notification or an answer signed under a
+certificate serial we do not hold makes the adapter download
+``/v3/certificates`` (each certificate sealed under the APIv3 key; the answer
+verified with a key we hold or one it carries), keep what checks out for the
+life of the process, and verify again; at most one download a minute
+(``CERTIFICATE_FETCH_INTERVAL_SECONDS``), and never for a ``PUB_KEY_ID_…``,
+which WeChat does not serve there. Public-key mode needs none of this.
 
 A created order stays Pending (with its ``code_url``) until the payer scans
 and pays; a notification or a query settles it. ``close_expired`` closes an
@@ -93,6 +103,16 @@ MAX_BILL_BYTES = 1 << 31
 USER_AGENT = "paysync-wechatpay/1"
 """WeChat Pay refuses some APIv3 requests without a User-Agent."""
 
+CERTIFICATES_PATH = "/v3/certificates"
+"""Where WeChat Pay lists its platform certificates, each sealed under our APIv3 key."""
+CERTIFICATE_FETCH_INTERVAL_SECONDS = 60.0
+"""At most one /v3/certificates download per this long per process: anyone can send an unknown serial."""
+CERTIFICATE_FETCH_TIMEOUT_SECONDS = 3.0
+"""Timeout of that download; it can hold a notification's verification, and WeChat waits 5 s for an answer."""
+MAX_CERTIFICATES = 20
+"""Entries of a /v3/certificates answer read at most (WeChat lists two or three)."""
+_HEX_SERIAL = re.compile(r"[0-9A-Fa-f]{1,64}", re.ASCII)
+"""A platform certificate serial; PUB_KEY_ID_… public keys are never served by /v3/certificates."""
 _OUT_NO = re.compile(r"[0-9A-Za-z_\-|*]{6,32}", re.ASCII)
 """out_trade_no: 6-32 characters of digits, letters and _-|*."""
 _OUT_REFUND_NO = re.compile(r"[0-9A-Za-z_\-|*@]{1,64}", re.ASCII)
@@ -397,6 +417,11 @@ class WechatPayProvider(Provider):
         self._local = threading.local()  # one requests.Session (connection pool) per thread
         self.clock = time.time
         """Seconds since the epoch; tests move it."""
+        self._keys = config.platform_keys
+        """Configured platform keys plus certificates learned from /v3/certificates (replaced, never mutated)."""
+        self._fetched: dict[str, sign.PlatformKey] = {}
+        self._fetch_lock = threading.Lock()
+        self._last_fetch: float | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WechatPayProvider:
@@ -425,13 +450,34 @@ class WechatPayProvider(Provider):
             ),
             "Accept": "application/json",
             "User-Agent": USER_AGENT,
+            # As the official SDKs send it: the platform key we hold (what WeChat encrypts for and, while a
+            # merchant switches from certificates to a public key, signs its answer with).
+            sign.SERIAL: self.request_serial(),
         }
         if body:
             headers["Content-Type"] = "application/json"
         return headers
 
-    def _call(self, method: str, path: str, payload: Mapping[str, Any] | None, timeout: float) -> Reply:
-        """One signed exchange with the API; never raises (network trouble is a Reply with a problem)."""
+    @property
+    def platform_keys(self) -> sign.PlatformKeys:
+        """The platform keys answers and notifications are verified with: configured, then learned."""
+        return self._keys
+
+    def request_serial(self) -> str:
+        """Wechatpay-Serial of our requests: the first configured key not expired, else the newest learned one."""
+        now = datetime.fromtimestamp(self.clock(), UTC)
+        for key in self.config.platform_keys.all():
+            if not sign.expired(key, now):
+                return key.key_id
+        learned = [k for k in self._fetched.values() if not sign.expired(k, now)]
+        if learned:
+            return max(learned, key=lambda k: k.not_after or now).key_id
+        return self.config.platform_keys.ids()[0]
+
+    def _exchange(
+        self, method: str, path: str, payload: Mapping[str, Any] | None, timeout: float
+    ) -> tuple[int | None, Mapping[str, str], bytes, Evidence, str | None]:
+        """One signed exchange: (status, headers, body, evidence, network error); never raises."""
         # The signature covers these exact bytes, so they are sent as-is (requests' json= would re-serialise).
         body = b"" if payload is None else json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
         started = time.monotonic()
@@ -446,18 +492,91 @@ class WechatPayProvider(Provider):
             )
             content = response.content  # read inside the timing and the try
         except requests.Timeout:
-            return read_reply(None, {}, b"", self.config.platform_keys, 0, Evidence(latency_ms=_ms(started)), "timeout")
+            return None, {}, b"", Evidence(latency_ms=_ms(started)), "timeout"
         except requests.ConnectionError:
-            evidence = Evidence(latency_ms=_ms(started))
-            return read_reply(None, {}, b"", self.config.platform_keys, 0, evidence, "connection_error")
+            return None, {}, b"", Evidence(latency_ms=_ms(started)), "connection_error"
         except requests.RequestException as exc:
-            evidence = Evidence(latency_ms=_ms(started))
-            return read_reply(None, {}, b"", self.config.platform_keys, 0, evidence, type(exc).__name__)
+            return None, {}, b"", Evidence(latency_ms=_ms(started)), type(exc).__name__
         text = content[: MAX_RESPONSE_CHARS * 2].decode("utf-8", "replace")
         evidence = Evidence(response.status_code, scrub(text)[:MAX_RESPONSE_CHARS], _ms(started))
-        return read_reply(
-            response.status_code, response.headers, content, self.config.platform_keys, self.clock(), evidence
+        return response.status_code, response.headers, content, evidence, None
+
+    def _call(self, method: str, path: str, payload: Mapping[str, Any] | None, timeout: float) -> Reply:
+        """One signed exchange with the API, its answer checked; never raises (network trouble is a Reply)."""
+        status, headers, content, evidence, error = self._exchange(method, path, payload, timeout)
+        reply = read_reply(status, headers, content, self.platform_keys, self.clock(), evidence, error)
+        if reply.problem == "response_unknown_serial" and self.learn_serial(sign.header(headers, sign.SERIAL) or ""):
+            reply = read_reply(status, headers, content, self.platform_keys, self.clock(), evidence, error)
+        return reply
+
+    # ----------------------------------------------------------------------------------------- platform certificates
+
+    def learn_serial(self, serial: str) -> bool:
+        """True once ``serial`` names a platform key we hold, after downloading /v3/certificates if need be.
+
+        Only a certificate serial is looked up (public keys are not served
+        there), at most once per CERTIFICATE_FETCH_INTERVAL_SECONDS: a forged
+        notification can name any serial, and must not make us call WeChat
+        each time. What the download brings is kept for the life of the process.
+        """
+        serial = serial.strip()
+        if not _HEX_SERIAL.fullmatch(serial):
+            return False
+        with self._fetch_lock:
+            if self._keys.get(serial) is not None:
+                return True  # another thread learned it while we waited
+            now = self.clock()
+            if self._last_fetch is not None and now - self._last_fetch < CERTIFICATE_FETCH_INTERVAL_SECONDS:
+                return False
+            self._last_fetch = now
+            learned = self._download_certificates()
+            if learned:
+                self._fetched.update({k.key_id.upper(): k for k in learned})
+                configured = self.config.platform_keys
+                extra = [k for k in self._fetched.values() if configured.get(k.key_id) is None]
+                self._keys = sign.PlatformKeys([*configured.all(), *extra])
+                log.info("learned WeChat Pay platform certificates %s", ", ".join(k.key_id for k in learned))
+            return self._keys.get(serial) is not None
+
+    def _download_certificates(self) -> list[sign.PlatformKey]:
+        """GET /v3/certificates: the listed certificates that decrypt, match their serial and are valid now.
+
+        The answer must verify with a key we hold or with one of the
+        certificates it carries: those came sealed under our APIv3 key, which
+        only WeChat and we know (the official SDKs trust a first download the
+        same way). Anything wrong: nothing is learned, and the caller refuses.
+        """
+        status, headers, content, _, error = self._exchange(
+            "GET", CERTIFICATES_PATH, None, CERTIFICATE_FETCH_TIMEOUT_SECONDS
         )
+        if status != 200:
+            log.warning("platform certificates not downloaded: %s", error or f"HTTP {status}")
+            return []
+        try:
+            entries = json.loads(content).get("data")
+        except (UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+            entries = None
+        if not isinstance(entries, list):
+            log.warning("platform certificates not downloaded: unreadable answer")
+            return []
+        now = datetime.fromtimestamp(self.clock(), UTC)
+        candidates = []
+        for entry in entries[:MAX_CERTIFICATES]:
+            try:
+                pem = sign.decrypt_resource(self.config.apiv3_key, entry["encrypt_certificate"])
+                key = sign.load_platform_key(str(entry["serial_no"]), pem)
+            except (KeyError, TypeError, AttributeError, ValueError) as exc:
+                log.warning("platform certificate entry refused: %s", str(exc)[:120])
+                continue
+            if sign.expired(key, now) or (key.not_before is not None and now < key.not_before):
+                continue
+            candidates.append(key)
+        try:
+            sign.verify(headers, content, sign.PlatformKeys([*self._keys.all(), *candidates]), self.clock())
+        except sign.VerifyError as exc:
+            log.warning("platform certificates not trusted: the answer's %s", exc.code)
+            return []
+        return candidates
 
     # ----------------------------------------------------------------------------------------- orders
 
@@ -660,7 +779,13 @@ class WechatPayProvider(Provider):
     def parse_callback(self, body: bytes, headers: Mapping[str, str], now: float) -> CallbackEvent:
         """Verify the Wechatpay-* headers, decrypt ``resource``, read the transaction or refund."""
         try:
-            sign.verify(headers, body, self.config.platform_keys, now)
+            try:
+                sign.verify(headers, body, self.platform_keys, now)
+            except sign.UnknownSerial:
+                # A rotated platform certificate is named before anyone lists it here: look it up, then decide.
+                if not self.learn_serial(sign.header(headers, sign.SERIAL) or ""):
+                    raise
+                sign.verify(headers, body, self.platform_keys, now)
         except sign.StaleTimestamp as exc:
             raise TimestampOutOfTolerance(str(exc)) from None
         except sign.VerifyError as exc:

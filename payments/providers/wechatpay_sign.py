@@ -16,7 +16,8 @@ with the platform key named by the serial: a platform certificate serial
 (hex, case-insensitive) or a ``PUB_KEY_ID_…`` platform public key id (exact).
 Both schemes are in use, and during a switch both arrive. We refuse a
 timestamp more than five minutes off in either direction, an unknown serial
-(keys are configured, never fetched while answering), and WeChat's
+(the adapter first looks a new certificate serial up at ``/v3/certificates``),
+and WeChat's
 ``WECHATPAY/SIGNTEST/`` probe signatures, which exist to catch merchants who
 do not verify.
 
@@ -126,6 +127,10 @@ class PlatformKeys:
     def ids(self) -> tuple[str, ...]:
         """Every configured id, in configuration order."""
         return tuple(k.key_id for k in self._by_id.values())
+
+    def all(self) -> tuple[PlatformKey, ...]:
+        """Every key, in configuration order."""
+        return tuple(self._by_id.values())
 
 
 def _normal_id(key_id: str) -> str:

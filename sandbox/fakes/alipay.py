@@ -21,6 +21,14 @@ caught by the other. What it does, as Alipay does:
   POSTed to the precreate's ``notify_url`` (or ``--notify-url``) on payment,
   refund and close; re-sent until the answer is exactly ``success``, with the
   same ``notify_id``.
+- Certificate mode (``app_cert_pem`` and ``root_cert_pem`` given): every
+  request must carry ``app_cert_sn`` (of the app's certificate) and
+  ``alipay_root_cert_sn`` (of the root chain), computed here from the
+  certificates as the documentation describes (MD5 of issuer DN + decimal
+  serial; the root chain's RSA-signed certificates joined by ``_``), else
+  40001 ``isv.missing-app-cert-sn`` / ``isv.missing-alipay-root-cert-sn`` or
+  40002 ``isv.invalid-…``; with ``platform_cert_pem`` answers carry
+  ``alipay_cert_sn``.
 - Fault knobs, seeded: 20000 (isp.unknow-error), 10003, 40004
   ACQ.SYSTEM_ERROR, timeout after commit, hang, a 502, a badly signed answer;
   notify duplicates and bad notify signatures. A script of faults can also be
@@ -42,6 +50,7 @@ from __future__ import annotations
 import argparse
 import base64
 import csv
+import hashlib
 import io
 import json
 import os
@@ -62,6 +71,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
@@ -144,6 +154,33 @@ def _yuan(text: Any) -> Decimal | None:
 
 def _fmt(value: Decimal) -> str:
     return str(value.quantize(Decimal("0.01")))
+
+
+_DN_NAMES = {"2.5.4.3": "CN", "2.5.4.11": "OU", "2.5.4.10": "O", "2.5.4.6": "C", "2.5.4.7": "L", "2.5.4.8": "ST"}
+_RSA_SIGNED = {
+    x509.SignatureAlgorithmOID.RSA_WITH_SHA1,
+    x509.SignatureAlgorithmOID.RSA_WITH_SHA256,
+    x509.SignatureAlgorithmOID.RSA_WITH_SHA384,
+    x509.SignatureAlgorithmOID.RSA_WITH_SHA512,
+}
+
+
+def certificate_sn(cert: x509.Certificate) -> str:
+    """Alipay's certificate SN: md5 of the issuer as ``CN=…,OU=…,O=…,C=…`` (last RDN first) + the decimal serial."""
+    oid = lambda a: a.oid.dotted_string  # noqa: E731
+    parts = [f"{_DN_NAMES.get(oid(a), oid(a))}={a.value}" for rdn in cert.issuer.rdns for a in rdn]
+    return hashlib.md5((",".join(reversed(parts)) + str(cert.serial_number)).encode()).hexdigest()  # noqa: S324
+
+
+def pem_certificates(pem: bytes) -> list[x509.Certificate]:
+    """Every certificate of a PEM bundle, in order."""
+    marker = b"-----END CERTIFICATE-----"
+    return [x509.load_pem_x509_certificate(part + marker) for part in pem.split(marker) if b"BEGIN" in part]
+
+
+def root_chain_sn(pem: bytes) -> str:
+    """alipay_root_cert_sn of a root chain file: the SNs of its RSA-signed certificates joined by ``_``."""
+    return "_".join(certificate_sn(c) for c in pem_certificates(pem) if c.signature_algorithm_oid in _RSA_SIGNED)
 
 
 # --------------------------------------------------------------------------------------------- state
@@ -240,8 +277,15 @@ class FakeAlipay:
         faults: Mapping[str, Any] | str | None = None,
         retry_delays: Sequence[float] = (0.5, 1.0, 2.0, 4.0),
         pid: str = "2088000000000001",
+        app_cert_pem: bytes | None = None,
+        root_cert_pem: bytes | None = None,
+        platform_cert_pem: bytes | None = None,
     ) -> None:
         self.app_id = app_id
+        self.app_cert_sn = certificate_sn(pem_certificates(app_cert_pem)[0]) if app_cert_pem else None
+        """Certificate mode: the app_cert_sn every request must carry (None: public-key mode)."""
+        self.root_cert_sn = root_chain_sn(root_cert_pem) if root_cert_pem else None
+        self.platform_cert_sn = certificate_sn(pem_certificates(platform_cert_pem)[0]) if platform_cert_pem else None
         self.app_public_keys = list(app_public_keys)
         self.platform_key = platform_key
         self.notify_url = notify_url
@@ -357,6 +401,14 @@ class FakeAlipay:
             return self._err("40002", "isv.invalid-method", "不存在的方法名")
         if params.get("charset", "utf-8").lower() not in ("utf-8", "utf8"):
             return self._err("40002", "isv.invalid-charset", "字符集错误")
+        for key, wanted in (("app_cert_sn", self.app_cert_sn), ("alipay_root_cert_sn", self.root_cert_sn)):
+            if wanted is None:
+                continue
+            name = key.replace("_", "-")
+            if not params.get(key):
+                return self._err("40001", f"isv.missing-{name}", f"缺少{key}参数")
+            if params[key] != wanted:
+                return self._err("40002", f"isv.invalid-{name}", f"{key}无效")
         try:
             sent = datetime.strptime(params["timestamp"], "%Y-%m-%d %H:%M:%S").replace(tzinfo=BEIJING)
         except ValueError:
@@ -386,7 +438,8 @@ class FakeAlipay:
     def _answer(self, node_name: str, node: Mapping[str, Any], *, bad_sign: bool = False) -> Response:
         text = json.dumps(node, ensure_ascii=False, separators=(",", ":"))
         key = rsa.generate_private_key(public_exponent=65537, key_size=2048) if bad_sign else self.platform_key
-        body = f'{{"{node_name}":{text},"sign":"{rsa2_sign(key, text)}"}}'
+        cert_sn = f'"alipay_cert_sn":"{self.platform_cert_sn}",' if self.platform_cert_sn else ""
+        body = f'{{"{node_name}":{text},{cert_sn}"sign":"{rsa2_sign(key, text)}"}}'
         return Response(body.encode("utf-8"), 200, content_type="text/html;charset=utf-8")
 
     # ----------------------------------------------------------------------------------------- methods
@@ -825,6 +878,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--app-public-keys", default=env("FAKE_ALIPAY_APP_PUBLIC_KEYS", ""), help="comma-separated")
     parser.add_argument("--platform-private-key", default=env("FAKE_ALIPAY_PRIVATE_KEY", ""))
     parser.add_argument("--notify-url", default=env("FAKE_ALIPAY_NOTIFY_URL"))
+    parser.add_argument("--app-cert", default=env("FAKE_ALIPAY_APP_CERT", ""), help="certificate mode: app cert")
+    parser.add_argument("--root-cert", default=env("FAKE_ALIPAY_ROOT_CERT", ""), help="certificate mode: root chain")
+    parser.add_argument("--platform-cert", default=env("FAKE_ALIPAY_PLATFORM_CERT", ""), help="alipay_cert_sn's cert")
     parser.add_argument("--faults", default=env("FAKE_ALIPAY_FAULTS", ""), help="JSON object of fault knobs")
     parser.add_argument("--seed", type=int, default=int(env("FAKE_ALIPAY_SEED", "0")) or None)
     args = parser.parse_args(argv)
@@ -839,7 +895,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_private(args.platform_private_key),
         notify_url=args.notify_url,
         faults=faults,
+        app_cert_pem=Path(args.app_cert).read_bytes() if args.app_cert else None,
+        root_cert_pem=Path(args.root_cert).read_bytes() if args.root_cert else None,
+        platform_cert_pem=Path(args.platform_cert).read_bytes() if args.platform_cert else None,
     )
+    if (fake.app_cert_sn is None) != (fake.root_cert_sn is None):
+        parser.error("certificate mode needs both --app-cert and --root-cert")
     server = make_server(args.host, args.port, fake, threaded=True)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     print(f"fake alipay gateway on http://{args.host}:{server.server_port}/gateway.do", flush=True)

@@ -10,6 +10,15 @@ so paysync's adapter can be tested byte for byte without a network:
   ``METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nBODY\\n`` with the merchant's public
   key. Anything wrong is ``401 SIGN_ERROR``, unsigned (as WeChat's 4xx are).
   A missing User-Agent is ``400 INVALID_REQUEST``.
+- **Wants to know which platform key we hold**: every API request must name
+  one of its platform keys in ``Wechatpay-Serial`` (a certificate serial or a
+  ``PUB_KEY_ID_…``), as the official SDKs send it; missing or unknown is
+  ``400 PARAM_ERROR``.
+- **Serves its platform certificates** at ``GET /v3/certificates``: every key
+  whose id is a certificate serial, the PEM encrypted with AEAD_AES_256_GCM
+  under the APIv3 key (associated data ``certificate``), the answer signed
+  like any other. ``PUB_KEY_ID_…`` keys are not served (WeChat gives public
+  keys out on the merchant platform only).
 - **Signs its answers** (2xx) with the active platform key: ``Wechatpay-Timestamp``,
   ``-Nonce``, ``-Signature``, ``-Serial`` over ``TIMESTAMP\\nNONCE\\nBODY\\n``. A
   key id is a certificate serial or a ``PUB_KEY_ID_…``; several keys may be
@@ -289,6 +298,7 @@ class FakeWechatPay:
         """Native order requests received per out_trade_no (a re-send counts)."""
         self.bills: dict[str, bytes] = {}
         self._nonces: dict[str, float] = {}
+        self._certificates: dict[str, bytes] = {}
         self.active_key = config.platform_keys[0][0]
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -369,13 +379,52 @@ class FakeWechatPay:
         """WeChat's request checks, in its order; an error answer, or None when the request may proceed."""
         path = request.environ.get("RAW_URI") or request.environ.get("REQUEST_URI") or request.full_path.rstrip("?")
         reason = self._auth_problem(path)
+        if reason is None and not self._serial_known():
+            reason = "Wechatpay-Serial"
+        serial = request.headers.get("Wechatpay-Serial")
         with self.lock:
-            self.auth_log.append({"path": path, "method": request.method, "ok": reason is None, "reason": reason})
+            self.auth_log.append(
+                {"path": path, "method": request.method, "ok": reason is None, "reason": reason, "serial": serial}
+            )
         if reason is None:
             return None
+        if reason == "Wechatpay-Serial":
+            return self._error(400, "PARAM_ERROR", "Wechatpay-Serial 缺失或不是平台证书序列号/微信支付公钥ID")
         if reason == "no user agent":
             return self._error(400, "INVALID_REQUEST", "Http头缺少Accept或User-Agent")
         return self._error(401, "SIGN_ERROR", reason)
+
+    def _serial_known(self) -> bool:
+        """WeChat's check of Wechatpay-Serial: it names one of the platform's keys (serials in any case)."""
+        serial = (request.headers.get("Wechatpay-Serial") or "").strip()
+        ids = [k for k, _ in self.config.platform_keys]
+        return serial in ids or serial.upper() in {k.upper() for k in ids if not k.startswith("PUB_KEY_ID_")}
+
+    def certificate_pem(self, key_id: str) -> bytes:
+        """The platform certificate of a certificate-serial key (made once, self-signed as the keygen's are)."""
+        with self.lock:
+            if key_id not in self._certificates:
+                self._certificates[key_id] = certificate(self.key(key_id), int(key_id, 16), "Tenpay.com Root CA")
+            return self._certificates[key_id]
+
+    def _certificates_answer(self) -> Response:
+        data = []
+        for key_id, _ in self.config.platform_keys:
+            if key_id.startswith("PUB_KEY_ID_"):
+                continue
+            pem = self.certificate_pem(key_id)
+            cert = x509.load_pem_x509_certificate(pem)
+            sealed = encrypt_resource(self.config.apiv3_key, pem, "certificate", "certificate")
+            sealed.pop("original_type")
+            data.append(
+                {
+                    "serial_no": key_id,
+                    "effective_time": rfc3339(cert.not_valid_before_utc.timestamp()),
+                    "expire_time": rfc3339(cert.not_valid_after_utc.timestamp()),
+                    "encrypt_certificate": sealed,
+                }
+            )
+        return self._answer(200, {"data": data})
 
     def _auth_problem(self, path: str) -> str | None:
         if not request.headers.get("User-Agent"):
@@ -497,6 +546,10 @@ class FakeWechatPay:
         @api("/v3/refund/domestic/refunds/<out_refund_no>", ["GET"])
         def refund_query(out_refund_no: str) -> Response:
             return self._refund_query(out_refund_no)
+
+        @api("/v3/certificates", ["GET"])
+        def certificates() -> Response:
+            return self._certificates_answer()
 
         @api("/v3/bill/tradebill", ["GET"])
         def tradebill() -> Response:
