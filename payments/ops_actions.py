@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -78,6 +79,8 @@ MAX_REPLAY = 200
 BUCKETS = ("<1h", "<1d", "<3d", "older")
 """Age buckets, as in the aging report (payments/aging.py)."""
 MAX_ADJUSTMENT = 2**62
+MAX_BODY_DEPTH = 64
+"""A callback body nested deeper than this is shown as text, not parsed (``show_body``)."""
 
 
 class OpsRefused(PaysyncError):
@@ -344,9 +347,36 @@ def _callback_summary(row: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+_JSON_STRING_OR_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
+
+
+def nests_deeper_than(text: str, limit: int) -> bool:
+    """True when ``text`` opens more than ``limit`` JSON arrays or objects at once (brackets in strings do not count).
+
+    One pass, no recursion and no parse: what decides whether a body may be parsed at all.
+    """
+    depth = 0
+    for match in _JSON_STRING_OR_BRACKET.finditer(text):
+        part = match.group()
+        if part in ("[", "{"):
+            depth += 1
+            if depth > limit:
+                return True
+        elif part in ("]", "}"):
+            depth = max(depth - 1, 0)
+    return False
+
+
 def show_body(body: bytes) -> str:
-    """A raw callback body for a person to read: JSON pretty-printed, secrets and card numbers redacted."""
+    """A raw callback body for a person to read: JSON pretty-printed, secrets and card numbers redacted.
+
+    JSON nested deeper than MAX_BODY_DEPTH is shown as (scrubbed) text: parsing,
+    scrubbing and printing it would each recurse once a level, and anyone can
+    send such a body (the gateway stores it, rejected).
+    """
     text = body.decode("utf-8", "replace")
+    if nests_deeper_than(text, MAX_BODY_DEPTH):
+        return f"[nested deeper than {MAX_BODY_DEPTH} levels: shown as text, not parsed]\n" + scrub(text)
     try:
         parsed = json.loads(text)
     except ValueError:

@@ -270,3 +270,24 @@ def test_login_returns_only_to_a_page_of_the_console(app, target):
     page = client.get("/ops/login")
     response = client.post("/ops/login", data={"csrf": _csrf(page.text), "name": "alice", "token": OPS, "next": target})
     assert response.headers["Location"] == (target if target == "/ops/reviews" else "/ops/")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"[" * 100_000, b"[" * 100_000 + b"]" * 100_000, b'{"card": "4111111111111111", "a":' * 5_000],
+    ids=["unclosed arrays", "closed arrays", "objects"],
+)
+def test_a_deeply_nested_body_is_shown_as_text_not_a_500(engine, body):
+    from payments.ops_actions import MAX_BODY_DEPTH
+    from tests.support import signed
+
+    app = _app(engine)
+    client = app.test_client()
+    assert client.post("/callbacks/sandbox", data=body, headers=signed(body)[1]).status_code == 400  # stored, rejected
+    with engine.connect() as conn:
+        log_id = conn.execute(select(payment_callback_log.c.id)).scalar_one()
+    _login(client)
+    page = client.get(f"/ops/callbacks/{log_id}")
+    assert page.status_code == 200
+    assert f"nested deeper than {MAX_BODY_DEPTH} levels: shown as text" in page.text
+    assert "4111111111111111" not in page.text  # still scrubbed
