@@ -30,7 +30,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import pwd
 import re
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -92,13 +95,33 @@ class OpsRefused(PaysyncError):
 
 @dataclass(frozen=True)
 class Actor:
-    """Who acts, and through what: the console (its login name) or the command line (``--actor``)."""
+    """Who acts, and through what: the console (its login name) or the command line (``--actor``).
+
+    ``name`` is what the person typed; ``identity`` is what vouches for it,
+    recorded beside it: the console passes its session's
+    (``payments.ops_sessions.OpsSession.identity``); anything else is the
+    operating-system user running this process (``process_identity``).
+    """
 
     name: str
     via: str = VIA_CONSOLE
+    identity: str | None = None
+    ops_session_id: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", clean_actor(self.name))
+        if not self.identity:
+            object.__setattr__(self, "identity", process_identity())
+
+
+def process_identity() -> str:
+    """The operating-system user this process runs as, by the kernel's uid (not $USER, which anyone sets), and host."""
+    uid = os.getuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:  # a uid with no passwd entry (some containers): the number is the identity
+        name = "?"
+    return f"os user {name} (uid {uid}) on {socket.gethostname()}"[:160]
 
 
 def clean_actor(name: str) -> str:
@@ -177,6 +200,8 @@ def record(
         insert(ops_action).values(
             action=action,
             actor=actor.name,
+            identity=actor.identity,
+            ops_session_id=actor.ops_session_id,
             via=actor.via,
             subject=subject[:150],
             manual_review_id=manual_review_id,
