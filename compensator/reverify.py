@@ -27,9 +27,9 @@ from datetime import datetime
 
 from sqlalchemy import select, update
 
-from payments.callbacks import verify_callback
+from payments.callbacks import refused_for_source, verify_callback
 from payments.db import utcnow
-from payments.errors import CallbackRejected, ConfigError, SourceNotAllowed
+from payments.errors import CallbackRejected, ConfigError
 from payments.runtime import Runtime
 from payments.schema import SOURCE_WEBHOOK, payment_callback_log
 from payments.sources import source_allowed
@@ -39,8 +39,6 @@ log = logging.getLogger("paysync.compensator.reverify")
 
 BATCH = 500
 """Rows read per query."""
-SOURCE_REFUSED = f"rejected: {SourceNotAllowed.code}"
-"""How ``result`` begins for a row the gateway refused for its source."""
 
 
 @dataclass
@@ -87,7 +85,7 @@ def run(runtime: Runtime, provider: str, since: datetime | None = None, now: dat
 
 def _refused_for_source(row, allowed: tuple[str, ...]) -> bool:  # noqa: ANN001
     """True for a row the gateway refused for its source, or one from outside today's allow-list."""
-    if (row.result or "").startswith(SOURCE_REFUSED):
+    if refused_for_source(row.result):
         return True
     # Only what the gateway received has a source to check; what a job fetched from the provider has none.
     return row.source == SOURCE_WEBHOOK and not source_allowed(row.remote_addr, allowed)

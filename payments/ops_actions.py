@@ -43,6 +43,7 @@ from sqlalchemy import Connection, Engine, and_, case, func, insert, literal, or
 
 from payments import ledger, monitoring, provider_calls, review
 from payments.alert_evaluators import callback_failure_counts
+from payments.callbacks import refused_for_source
 from payments.db import utcnow
 from payments.errors import PaysyncError
 from payments.logs import scrub, scrub_value
@@ -420,7 +421,7 @@ def callback(conn: Connection, log_id: int) -> dict[str, Any] | None:
     headers = _json(row["headers"])
     out["headers"] = scrub_value(headers) if isinstance(headers, dict) else scrub(str(headers or ""))
     out["actions"] = actions(conn, callback_log_id=log_id)
-    out["replayable"] = row["status"] in REPLAYABLE
+    out["replayable"] = row["status"] in REPLAYABLE and not refused_for_source(row["result"])
     return out
 
 
@@ -454,6 +455,11 @@ def _replay_one(engine: Engine, log_id: int, actor: Actor, note: str, now: datet
         status = CallbackStatus(row.status)
         if status not in REPLAYABLE:
             return Outcome("replay", subject, f"skipped: status {int(status)} ({status.name.lower()}) is not replayed")
+        if refused_for_source(row.result):
+            # Processing re-checks the signature, not the source: a replay would let a leaked key in from anywhere.
+            return Outcome(
+                "replay", subject, "skipped: refused for its source; a replay would re-check only its signature"
+            )
         was = f"was {int(status)} {status.name.lower()} after {row.retry_count} attempts: {row.result or ''}"
         moved = conn.execute(
             update(t)
