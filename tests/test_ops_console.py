@@ -319,6 +319,19 @@ def test_logout_revokes_the_session_on_the_server_so_a_copied_cookie_opens_nothi
     assert row.actor == "dora" and row.revoked_at is not None
 
 
+def test_logging_in_again_ends_the_session_it_replaces(sqlite):
+    app = _app(sqlite)
+    client = app.test_client()
+    _login(client, name="erin")
+    before = _session_cookie(client)
+    csrf = _csrf(client.get("/ops/").text)
+    assert client.post("/ops/login", data={"csrf": csrf, "name": "erin", "token": OPS}).status_code == 302
+    assert _session_cookie(client) != before and client.get("/ops/").status_code == 200
+    old = app.test_client()
+    old.set_cookie("paysync_ops", before, path="/ops")
+    assert old.get("/ops/").status_code == 302
+
+
 def test_an_action_records_the_session_and_token_that_vouch_for_the_typed_name(engine, capsys):
     import os
 

@@ -98,6 +98,8 @@ def login() -> Any:
     sid, live = ops_sessions.open_session(
         _engine(), role=role, actor=actor, token_fingerprint=tk, remote_addr=addr, lifetime_seconds=SESSION_SECONDS
     )
+    if isinstance(session.get("sid"), str):  # logging in again over a live session: the old one ends here
+        ops_sessions.revoke_session(_engine(), session["sid"])
     session.clear()  # a fresh session (and CSRF token) for the new login: no fixation
     session.update({"role": role, "actor": actor, "tk": tk, "sid": sid, "iat": int(time.time())})
     log.info("ops login", extra={"actor": actor, "role": role, "remote_addr": addr, "ops_session_id": live.id})
