@@ -163,6 +163,8 @@ CREATE TABLE ops_action (
 	id BIGINT NOT NULL AUTO_INCREMENT,
 	action VARCHAR(16) NOT NULL COMMENT 'replay, apply, adjust, close',
 	actor VARCHAR(64) NOT NULL COMMENT 'who: the name given at console login, or --actor',
+	identity VARCHAR(160) COMMENT 'who, as authenticated: the console session and its token, or the command''s OS user',
+	ops_session_id BIGINT COMMENT 'the console session that acted (ops_session.id)',
 	via VARCHAR(16) NOT NULL COMMENT 'console or cli',
 	subject VARCHAR(150) NOT NULL COMMENT 'what it acted on: callback:<id> or review:<id>',
 	manual_review_id BIGINT,
@@ -184,6 +186,22 @@ CREATE INDEX idx_ops_action_created ON ops_action (created_at);
 CREATE INDEX idx_ops_action_payment ON ops_action (payment_id);
 
 CREATE INDEX idx_ops_action_review ON ops_action (manual_review_id);
+
+CREATE TABLE ops_session (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	sid_hash VARCHAR(64) NOT NULL COMMENT 'SHA-256 (hex) of the session id in the signed cookie',
+	`role` VARCHAR(16) NOT NULL COMMENT 'operator or readonly',
+	actor VARCHAR(64) NOT NULL COMMENT 'the name typed at login',
+	token_fingerprint VARCHAR(32) NOT NULL COMMENT 'which ops token logged in (gateway.ops.fingerprint)',
+	remote_addr VARCHAR(64) COMMENT 'the client''s address at login',
+	created_at DATETIME(6) NOT NULL,
+	expires_at DATETIME(6) NOT NULL COMMENT 'login time plus the session lifetime (12 h)',
+	revoked_at DATETIME(6) COMMENT 'logout: the cookie is worth nothing from then on',
+	PRIMARY KEY (id),
+	CONSTRAINT uq_ops_session_sid_hash UNIQUE (sid_hash)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Ops console logins: a session is valid only while its row is unexpired and not revoked (logout).' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_ops_session_expires ON ops_session (expires_at);
 
 CREATE TABLE outbox (
 	id BIGINT NOT NULL AUTO_INCREMENT,

@@ -294,6 +294,8 @@ def reverify_main(argv: list[str]) -> int:
         print(f"reverify: {exc}", file=sys.stderr)
         return 2
     print(f"reverify {args.provider}: {result.accepted} of {result.checked} rejected callbacks now verify (status 0)")
+    if result.source_refused:
+        print(f"reverify {args.provider}: {result.source_refused} refused for their source stay refused (status 3)")
     return 0
 
 

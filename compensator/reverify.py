@@ -9,6 +9,13 @@ now verify on: status 0, the change recorded in ``result``, for the consumer
 or the sweep to process like any new delivery. Rows that still fail are left
 as they are. Safe to run again, and beside the running processes: each row
 moves in its own transaction with a guarded UPDATE.
+
+A row refused for its source (``source_not_allowed``), or stored from an
+address today's ``<PROVIDER>_SOURCE_CIDRS`` does not hold, stays refused
+whatever its signature: the allow-list is there for the day a key leaks, so a
+good signature must not be what lets such a row in. Nothing is lost by it:
+the refusal was a hint (``payments.hints``), and the payment it names
+converges by querying the provider.
 """
 
 from __future__ import annotations
@@ -20,11 +27,12 @@ from datetime import datetime
 
 from sqlalchemy import select, update
 
-from payments.callbacks import verify_callback
+from payments.callbacks import refused_for_source, verify_callback
 from payments.db import utcnow
 from payments.errors import CallbackRejected, ConfigError
 from payments.runtime import Runtime
-from payments.schema import payment_callback_log
+from payments.schema import SOURCE_WEBHOOK, payment_callback_log
+from payments.sources import source_allowed
 from payments.states import CallbackStatus
 
 log = logging.getLogger("paysync.compensator.reverify")
@@ -39,6 +47,8 @@ class Result:
 
     checked: int = 0
     accepted: int = 0
+    source_refused: int = 0
+    """Rows left refused for their source, not verified at all."""
 
 
 def run(runtime: Runtime, provider: str, since: datetime | None = None, now: datetime | None = None) -> Result:
@@ -46,12 +56,13 @@ def run(runtime: Runtime, provider: str, since: datetime | None = None, now: dat
     adapter = runtime.providers.get(provider)
     if adapter is None:
         raise ConfigError(f"provider {provider[:32]!r} is not enabled by the settings: nothing can verify its rows")
+    allowed = getattr(runtime.settings, f"{provider}_source_cidrs", ())
     t = payment_callback_log
     result = Result()
     last_id = 0
     while True:
         query = (
-            select(t.c.id, t.c.callback_data, t.c.headers, t.c.create_time, t.c.result)
+            select(t.c.id, t.c.callback_data, t.c.headers, t.c.create_time, t.c.result, t.c.remote_addr, t.c.source)
             .where(t.c.provider == provider, t.c.status == CallbackStatus.REJECTED, t.c.id > last_id)
             .order_by(t.c.id)
             .limit(BATCH)
@@ -65,8 +76,19 @@ def run(runtime: Runtime, provider: str, since: datetime | None = None, now: dat
         for row in rows:
             last_id = row.id
             result.checked += 1
+            if _refused_for_source(row, allowed):
+                result.source_refused += 1
+                continue
             if _reverify(runtime, adapter, row, now or utcnow()):
                 result.accepted += 1
+
+
+def _refused_for_source(row, allowed: tuple[str, ...]) -> bool:  # noqa: ANN001
+    """True for a row the gateway refused for its source, or one from outside today's allow-list."""
+    if refused_for_source(row.result):
+        return True
+    # Only what the gateway received has a source to check; what a job fetched from the provider has none.
+    return row.source == SOURCE_WEBHOOK and not source_allowed(row.remote_addr, allowed)
 
 
 def _reverify(runtime: Runtime, adapter, row, now: datetime) -> bool:  # noqa: ANN001

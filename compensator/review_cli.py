@@ -141,7 +141,8 @@ def describe(item: dict[str, Any]) -> str:
         out.append(f"    {i['id']}: run {i['run_id']} {i['category']} provider {i['provider_status'] or '-'}{raw}")
     out.append(f"  actions ({len(item['actions'])})")
     out += [
-        f"    {a['created_at']} {a['actor']} ({a['via']}) {a['action']}: {a['reason']} -> {a['outcome']}"
+        f"    {a['created_at']} {a['actor']} ({a['via']}; {a.get('identity') or 'identity not recorded'}) "
+        f"{a['action']}: {a['reason']} -> {a['outcome']}"
         for a in item["actions"]
     ]
     return "\n".join(out)

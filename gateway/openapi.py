@@ -340,7 +340,25 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                             "description": "what a refund may still take (0 unless Succeeded)",
                         },
                         "provider_calls": {"type": "array", "items": {"type": "object"}},
-                        "callbacks": {"type": "array", "items": {"type": "object"}},
+                        "callbacks": {
+                            "type": "array",
+                            "items": {"type": "object"},
+                            "description": "the newest 50 deliveries verified as this payment's callbacks",
+                        },
+                        "callbacks_total": {"type": "integer", "description": "all verified ones"},
+                        "rejected_callbacks": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "source": {"type": "string"},
+                                    "reason": {"type": "string"},
+                                    "received_at": timestamp,
+                                },
+                            },
+                            "description": "the newest 50 deliveries naming this payment that did not verify",
+                        },
+                        "rejected_callbacks_total": {"type": "integer", "description": "all that did not verify"},
                     },
                 },
                 "Error": {

@@ -24,7 +24,14 @@ from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 from payments import metrics
 from payments.backoff import RetryPolicy
 from payments.db import driver_statement, insert_ignore, insert_one, retry_on_disconnect, update_each, utcnow
-from payments.errors import CallbackRejected, EventIgnored, PaysyncError, TargetNotFound, UnsupportedContentType
+from payments.errors import (
+    CallbackRejected,
+    EventIgnored,
+    PaysyncError,
+    SourceNotAllowed,
+    TargetNotFound,
+    UnsupportedContentType,
+)
 from payments.hints import HintLimits, hint_query
 from payments.logs import REQUEST_ID
 from payments.providers import get_provider
@@ -107,6 +114,15 @@ BATCH_SAVEPOINT = "paysync_batch"
 
 class _NotUsual(Exception):
     """The set-wise path met something the per-row path must handle (module-internal)."""
+
+
+def refused_for_source(result: str | None) -> bool:
+    """True when a row's ``result`` says the gateway refused it for its source (``store_callback(rejected=…)``).
+
+    Such a row stays refused: re-verifying (``reverify``) or replaying it must
+    not let a good signature in from where the provider does not send.
+    """
+    return (result or "").startswith(f"rejected: {SourceNotAllowed.code}")
 
 
 def store_callback(

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, insert, select
+from sqlalchemy import Connection, Engine, func, insert, select
 
 from payments import idempotency, ledger, outbox, provider_calls, refunds
 from payments.callbacks import verify_callback
@@ -54,6 +54,10 @@ log = logging.getLogger("paysync.charges")
 SCOPE = "payments"
 """The idempotency_request scope of POST /payments."""
 MAX_ORDER_NO_LENGTH = 64
+CALLBACKS_SHOWN = 50
+"""GET /payments/<id> lists at most this many callbacks, and this many rejected ones (the newest; totals beside)."""
+CALLBACKS_VERIFIED = 20
+"""Unprocessed rows naming a payment that GET /payments/<id> reads with their bodies and verifies (the newest)."""
 ORDER_NO_VISIBLE = r"[^\s\x1c-\x1f\x85\ufeff]"
 """An order_no must contain one character this matches: the same set in Python's ``re`` and in the OpenAPI
 document's ECMA-262 regex (whose whitespace class lacks U+001C-U+001F and U+0085 and has U+FEFF), so the
@@ -300,42 +304,19 @@ def get_payment(
     not verify are listed apart, in ``rejected_callbacks``, with the reason
     and nothing of what they claim, and only when what they claim names this
     payment (the row's unverified index).
+
+    Anyone can make rows that name a payment, so both lists are bounded: the
+    newest CALLBACKS_SHOWN of each, and ``callbacks_total`` /
+    ``rejected_callbacks_total`` count all of them. Only the newest
+    CALLBACKS_VERIFIED unprocessed rows are read with their bodies and verified
+    now; older unprocessed ones are counted as not verified.
     """
     with engine.connect() as conn:
         row = conn.execute(select(payment).where(payment.c.payment_id == payment_id)).mappings().first()
         if row is None:
             return None
-        t = payment_callback_log
-        deliveries = conn.execute(
-            select(
-                t.c.id,
-                t.c.provider,
-                t.c.callback_data,
-                t.c.headers,
-                t.c.event_type,
-                t.c.status,
-                t.c.result,
-                t.c.create_time,
-            )
-            .where(t.c.order_no == payment_id)
-            .order_by(t.c.id)
-        ).all()
+        verified, rejected, totals = _callbacks_of(conn, payment_id, providers or {})
         refund_rows = refunds.refunds_of(conn, payment_id)
-        verified, rejected = [], []
-        for d in deliveries:
-            reason = _unverified_reason(d, payment_id, providers or {})
-            if reason is None:
-                verified.append(
-                    {
-                        "source": f"callback:{d.id}",
-                        "event_type": d.event_type,
-                        "status": d.status,
-                        "result": d.result,
-                        "received_at": _iso(d.create_time),
-                    }
-                )
-            else:
-                rejected.append({"source": f"callback:{d.id}", "reason": reason, "received_at": _iso(d.create_time)})
         return {
             "payment_id": row["payment_id"],
             "order_no": row["order_no"],
@@ -364,8 +345,54 @@ def get_payment(
             ),
             "provider_calls": provider_calls.for_payment(conn, payment_id),
             "callbacks": verified,
+            "callbacks_total": totals[0],
             "rejected_callbacks": rejected,
+            "rejected_callbacks_total": totals[1],
         }
+
+
+def _callbacks_of(
+    conn: Connection, payment_id: str, providers: Mapping[str, Provider]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], tuple[int, int]]:
+    """(newest verified, newest not verified, (count verified, count not verified)) of the rows naming a payment."""
+    t = payment_callback_log
+    names_it = t.c.order_no == payment_id
+    counts = dict(conn.execute(select(t.c.status, func.count()).where(names_it).group_by(t.c.status)).all())
+    summary = (t.c.id, t.c.provider, t.c.event_type, t.c.status, t.c.result, t.c.create_time)
+
+    def newest(statuses: tuple[int, ...], limit: int, *extra: Any) -> list[Any]:
+        query = select(*summary, *extra).where(names_it, t.c.status.in_(statuses))
+        return list(conn.execute(query.order_by(t.c.id.desc()).limit(limit)))
+
+    # Each list read on its own: a flood of forgeries cannot push the genuine callbacks out of sight.
+    processed = newest((CallbackStatus.PROCESSED,), CALLBACKS_SHOWN)
+    refused = newest((CallbackStatus.REJECTED,), CALLBACKS_SHOWN)
+    # The bodies only of the few rows that must be verified now: memory stays bounded whatever piles up.
+    unprocessed = (CallbackStatus.PENDING, CallbackStatus.FAILED, CallbackStatus.GAVE_UP)
+    checked = newest(unprocessed, CALLBACKS_VERIFIED, t.c.callback_data, t.c.headers)
+    verified, rejected = [], []
+    checked_ok = 0
+    for d in sorted([*processed, *refused, *checked], key=lambda d: d.id):
+        reason = _unverified_reason(d, payment_id, providers)
+        if reason is None:
+            checked_ok += d.status != CallbackStatus.PROCESSED
+            verified.append(
+                {
+                    "source": f"callback:{d.id}",
+                    "event_type": d.event_type,
+                    "status": d.status,
+                    "result": d.result,
+                    "received_at": _iso(d.create_time),
+                }
+            )
+        else:
+            rejected.append({"source": f"callback:{d.id}", "reason": reason, "received_at": _iso(d.create_time)})
+    verified_total = counts.get(CallbackStatus.PROCESSED, 0) + checked_ok
+    return (
+        verified[-CALLBACKS_SHOWN:],
+        rejected[-CALLBACKS_SHOWN:],
+        (verified_total, sum(counts.values()) - verified_total),
+    )
 
 
 def _unverified_reason(delivery: Any, payment_id: str, providers: Mapping[str, Provider]) -> str | None:

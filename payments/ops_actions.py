@@ -30,6 +30,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import pwd
+import re
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -39,6 +43,7 @@ from sqlalchemy import Connection, Engine, and_, case, func, insert, literal, or
 
 from payments import ledger, monitoring, provider_calls, review
 from payments.alert_evaluators import callback_failure_counts
+from payments.callbacks import refused_for_source
 from payments.db import utcnow
 from payments.errors import PaysyncError
 from payments.logs import scrub, scrub_value
@@ -78,6 +83,8 @@ MAX_REPLAY = 200
 BUCKETS = ("<1h", "<1d", "<3d", "older")
 """Age buckets, as in the aging report (payments/aging.py)."""
 MAX_ADJUSTMENT = 2**62
+MAX_BODY_DEPTH = 64
+"""A callback body nested deeper than this is shown as text, not parsed (``show_body``)."""
 
 
 class OpsRefused(PaysyncError):
@@ -89,13 +96,33 @@ class OpsRefused(PaysyncError):
 
 @dataclass(frozen=True)
 class Actor:
-    """Who acts, and through what: the console (its login name) or the command line (``--actor``)."""
+    """Who acts, and through what: the console (its login name) or the command line (``--actor``).
+
+    ``name`` is what the person typed; ``identity`` is what vouches for it,
+    recorded beside it: the console passes its session's
+    (``payments.ops_sessions.OpsSession.identity``); anything else is the
+    operating-system user running this process (``process_identity``).
+    """
 
     name: str
     via: str = VIA_CONSOLE
+    identity: str | None = None
+    ops_session_id: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", clean_actor(self.name))
+        if not self.identity:
+            object.__setattr__(self, "identity", process_identity())
+
+
+def process_identity() -> str:
+    """The operating-system user this process runs as, by the kernel's uid (not $USER, which anyone sets), and host."""
+    uid = os.getuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:  # a uid with no passwd entry (some containers): the number is the identity
+        name = "?"
+    return f"os user {name} (uid {uid}) on {socket.gethostname()}"[:160]
 
 
 def clean_actor(name: str) -> str:
@@ -174,6 +201,8 @@ def record(
         insert(ops_action).values(
             action=action,
             actor=actor.name,
+            identity=actor.identity,
+            ops_session_id=actor.ops_session_id,
             via=actor.via,
             subject=subject[:150],
             manual_review_id=manual_review_id,
@@ -344,9 +373,36 @@ def _callback_summary(row: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+_JSON_STRING_OR_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
+
+
+def nests_deeper_than(text: str, limit: int) -> bool:
+    """True when ``text`` opens more than ``limit`` JSON arrays or objects at once (brackets in strings do not count).
+
+    One pass, no recursion and no parse: what decides whether a body may be parsed at all.
+    """
+    depth = 0
+    for match in _JSON_STRING_OR_BRACKET.finditer(text):
+        part = match.group()
+        if part in ("[", "{"):
+            depth += 1
+            if depth > limit:
+                return True
+        elif part in ("]", "}"):
+            depth = max(depth - 1, 0)
+    return False
+
+
 def show_body(body: bytes) -> str:
-    """A raw callback body for a person to read: JSON pretty-printed, secrets and card numbers redacted."""
+    """A raw callback body for a person to read: JSON pretty-printed, secrets and card numbers redacted.
+
+    JSON nested deeper than MAX_BODY_DEPTH is shown as (scrubbed) text: parsing,
+    scrubbing and printing it would each recurse once a level, and anyone can
+    send such a body (the gateway stores it, rejected).
+    """
     text = body.decode("utf-8", "replace")
+    if nests_deeper_than(text, MAX_BODY_DEPTH):
+        return f"[nested deeper than {MAX_BODY_DEPTH} levels: shown as text, not parsed]\n" + scrub(text)
     try:
         parsed = json.loads(text)
     except ValueError:
@@ -365,7 +421,7 @@ def callback(conn: Connection, log_id: int) -> dict[str, Any] | None:
     headers = _json(row["headers"])
     out["headers"] = scrub_value(headers) if isinstance(headers, dict) else scrub(str(headers or ""))
     out["actions"] = actions(conn, callback_log_id=log_id)
-    out["replayable"] = row["status"] in REPLAYABLE
+    out["replayable"] = row["status"] in REPLAYABLE and not refused_for_source(row["result"])
     return out
 
 
@@ -399,6 +455,11 @@ def _replay_one(engine: Engine, log_id: int, actor: Actor, note: str, now: datet
         status = CallbackStatus(row.status)
         if status not in REPLAYABLE:
             return Outcome("replay", subject, f"skipped: status {int(status)} ({status.name.lower()}) is not replayed")
+        if refused_for_source(row.result):
+            # Processing re-checks the signature, not the source: a replay would let a leaked key in from anywhere.
+            return Outcome(
+                "replay", subject, "skipped: refused for its source; a replay would re-check only its signature"
+            )
         was = f"was {int(status)} {status.name.lower()} after {row.retry_count} attempts: {row.result or ''}"
         moved = conn.execute(
             update(t)

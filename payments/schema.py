@@ -659,12 +659,39 @@ alert_notification = Table(
     **MYSQL,
 )
 
+ops_session = Table(
+    "ops_session",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("sid_hash", String(64), nullable=False, comment="SHA-256 (hex) of the session id in the signed cookie"),
+    Column("role", String(16), nullable=False, comment="operator or readonly"),
+    Column("actor", String(64), nullable=False, comment="the name typed at login"),
+    Column(
+        "token_fingerprint", String(32), nullable=False, comment="which ops token logged in (gateway.ops.fingerprint)"
+    ),
+    Column("remote_addr", String(64), nullable=True, comment="the client's address at login"),
+    Column("created_at", TS, nullable=False),
+    Column("expires_at", TS, nullable=False, comment="login time plus the session lifetime (12 h)"),
+    Column("revoked_at", TS, nullable=True, comment="logout: the cookie is worth nothing from then on"),
+    UniqueConstraint("sid_hash", name="uq_ops_session_sid_hash"),
+    Index("idx_ops_session_expires", "expires_at"),
+    comment="Ops console logins: a session is valid only while its row is unexpired and not revoked (logout).",
+    **MYSQL,
+)
+
 ops_action = Table(
     "ops_action",
     metadata,
     Column("id", ID, primary_key=True, autoincrement=True),
     Column("action", String(16), nullable=False, comment="replay, apply, adjust, close"),
     Column("actor", String(64), nullable=False, comment="who: the name given at console login, or --actor"),
+    Column(
+        "identity",
+        String(160),
+        nullable=True,
+        comment="who, as authenticated: the console session and its token, or the command's OS user",
+    ),
+    Column("ops_session_id", BigInteger, nullable=True, comment="the console session that acted (ops_session.id)"),
     Column("via", String(16), nullable=False, comment="console or cli"),
     Column("subject", String(150), nullable=False, comment="what it acted on: callback:<id> or review:<id>"),
     Column("manual_review_id", BigInteger, nullable=True),

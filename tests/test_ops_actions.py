@@ -97,6 +97,28 @@ def test_replay_leaves_processed_and_pending_rows_alone_and_records_nothing(engi
     assert len(_actions(engine)) == 1
 
 
+def test_replay_leaves_a_row_refused_for_its_source_refused(engine):
+    from gateway import create_app
+    from tests.support import make_settings
+
+    payment_id = create_payment(engine)
+    settings = make_settings(database_url=str(engine.url), sandbox_source_cidrs=("10.0.0.0/8",))
+    client = create_app(settings, engine=engine).test_client()
+    body, headers = signed(sandbox_event(payment_id))  # a good signature, from where the provider does not send
+    answer = client.post("/callbacks/sandbox", data=body, headers=headers, environ_base={"REMOTE_ADDR": "203.0.113.9"})
+    assert answer.status_code == 403
+    log_id = _one(engine, payment_callback_log, provider="sandbox")["id"]
+    with engine.connect() as conn:
+        assert not ops_actions.callback(conn, log_id)["replayable"]  # no button to press
+
+    [result] = ops_actions.replay_callbacks(engine, [log_id], actor=ALICE, note="provider says it sent it")
+
+    assert result.outcome.startswith("skipped: refused for its source")
+    assert _one(engine, payment_callback_log, id=log_id)["status"] == CallbackStatus.REJECTED
+    assert process_callback(engine, providers(), log_id, GIVE_UP_AT_ONCE) == CallbackResult.SKIPPED
+    assert _status(engine, payment_id)["status"] == "Pending" and _actions(engine) == []
+
+
 @pytest.mark.parametrize("note", ["", "   ", "x" * 501])
 def test_replay_needs_a_note_and_changes_nothing_without_one(engine, note):
     log_id = given_up_callback(engine, "pay_replay00000000004")

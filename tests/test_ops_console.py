@@ -270,3 +270,101 @@ def test_login_returns_only_to_a_page_of_the_console(app, target):
     page = client.get("/ops/login")
     response = client.post("/ops/login", data={"csrf": _csrf(page.text), "name": "alice", "token": OPS, "next": target})
     assert response.headers["Location"] == (target if target == "/ops/reviews" else "/ops/")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"[" * 100_000, b"[" * 100_000 + b"]" * 100_000, b'{"card": "4111111111111111", "a":' * 5_000],
+    ids=["unclosed arrays", "closed arrays", "objects"],
+)
+def test_a_deeply_nested_body_is_shown_as_text_not_a_500(engine, body):
+    from payments.ops_actions import MAX_BODY_DEPTH
+    from tests.support import signed
+
+    app = _app(engine)
+    client = app.test_client()
+    assert client.post("/callbacks/sandbox", data=body, headers=signed(body)[1]).status_code == 400  # stored, rejected
+    with engine.connect() as conn:
+        log_id = conn.execute(select(payment_callback_log.c.id)).scalar_one()
+    _login(client)
+    page = client.get(f"/ops/callbacks/{log_id}")
+    assert page.status_code == 200
+    assert f"nested deeper than {MAX_BODY_DEPTH} levels: shown as text" in page.text
+    assert "4111111111111111" not in page.text  # still scrubbed
+
+
+def _session_cookie(client) -> str:
+    return client.get_cookie("paysync_ops", path="/ops").value
+
+
+def test_logout_revokes_the_session_on_the_server_so_a_copied_cookie_opens_nothing(engine):
+    from payments.schema import ops_session
+
+    app = _app(engine)
+    client = app.test_client()
+    _login(client, name="dora")
+    copied = _session_cookie(client)
+    thief = app.test_client()
+    thief.set_cookie("paysync_ops", copied, path="/ops")
+    assert thief.get("/ops/").status_code == 200  # the copy works while the session lives
+
+    page = client.get("/ops/")
+    assert client.post("/ops/logout", data={"csrf": _csrf(page.text)}).status_code == 302
+    assert client.get("/ops/").status_code == 302  # the browser that logged out
+    answer = thief.get("/ops/")  # and the copy taken before: the server no longer knows the session
+    assert answer.status_code == 302 and answer.headers["Location"].startswith("/ops/login")
+    assert thief.post("/ops/callbacks/replay", data={"csrf": "x", "id": "1", "note": "n"}).status_code == 401
+    with engine.connect() as conn:
+        row = conn.execute(select(ops_session.c.actor, ops_session.c.revoked_at)).one()
+    assert row.actor == "dora" and row.revoked_at is not None
+
+
+def test_logging_in_again_ends_the_session_it_replaces(sqlite):
+    app = _app(sqlite)
+    client = app.test_client()
+    _login(client, name="erin")
+    before = _session_cookie(client)
+    csrf = _csrf(client.get("/ops/").text)
+    assert client.post("/ops/login", data={"csrf": csrf, "name": "erin", "token": OPS}).status_code == 302
+    assert _session_cookie(client) != before and client.get("/ops/").status_code == 200
+    old = app.test_client()
+    old.set_cookie("paysync_ops", before, path="/ops")
+    assert old.get("/ops/").status_code == 302
+
+
+def test_an_action_records_the_session_and_token_that_vouch_for_the_typed_name(engine, capsys):
+    import os
+
+    from gateway.ops import fingerprint
+    from payments.schema import ops_session
+
+    app = _app(engine)
+    runtime = build_runtime(make_settings(database_url=str(engine.url)), engine)
+    payment_id = "pay_console000000027"
+    first, second = given_up_callback(engine, payment_id), given_up_callback(engine, payment_id)
+    create_payment(engine, payment_id=payment_id)
+    # Two logins typing the same name: the session each action records tells them apart.
+    for name, log_id in (("alice", first), ("alice", second)):
+        client = app.test_client()
+        _login(client, name=name)
+        page = client.get(f"/ops/callbacks/{log_id}")
+        client.post("/ops/callbacks/replay", data={"csrf": _csrf(page.text), "id": str(log_id), "note": "restored"})
+    review_id = settled_review(engine, create_payment(engine, status="Unknown"))[0]
+    args = ["resolve", str(review_id), "--action", "close", "--note", "duplicate", "--actor", "alice"]
+    assert review_cli.main(args, runtime) == 0
+
+    with engine.connect() as conn:
+        sessions = conn.execute(select(ops_session.c.id, ops_session.c.token_fingerprint).order_by("id")).all()
+        rows = conn.execute(
+            select(ops_action.c.actor, ops_action.c.via, ops_action.c.identity, ops_action.c.ops_session_id).order_by(
+                ops_action.c.id
+            )
+        ).all()
+    assert [r.actor for r in rows] == ["alice", "alice", "alice"]  # what was typed, kept beside
+    assert [(r.identity or "").split(" ")[0] for r in rows] == ["console", "console", "os"]
+    assert [s.token_fingerprint for s in sessions] == [fingerprint(OPS)] * 2
+    for row, session_row in zip(rows[:2], sessions, strict=True):
+        assert row.ops_session_id == session_row.id
+        assert row.identity == f"console session {session_row.id} (operator, token {fingerprint(OPS)[:12]})"
+    assert rows[2].via == "cli" and rows[2].ops_session_id is None
+    assert rows[2].identity.startswith("os user ") and f"(uid {os.getuid()})" in rows[2].identity

@@ -275,3 +275,57 @@ def test_get_lists_only_verified_callbacks_and_rejected_ones_apart_with_their_re
     assert all(set(r) == {"source", "reason", "received_at"} for r in rejected)  # nothing of what they claim
     assert "charge.failed" not in json.dumps(shown)
     assert client.get(f"/payments/{other_id}", headers=AUTH).get_json()["rejected_callbacks"][0]["reason"]
+
+
+@pytest.mark.mariadb
+def test_get_stays_small_when_thousands_of_unverified_rows_name_the_payment(app, client, mariadb):
+    from sqlalchemy import insert
+
+    from payments.backoff import RetryPolicy
+    from payments.callbacks import process_callback
+    from payments.charges import CALLBACKS_SHOWN
+    from payments.schema import payment_callback_log
+    from tests.support import create_payment, sandbox_event, signed
+
+    payment_id = create_payment(mariadb, amount=1999)
+    genuine_body, genuine_headers = signed(sandbox_event(payment_id, amount=1999))
+    assert client.post("/callbacks/sandbox", data=genuine_body, headers=genuine_headers).status_code == 200
+    with mariadb.connect() as conn:
+        genuine = conn.execute(select(payment_callback_log.c.id)).scalar_one()
+    process_callback(mariadb, app.extensions["paysync"]["providers"], genuine, RetryPolicy())
+    # An attacker's flood naming the payment, after the genuine delivery: 4,700 refused at the gateway, and
+    # 300 still unprocessed (stored but not yet verified, as when the reject could not be recorded).
+    forged = sandbox_event(payment_id, amount=1999, padding="x" * 1500)
+    forged_body, forged_headers = signed(forged, secret="whsec_forged_" + "f" * 20)
+    now = utcnow()
+
+    def row(status: int) -> dict:
+        return {
+            "provider": "sandbox",
+            "callback_data": forged_body,
+            "headers": json.dumps(forged_headers),
+            "remote_addr": "198.51.100.7",
+            "source": "webhook",
+            "order_no": payment_id,
+            "event_type": "charge.succeeded",
+            "status": status,
+            "result": "rejected: invalid_signature: no signature matches the body" if status == 3 else None,
+            "retry_count": 0,
+            "next_retry_at": now,
+            "create_time": now,
+            "update_time": now,
+        }
+
+    with mariadb.begin() as conn:
+        conn.execute(insert(payment_callback_log), [row(3) for _ in range(4_700)] + [row(0) for _ in range(300)])
+
+    answer = client.get(f"/payments/{payment_id}", headers=AUTH)
+    assert answer.status_code == 200
+    assert len(answer.get_data()) < 64 * 1024
+    shown = answer.get_json()
+    # The genuine one, not pushed out of sight by the flood.
+    assert [c["source"] for c in shown["callbacks"]] == [f"callback:{genuine}"]
+    assert shown["callbacks_total"] == 1
+    assert len(shown["rejected_callbacks"]) == CALLBACKS_SHOWN
+    assert shown["rejected_callbacks_total"] == 5_000
+    assert "padding" not in answer.get_data(as_text=True)

@@ -126,6 +126,39 @@ def test_reverify_since_leaves_older_rows_alone_and_needs_an_enabled_provider(en
         reverify.run(runtime, "alipay")
 
 
+def test_reverify_leaves_a_row_refused_for_its_source_refused(engine):
+    payment_id = create_payment(engine)
+    provider_net = ("10.0.0.0/8",)
+    # The key was a typo, and the allow-list held: one genuine delivery from the provider's network, refused for
+    # the key; one with the same good signature from elsewhere (a leaked key, say), refused for its source.
+    guarded = create_app(_settings(engine, WRONG, sandbox_source_cidrs=provider_net), engine=engine).test_client()
+    body, headers = signed(sandbox_event(payment_id), secret=NEW)
+
+    def post(client, peer: str) -> int:  # noqa: ANN001
+        return client.post(
+            "/callbacks/sandbox", data=body, headers=headers, environ_base={"REMOTE_ADDR": peer}
+        ).status_code
+
+    assert post(guarded, "10.1.2.3") == 401
+    assert post(guarded, "203.0.113.9") == 403
+    # Before the allow-list existed, a delivery from elsewhere was refused for its key alone.
+    assert post(create_app(_settings(engine, WRONG), engine=engine).test_client(), "203.0.113.9") == 401
+    by_key, by_source, by_key_from_elsewhere = (r.id for r in _rows(engine))
+
+    result = reverify.run(
+        build_runtime(_settings(engine, NEW, sandbox_source_cidrs=provider_net), engine=engine), "sandbox"
+    )
+    assert _row(engine, by_key).status == CallbackStatus.PENDING
+    assert _row(engine, by_source).status == CallbackStatus.REJECTED
+    assert _row(engine, by_source).result.startswith("rejected: source_not_allowed")
+    assert _row(engine, by_key_from_elsewhere).status == CallbackStatus.REJECTED  # outside today's allow-list
+    assert (result.checked, result.accepted, result.source_refused) == (3, 1, 2)
+    # Even with the allow-list gone, a row refused for its source is not taken back by its signature.
+    assert reverify.run(build_runtime(_settings(engine, NEW), engine=engine), "sandbox").accepted == 1
+    assert _row(engine, by_source).status == CallbackStatus.REJECTED
+    assert _row(engine, by_key_from_elsewhere).status == CallbackStatus.PENDING
+
+
 def _rows(engine):  # noqa: ANN001, ANN202
     with engine.connect() as conn:
         return list(conn.execute(select(payment_callback_log).order_by(payment_callback_log.c.id)))

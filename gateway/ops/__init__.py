@@ -12,6 +12,9 @@ Who may do what:
   X-Forwarded-Proto from a peer in TRUSTED_PROXIES), valid for
   SESSION_SECONDS. It names the token's role and a fingerprint of the token:
   a token removed from the settings ends its sessions at once.
+- Each login is also a row in ``ops_session`` (``payments.ops_sessions``),
+  named by a random id in the cookie: logout revokes the row, so a copy of
+  the cookie is worthless from then on; no row, no session.
 - The signing key is derived from the first OPS_TOKEN (HMAC, so the cookie
   reveals nothing of the token); the other listed tokens give the fallback
   keys, so rotating OPS_TOKEN ("new,old") keeps sessions. Production refuses
@@ -38,6 +41,7 @@ from flask.sessions import SecureCookieSession, SecureCookieSessionInterface
 from itsdangerous import BadSignature
 from werkzeug.exceptions import HTTPException
 
+from payments import ops_sessions
 from payments.settings import Settings
 from payments.sources import client_address, in_networks
 
@@ -199,16 +203,23 @@ def _tokens_of(role: str, settings: Settings) -> Iterable[str]:
     return settings.ops_token if role == ROLE_OPERATOR else settings.ops_readonly_token
 
 
-def current_user() -> dict[str, str] | None:
-    """The logged-in session's role and actor, if its token is still configured; None otherwise."""
-    role, actor, tk = session.get("role"), session.get("actor"), session.get("tk")
-    if role not in (ROLE_OPERATOR, ROLE_READONLY) or not actor or not tk:
+def current_user() -> dict[str, Any] | None:
+    """The logged-in session's role, actor and identity, if its token is still configured and its row is live.
+
+    The row (``payments.ops_sessions``) is what logout revokes: a signed cookie
+    without a live row, a copy kept after logout say, is no session.
+    """
+    role, actor, tk, sid = session.get("role"), session.get("actor"), session.get("tk"), session.get("sid")
+    if role not in (ROLE_OPERATOR, ROLE_READONLY) or not actor or not tk or not isinstance(sid, str):
         return None
-    settings = current_app.extensions["paysync"]["settings"]
-    valid = [hmac.compare_digest(tk, fingerprint(t)) for t in _tokens_of(role, settings) if t]
+    paysync = current_app.extensions["paysync"]
+    valid = [hmac.compare_digest(tk, fingerprint(t)) for t in _tokens_of(role, paysync["settings"]) if t]
     if not any(valid):
         return None
-    return {"role": role, "actor": actor}
+    live = ops_sessions.find_session(paysync["engine"], sid)
+    if live is None or live.role != role or not hmac.compare_digest(live.token_fingerprint, tk):
+        return None
+    return {"role": role, "actor": live.actor, "identity": live.identity, "session_id": live.id}
 
 
 def csrf_token() -> str:

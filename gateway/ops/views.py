@@ -11,8 +11,8 @@ from flask import abort, flash, g, redirect, render_template, request, session, 
 from sqlalchemy.exc import IntegrityError
 
 from gateway import ext
-from gateway.ops import bp, client_addr, match_token, safe_next, throttle
-from payments import aging, ops_actions
+from gateway.ops import SESSION_SECONDS, bp, client_addr, match_token, safe_next, throttle
+from payments import aging, ops_actions, ops_sessions
 from payments.callbacks import process_callback
 from payments.db import utcnow
 from payments.ops_actions import Actor, CallbackSearch, OpsRefused
@@ -27,7 +27,9 @@ def _engine() -> Any:
 
 
 def _actor() -> Actor:
-    return Actor(g.ops_user["actor"], ops_actions.VIA_CONSOLE)
+    """The typed name, with the session that vouches for it (ops_action.identity)."""
+    user = g.ops_user
+    return Actor(user["actor"], ops_actions.VIA_CONSOLE, identity=user["identity"], ops_session_id=user["session_id"])
 
 
 def _int_arg(name: str, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
@@ -93,18 +95,26 @@ def login() -> Any:
         return render_template("ops/login.html", next=next_url, error=error), 401 if matched is None else 400
     throttle.succeeded(addr)
     role, tk = matched
+    sid, live = ops_sessions.open_session(
+        _engine(), role=role, actor=actor, token_fingerprint=tk, remote_addr=addr, lifetime_seconds=SESSION_SECONDS
+    )
+    if isinstance(session.get("sid"), str):  # logging in again over a live session: the old one ends here
+        ops_sessions.revoke_session(_engine(), session["sid"])
     session.clear()  # a fresh session (and CSRF token) for the new login: no fixation
-    session.update({"role": role, "actor": actor, "tk": tk, "iat": int(time.time())})
-    log.info("ops login", extra={"actor": actor, "role": role, "remote_addr": addr})
+    session.update({"role": role, "actor": actor, "tk": tk, "sid": sid, "iat": int(time.time())})
+    log.info("ops login", extra={"actor": actor, "role": role, "remote_addr": addr, "ops_session_id": live.id})
     return redirect(next_url)
 
 
 @bp.post("/logout")
 def logout() -> Any:
-    """End the session."""
+    """End the session, on the server too: its row is revoked, so a copy of the cookie opens nothing."""
+    revoked = ops_sessions.revoke_session(_engine(), session.get("sid") or "")
     if g.ops_user:
-        log.info("ops logout", extra={"actor": g.ops_user["actor"]})
+        log.info("ops logout", extra={"actor": g.ops_user["actor"], "ops_session_id": g.ops_user["session_id"]})
     session.clear()
+    if not revoked and g.ops_user:  # cannot happen for a live session; worth a line if it does
+        log.warning("ops logout found no live session row to revoke")
     return redirect(url_for("ops.login"))
 
 
