@@ -134,6 +134,16 @@ def test_a_zero_decimal_notification_matches_a_yen_payment(engine, client):
     assert payment_row(engine, payment_id)["status"] == "Succeeded"
 
 
+def test_a_webhook_signed_ahead_of_our_clock_is_applied(engine, client):
+    # Our clock 10 minutes behind Stripe's: Stripe's libraries accept it, and so must we, or every webhook is refused.
+    payment_id = stripe_payment(engine)
+    evt = event("payment_intent.succeeded", payment_intent(payment_id, amount=1000))
+    answer = post(client, *signed(evt, timestamp=time.time() + 600))
+    assert answer.status_code == 200
+    compensate_callbacks.run_once(runtime_for(engine))
+    assert payment_row(engine, payment_id)["status"] == "Succeeded"
+
+
 def _refused(payment_id):
     evt = event("payment_intent.succeeded", payment_intent(payment_id, amount=1000))
     body, headers = signed(evt)
@@ -141,14 +151,13 @@ def _refused(payment_id):
         ("wrong key", *signed(evt, (STRANGER_SECRET,)), 401, "invalid_signature"),
         ("tampered field", body.replace(b'"amount": 1000', b'"amount": 1'), headers, 401, "invalid_signature"),
         ("stale timestamp", *signed(evt, timestamp=time.time() - 301), 401, "stale_timestamp"),
-        ("future timestamp", *signed(evt, timestamp=time.time() + 301), 401, "stale_timestamp"),
         ("missing header", body, {"Content-Type": "application/json"}, 401, "invalid_signature"),
         ("malformed body", *signed(b'{"id": "evt_1", "object": "event", '), 400, "malformed_callback"),
         ("not an event", *signed(json.dumps({"object": "list", "data": []}).encode()), 400, "malformed_callback"),
     ]
 
 
-@pytest.mark.parametrize("case", range(7), ids=lambda i: _refused("pay_x")[i][0])
+@pytest.mark.parametrize("case", range(6), ids=lambda i: _refused("pay_x")[i][0])
 def test_refused_notifications_get_a_4xx_are_kept_with_status_3_and_change_nothing(engine, client, case):
     payment_id = stripe_payment(engine)
     name, body, headers, status, code = _refused(payment_id)[case]
