@@ -134,6 +134,19 @@ def test_a_zero_decimal_notification_matches_a_yen_payment(engine, client):
     assert payment_row(engine, payment_id)["status"] == "Succeeded"
 
 
+def test_a_success_that_received_less_than_we_charged_is_a_conflict_for_review_never_succeeded(engine, client):
+    payment_id = stripe_payment(engine, amount=1000)
+    pi = payment_intent(payment_id, amount=1000, amount_received=400)  # captured in part
+    post(client, *signed(event("payment_intent.succeeded", pi)))
+    compensate_callbacks.run_once(runtime_for(engine))
+
+    assert payment_row(engine, payment_id)["status"] == "Pending"
+    assert confirmations(engine, payment_id) == 0
+    with engine.connect() as conn:
+        reviews = conn.execute(select(manual_review).where(manual_review.c.payment_id == payment_id)).mappings().all()
+    assert [r["kind"] for r in reviews] == ["conflicting_report"] and "400 USD" in reviews[0]["reason"]
+
+
 def test_a_webhook_signed_ahead_of_our_clock_is_applied(engine, client):
     # Our clock 10 minutes behind Stripe's: Stripe's libraries accept it, and so must we, or every webhook is refused.
     payment_id = stripe_payment(engine)

@@ -35,7 +35,8 @@ can be tested without a network:
   dropped webhooks; ``fail_next`` scripts faults for the next requests.
 
 Control surface (``/_fake/…``, this machine only): move the clock, set faults,
-script faults, complete processing PaymentIntents and pending refunds, make new
+script faults, complete processing PaymentIntents and pending refunds, add another
+integration's PaymentIntents (``other_traffic``), make new
 refunds start pending (``refunds_pending``), change the signing secrets, read
 the deliveries, every PaymentIntent (``payment_intents``) and every refund
 (``refunds``).
@@ -104,8 +105,11 @@ TEST_PAYMENT_METHODS = {
     "pm_card_chargeDeclinedExpiredCard": ("expired_card", "expired_card"),
     "pm_card_authenticationRequired": "requires_action",
     "pm_fake_processing": "processing",
+    "pm_fake_partial_capture": "partial_capture",
 }
-"""PaymentMethod id → None (succeeds), (code, decline_code) (declines), or the status it leaves the intent in."""
+"""PaymentMethod id → None (succeeds), (code, decline_code) (declines), or the status it leaves the intent in.
+``pm_fake_partial_capture`` succeeds having captured half the amount (as a manual capture with a smaller
+``amount_to_capture`` does): ``status`` is succeeded, ``amount_received`` less than ``amount``."""
 
 RATES = (
     "error_5xx_rate",
@@ -440,6 +444,9 @@ class FakeStripe:
         if outcome == "processing":
             pi["status"] = "processing"
             return
+        if outcome == "partial_capture":
+            self._succeed(pi, self._charge(pi, "succeeded", None), key, received=pi["amount"] // 2)
+            return
         charge = self._charge(pi, "failed" if outcome else "succeeded", outcome[0] if outcome else None)
         if outcome is None:
             self._succeed(pi, charge, key)
@@ -478,12 +485,16 @@ class FakeStripe:
         pi["latest_charge"] = charge["id"]
         return charge
 
-    def _succeed(self, pi: dict[str, Any], charge: dict[str, Any], key: str | None) -> None:
+    def _succeed(
+        self, pi: dict[str, Any], charge: dict[str, Any], key: str | None, received: int | None = None
+    ) -> None:
+        received = pi["amount"] if received is None else received
         charge["status"], charge["paid"] = "succeeded", True
+        charge["amount_captured"] = received
         charge["balance_transaction"] = self._balance(
-            "charge", pi["amount"], self._fee(pi["amount"], pi["currency"]), pi["currency"], charge["id"]
+            "charge", received, self._fee(received, pi["currency"]), pi["currency"], charge["id"]
         )
-        pi["status"], pi["amount_received"] = "succeeded", pi["amount"]
+        pi["status"], pi["amount_received"] = "succeeded", received
         self._emit("charge.succeeded", charge, key)
         self._emit("payment_intent.succeeded", pi, key)
 
@@ -502,6 +513,34 @@ class FakeStripe:
                 self._emit("payment_intent.payment_failed", pi)
             self._indexed(pi)
             return copy.deepcopy(pi)
+
+    def other_traffic(self, count: int, amount: int = 500, currency: str = "usd") -> int:
+        """``count`` succeeded PaymentIntents of another integration on this account, created now (control surface).
+
+        The account's other business: no ``metadata.payment_id``, no webhooks to us. Lookups by our number must
+        cost the same however many of these there are.
+        """
+        with self.lock:
+            now = self._now()
+            for n in range(count):
+                pi_id = self._id("pi")
+                pi = {
+                    "id": pi_id,
+                    "object": "payment_intent",
+                    "amount": amount,
+                    "amount_received": amount,
+                    "capture_method": "automatic",
+                    "created": now,
+                    "currency": currency,
+                    "last_payment_error": None,
+                    "latest_charge": None,
+                    "livemode": self.config.api_key.startswith("sk_live_"),
+                    "metadata": {"order_id": f"other-{n}"},
+                    "status": "succeeded",
+                }
+                self.payment_intents[pi_id] = pi
+                self._indexed(pi)
+        return count
 
     def cancel_payment_intent(self, pi_id: str, params: dict[str, Any]) -> tuple[int, dict]:
         """POST /v1/payment_intents/<id>/cancel."""
@@ -724,6 +763,8 @@ class FakeStripe:
         if action == "fail_next":
             self.fail_next(str(body.get("kind")), int(body.get("count", 1)), body.get("path"))
             return {"script": [list(item) for item in self.script]}
+        if action == "other_traffic":
+            return {"created": self.other_traffic(int(body.get("count", 1)))}
         if action == "complete_payment_intent":
             return self.complete_payment_intent(str(body["id"]), bool(body.get("succeed", True)))
         if action == "complete_refund":
