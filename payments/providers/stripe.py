@@ -2,11 +2,13 @@
 
 Inbound (``POST /callbacks/stripe``): ``Stripe-Signature`` is verified against
 every STRIPE_WEBHOOK_SECRETS entry (``stripe_sign``: HMAC-SHA256 over
-``<t>.<raw body>``, refused when more than 300 s old). Events, by ``metadata.payment_id`` /
-``metadata.refund_id``:
+``<t>.<raw body>``, refused when more than 300 s old, as Stripe's libraries
+do). Events, by ``metadata.payment_id`` / ``metadata.refund_id``:
 
-- ``payment_intent.succeeded`` → Succeeded; ``payment_intent.payment_failed``
-  and ``payment_intent.canceled`` → Failed (see "Failed is final" below);
+- ``payment_intent.succeeded`` → Succeeded (when ``amount_received`` is the
+  amount: a success for less is another amount, a conflict for review);
+  ``payment_intent.payment_failed`` and ``payment_intent.canceled`` → Failed
+  (see "Failed is final" below);
 - ``refund.created`` / ``refund.updated`` / ``refund.failed`` → the refund's
   status (succeeded, pending, failed/canceled); ``charge.refunded`` → the same,
   read from the charge's ``refunds`` list when the endpoint's API version still
@@ -49,10 +51,10 @@ older than ``search_lag_seconds``. Before that, up to LIST_PAGES pages of the
 list API (consistent: "for read-after-write flows … use the list APIs") are
 read; a busier window is Unknown until the lag has passed. Whatever is found is
 retrieved by id before it is believed. The query job uses the same lookup.
-A PaymentIntent is Succeeded only when ``amount_received`` is what we charged. Refunds are always looked up first in the
-PaymentIntent's (consistent) refund list, so no refund key is re-sent blind;
-a refund key whose saved answer is a 500 is walked past like a charge's
-(``successor_key``), once that lookup found no refund of ours.
+Refunds are always looked up first in the PaymentIntent's (consistent) refund
+list, so no refund key is re-sent blind; a refund key whose saved answer is a
+500 is walked past like a charge's (``successor_key``), once that lookup found
+no refund of ours.
 
 Classification (invariant 5): timeouts, resets, 5xx (``api_error``), 424,
 429 (rate limits and ``lock_timeout``) and unreadable answers are Unknown. A
