@@ -39,7 +39,7 @@ from sqlalchemy import Connection, Engine, and_, case, func, insert, literal, or
 
 from payments import ledger, monitoring, provider_calls, review
 from payments.alert_evaluators import callback_failure_counts
-from payments.calls import last_charge_call
+from payments.calls import last_charge_send
 from payments.db import utcnow
 from payments.errors import PaysyncError
 from payments.logs import scrub, scrub_value
@@ -701,7 +701,7 @@ def _verdict_from_query(engine: Engine, providers: Mapping[str, Provider], curre
         )
     payment_id = current["payment_id"]
     with engine.begin() as conn:
-        sent = last_charge_call(conn, payment_id)
+        sent = last_charge_send(conn, payment_id)  # a send turned away with a 429 made nothing
         call_id = provider_calls.start(
             conn,
             provider=adapter.name,

@@ -179,7 +179,7 @@ def _prepare(
             retry_at = max(gate.snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
             conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=retry_at))
             return Result.DEFERRED
-        sent = last_charge_call(conn, payment_id)
+        sent = last_charge_send(conn, payment_id)  # a send turned away with a 429 made nothing
         call_id = provider_calls.start(
             conn,
             provider=provider.name,

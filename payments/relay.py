@@ -232,6 +232,8 @@ def _prepare(
         # The lease now covers the call itself, however long the wait for the rate limiter was.
         lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
         conn.execute(_LEASE_FOR_CALL, {"p_outbox_id": outbox_id, "next_attempt_at": lease, "updated_at": now})
+    # The previous call, a 429 included: a later time than the last send that reached the provider only makes a
+    # lookup by our number more careful.
     return call_id, current, resend, previous.started_at if previous is not None else None
 
 

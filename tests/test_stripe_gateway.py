@@ -357,6 +357,23 @@ def test_an_ambiguous_charge_becomes_unknown_and_the_query_job_resolves_it(platf
     assert len(fake.payment_intents) == 1
 
 
+def test_the_query_job_resolves_an_ambiguous_charge_on_an_account_with_10000_other_payment_intents(platform):
+    fake, rt = platform
+    payment_id = new_payment(rt)
+    fake.fail_next("drop_webhook", count=10)
+    fake.fail_next("timeout_after_commit", path="POST /v1/payment_intents")
+    relay_outbox.run_once(short(rt))
+    assert payment_row(rt.engine, payment_id)["status"] == "Unknown"
+    fake.other_traffic(10_000)  # another integration's business, all created within the last hour
+    before = len(fake.requests)
+
+    _due(rt, payment_id)
+    assert query_unresolved.run_once(rt) == 1
+    p = payment_row(rt.engine, payment_id)
+    assert p["status"] == "Succeeded" and p["status_source"].startswith("query:")
+    assert len(fake.requests) - before == 2, "search, then the PaymentIntent itself"
+
+
 def test_an_idempotency_error_is_unknown_with_a_review_and_the_query_still_resolves_it(platform):
     fake, rt = platform
     payment_id = new_payment(rt)

@@ -217,8 +217,8 @@ class ChargeRequest:
     provider_transaction_id: str | None = None
     """The provider's id of the charge, when an earlier answer gave it to us: a lookup can read it directly."""
     sent_before: datetime | None = None
-    """When the newest earlier charge call for this payment started (naive UTC); None: it was never sent. A
-    lookup by our number needs it to know how recent a charge of ours at the provider can be."""
+    """When the newest earlier charge call for this payment that may have reached the provider started (naive
+    UTC); None: none did. A lookup by our number needs it to know how recent a charge of ours there can be."""
 
 
 @dataclass(frozen=True)
