@@ -464,6 +464,9 @@ CREATE TABLE settlement_line (
 	currency VARCHAR(3),
 	occurred_at DATETIME(6),
 	parse_error VARCHAR(255) COMMENT 'why an invalid line could not be read',
+	settlement_amount_minor BIGINT COMMENT 'cross-currency lines: the magnitude that reached our balance (and fee_minor''s currency)',
+	settlement_currency VARCHAR(3) COMMENT 'cross-currency lines: the balance''s currency (amount_minor and currency are the charge''s)',
+	exchange_rate VARCHAR(32) COMMENT 'cross-currency lines: the provider''s rate, as written (amount x rate = settlement amount)',
 	raw MEDIUMTEXT NOT NULL COMMENT 'the record exactly as in the file, without its line ending',
 	PRIMARY KEY (id),
 	CONSTRAINT uq_settlement_line UNIQUE (settlement_file_id, line_no)

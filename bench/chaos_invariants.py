@@ -57,6 +57,8 @@ class Database:
     """event_type -> rows not done (pending or dead)."""
     deliveries_unsent: dict[str, int]
     """destination -> event_delivery rows not delivered."""
+    receivables: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(provider account, currency) -> what the ledger says that provider holds for us."""
 
 
 def read_database(engine: Engine) -> Database:
@@ -117,7 +119,18 @@ def read_database(engine: Engine) -> Database:
             .tuples()
             .all()
         )
-    return Database(payments, by_status, by_event, ledger, unbalanced, ledger_events, reviews, outbox, deliveries)
+        receivables = {
+            (account, currency): int(total)
+            for account, currency, total in conn.execute(
+                text(
+                    "SELECT account, currency, SUM(amount_minor) FROM ledger_entry"
+                    " WHERE account LIKE 'assets:provider:%' GROUP BY account, currency"
+                )
+            )
+        }
+    return Database(
+        payments, by_status, by_event, ledger, unbalanced, ledger_events, reviews, outbox, deliveries, receivables
+    )
 
 
 def progress_sample(engine: Engine) -> dict[str, int]:

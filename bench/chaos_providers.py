@@ -540,11 +540,18 @@ class WechatPayMix(ProviderMix):
 
 
 class StripeMix(ProviderMix):
-    """PaymentIntents at the fake Stripe with test payment methods; processing ones finished by the bank."""
+    """PaymentIntents at the fake Stripe with test payment methods; processing ones finished by the bank.
+
+    The account settles in USD, so the EUR and JPY payments are cross-currency: their balance transactions are in
+    USD with an ``exchange_rate``. The reconciliation must match them on their own money (nothing unexplained)
+    and book the conversions, after which the ledger's Stripe receivable is the fake's balance, currency by
+    currency: USD the net of every balance transaction, nothing left in EUR or JPY.
+    """
 
     name = "stripe"
     provider = "stripe"
     currencies = ("USD", "USD", "EUR", "JPY")
+    settlement_currency = "USD"
     day_zone = UTC
     methods = (
         ("pm_card_visa", 0.75),
@@ -557,6 +564,58 @@ class StripeMix(ProviderMix):
         super().__init__(faults)
         self.api_key = "sk_test_chaos" + secrets.token_hex(12)
         self.webhook_secret = "whsec_chaos" + secrets.token_hex(16)
+        self.balance: dict[str, int] | None = None
+        """The fake's balance after the reconciliation: net per currency (upper case) of its balance transactions."""
+
+    def after_convergence(self, command: Command) -> None:
+        """Reconcile the days, then read what the account's balance holds."""
+        super().after_convergence(command)
+        for attempt in range(5):
+            try:
+                response = self._post("/_fake/balance")
+                response.raise_for_status()
+                self.balance = {c.upper(): int(v) for c, v in response.json()["net"].items()}
+                return
+            except requests.RequestException:
+                time.sleep(2 * (attempt + 1))
+
+    def rows(self, db: Database, created: dict[str, str]) -> list[Row]:
+        """The provider rows, then the cross-currency ones: some took part, and the receivable is the balance."""
+        rows = super().rows(db, created)
+        section = rows[0].section
+        ours = [db.payments[p] for p in created.values() if p in db.payments]
+        converted = [p for p in ours if p["status"] == "Succeeded" and p["currency"] != self.settlement_currency]
+        rows.append(
+            Row(
+                f"Succeeded Stripe payments settled from another currency into {self.settlement_currency}",
+                "> 0",
+                str(len(converted)),
+                bool(converted),
+                examples(f"{p['payment_id']} {p['currency']}" for p in converted[:3]),
+                section,
+            )
+        )
+        held = {c: v for (account, c), v in db.receivables.items() if account == f"assets:provider:{self.provider}"}
+        balance = self.balance or {}
+        differ = [
+            f"{c}: ledger {held.get(c, 0)}, Stripe {balance.get(c, 0)}"
+            for c in sorted(set(held) | set(balance))
+            if held.get(c, 0) != balance.get(c, 0)
+        ]
+        if self.balance is None:
+            differ.append("the fake's balance could not be read")
+        shown = "; ".join(f"{c} {held.get(c, 0)}" for c in sorted(set(held) | set(balance)))
+        rows.append(
+            Row(
+                "Stripe receivable in the ledger equal to Stripe's balance, per currency (conversions booked)",
+                f"{self.settlement_currency} = the balance's net, every other currency 0",
+                shown or "nothing",
+                not differ,
+                examples(differ),
+                section,
+            )
+        )
+        return rows
 
     def default_faults(self) -> dict[str, Any]:
         """Every fault of the fake: 5xx, api_error under the key, rate limits, hangs, held answers, dropped webhooks."""
@@ -589,6 +648,7 @@ class StripeMix(ProviderMix):
             "STRIPE_FAKE_FAULTS": json.dumps(self.faults),
             # Refunds wait for the bank (the customer thread), so refund.updated and refund.failed happen.
             "STRIPE_FAKE_REFUNDS_PENDING": "1",
+            "STRIPE_FAKE_SETTLEMENT_CURRENCY": self.settlement_currency.lower(),
         }
         return [sys.executable, "-m", "sandbox.fakes.stripe", "--port", str(self.port)], env
 

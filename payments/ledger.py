@@ -16,7 +16,10 @@ Chart of accounts (README "Ledger" has the table of which event posts what):
 - ``income:refunds``: contra-income, debited by confirmed refunds;
 - ``expenses:provider_fees``: the fees in the providers' settlement files;
 - ``suspense:reconciliation``: what the provider's books say and ours do not
-  (or the other way round), parked by reconciliation until a person decides.
+  (or the other way round), parked by reconciliation until a person decides;
+- ``clearing:fx_conversion``: the other side of the provider's currency
+  conversions (a EUR charge settled in USD): per currency, what conversions
+  took out of or put into the receivable.
 """
 
 from __future__ import annotations
@@ -39,12 +42,17 @@ EXPENSE_FEES = "expenses:provider_fees"
 """Debited with the provider's fees found by reconciliation."""
 SUSPENSE_RECONCILIATION = "suspense:reconciliation"
 """The other side of every ReconciliationAdjusted: differences waiting for a person."""
+FX_CONVERSION = "clearing:fx_conversion"
+"""The other side of every FxConverted: one currency left the receivable, another came in."""
 INCOME_ACCOUNTS = (INCOME_PAYMENTS, INCOME_REFUNDS)
 
 FEE_CHARGED = "FeeCharged"
 """Fees of a settlement day: Dr expenses:provider_fees, Cr the provider's receivable."""
 RECONCILIATION_ADJUSTED = "ReconciliationAdjusted"
 """The provider's books differ from ours: the receivable moved to what the provider says, the difference in suspense."""
+FX_CONVERTED = "FxConverted"
+"""The provider settled a transaction in another currency: one event per currency of the conversion, each balanced
+in its own currency against FX_CONVERSION."""
 
 
 def provider_account(provider: str) -> str:
@@ -67,7 +75,7 @@ SOURCE_TYPES = {"callback": "callback", "call": "provider_call", "query": "query
 
 
 # The posting functions: the lines each kind of event books (pure). Every ledger line paysync writes comes from one
-# of these four; status_change_postings picks between the first two, reconciliation uses the last two.
+# of these five; status_change_postings picks between the first two, reconciliation uses the last three.
 
 
 def payment_confirmed_entries(provider: str, amount: int) -> Entries:
@@ -88,6 +96,11 @@ def fee_entries(provider: str, fee: int) -> Entries:
 def adjustment_entries(provider: str, delta: int) -> Entries:
     """ReconciliationAdjusted: move our receivable by ``delta`` to what the provider says; park it in suspense."""
     return [(provider_account(provider), delta), (SUSPENSE_RECONCILIATION, -delta)]
+
+
+def conversion_entries(provider: str, delta: int) -> Entries:
+    """FxConverted: the receivable in one currency moves by ``delta`` (a conversion took it out, or put it in)."""
+    return [(provider_account(provider), delta), (FX_CONVERSION, -delta)]
 
 
 def status_change_postings(change: StatusChange) -> tuple[str, Entries] | None:

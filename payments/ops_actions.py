@@ -44,6 +44,7 @@ from sqlalchemy import Connection, Engine, and_, case, func, insert, literal, or
 from payments import ledger, monitoring, provider_calls, review
 from payments.alert_evaluators import callback_failure_counts
 from payments.callbacks import refused_for_source
+from payments.calls import last_charge_send
 from payments.db import utcnow
 from payments.errors import PaysyncError
 from payments.logs import scrub, scrub_value
@@ -761,6 +762,7 @@ def _verdict_from_query(engine: Engine, providers: Mapping[str, Provider], curre
         )
     payment_id = current["payment_id"]
     with engine.begin() as conn:
+        sent = last_charge_send(conn, payment_id)  # a send turned away with a 429 made nothing
         call_id = provider_calls.start(
             conn,
             provider=adapter.name,
@@ -770,7 +772,12 @@ def _verdict_from_query(engine: Engine, providers: Mapping[str, Provider], curre
             payment_id=payment_id,
         )
     expected = ChargeRequest(
-        payment_id, int(current["amount_minor"]), current["currency"], created_at=current["created_at"]
+        payment_id,
+        int(current["amount_minor"]),
+        current["currency"],
+        created_at=current["created_at"],
+        provider_transaction_id=current["provider_transaction_id"],
+        sent_before=sent.started_at if sent is not None else None,
     )
     outcome = adapter.query(payment_id, timeout, expected)  # outside any transaction: no lock held on a slow call
     with engine.begin() as conn:

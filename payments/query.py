@@ -79,7 +79,7 @@ def query_payment(
     if provider is not None and not provider.capabilities.query_by_merchant_id:
         provider = None  # an adapter that cannot look a charge up by our number is as good as none here
     gate = admission(ctx, provider)
-    prepared: Result | tuple[int, dict[str, Any]] = Result.SKIPPED
+    prepared: Result | tuple[int, dict[str, Any], datetime | None] = Result.SKIPPED
     try:
         prepared = _prepare(ctx, payment_id, lease_until, provider, gate, budget_ok)
     finally:
@@ -87,9 +87,14 @@ def query_payment(
             release(ctx, provider, gate)  # no query goes out: a probe slot we took is free again
     if isinstance(prepared, Result):
         return prepared
-    call_id, current = prepared
+    call_id, current, sent_before = prepared
     expected = ChargeRequest(
-        current["payment_id"], int(current["amount_minor"]), current["currency"], created_at=current["created_at"]
+        current["payment_id"],
+        int(current["amount_minor"]),
+        current["currency"],
+        created_at=current["created_at"],
+        provider_transaction_id=current["provider_transaction_id"],
+        sent_before=sent_before,
     )
     outcome = provider.query(payment_id, ctx.settings.provider_timeout_seconds, expected)
     now = utcnow()
@@ -149,8 +154,11 @@ def _prepare(
     provider: Provider | None,
     gate: breaker.Gate,
     budget_ok: bool,
-) -> Result | tuple[int, dict[str, Any]]:
-    """Lock the payment, decide whether the query may go out, and record it; return (call id, payment)."""
+) -> Result | tuple[int, dict[str, Any], datetime | None]:
+    """Lock the payment, decide whether the query may go out, and record it.
+
+    Returns (call id, payment, when its newest charge call started or None).
+    """
     now = utcnow()
     with ctx.engine.begin() as conn:
         current = lock_payment(conn, payment_id)
@@ -171,6 +179,7 @@ def _prepare(
             retry_at = max(gate.snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
             conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=retry_at))
             return Result.DEFERRED
+        sent = last_charge_send(conn, payment_id)  # a send turned away with a 429 made nothing
         call_id = provider_calls.start(
             conn,
             provider=provider.name,
@@ -182,7 +191,7 @@ def _prepare(
         # The lease now covers the call itself, however long the wait for the rate limiter was.
         call_lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
         conn.execute(update(payment).where(payment.c.id == current["id"]).values(next_query_at=call_lease))
-    return call_id, current
+    return call_id, current, sent.started_at if sent is not None else None
 
 
 @dataclass(frozen=True)

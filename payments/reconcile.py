@@ -31,8 +31,14 @@ One run (``reconcile``), streamed so a file of any size takes flat memory:
    file names are items too, escalated once per payment or refund (the
    database's anti-joins, LOCAL_ONLY_WORKERS pages at once).
 5. **Fees:** the day's fees (fee columns and fee lines) are booked as one
-   ``FeeCharged`` event per currency.
-6. A ``reconciliation_run`` row holds the summary: count and amounts per
+   ``FeeCharged`` event per currency (a cross-currency line's fee in its
+   settlement currency).
+6. **Currency conversions:** a line the provider settled in another currency
+   (a EUR charge reaching a USD balance) is matched on the charge's own amount
+   and currency; the conversion is booked on its own as ``FxConverted`` (the
+   EUR leaves the receivable, the USD comes in, each against
+   ``clearing:fx_conversion``), the difference to what earlier runs booked.
+7. A ``reconciliation_run`` row holds the summary: count and amounts per
    currency for every category, fees, and what was resolved, adjusted and
    escalated.
 
@@ -301,6 +307,20 @@ def provider_view(line: SettlementLine) -> dict[str, int]:
     return {line.currency: amount if line.kind == CHARGE else -amount}
 
 
+def conversion_view(line: SettlementLine) -> dict[str, int]:
+    """What the provider's conversion of a settled line did to the receivable, by currency (pure; {} if none).
+
+    A charge in EUR settled in USD takes the EUR it added out and puts the USD in; a refund the other way.
+    """
+    if line.status != SUCCEEDED or line.kind not in (CHARGE, REFUND) or not line.settlement_currency:
+        return {}
+    sign = 1 if line.kind == CHARGE else -1
+    return {
+        line.currency: -sign * int(line.amount_minor or 0),
+        line.settlement_currency: sign * int(line.settlement_amount_minor or 0),
+    }
+
+
 def differences(theirs: Mapping[str, int], ours: Mapping[str, int]) -> dict[str, int]:
     """theirs - ours, by currency, without the zeros (pure)."""
     out = {c: theirs.get(c, 0) - ours.get(c, 0) for c in sorted(set(theirs) | set(ours))}
@@ -331,6 +351,8 @@ class Tally:
     resolved: int = 0
     adjustments: int = 0
     reviews: int = 0
+    conversions: dict[str, int] = field(default_factory=dict)
+    """FxConverted posted by this run: what they moved in the receivable, by currency."""
 
     def add(self, category: str, line: SettlementLine | None, local: Local | None) -> None:
         """Count one item."""
@@ -364,6 +386,7 @@ class Tally:
             "resolved": self.resolved,
             "adjustments": self.adjustments,
             "reviews": self.reviews,
+            "fx_converted": self.conversions,
         }
 
 
@@ -436,6 +459,9 @@ def describe(report: Report) -> str:
     fees = ", ".join(f"{c} {v}" for c, v in sorted(summary["fees"].items())) or "none"
     booked = ", ".join(f"{c} {v}" for c, v in sorted(summary["fees_booked"].items())) or "nothing new"
     out.append(f"  fees {fees}; FeeCharged booked: {booked}")
+    if summary["fx_converted"]:
+        moved = ", ".join(f"{c} {v:+d}" for c, v in sorted(summary["fx_converted"].items()))
+        out.append(f"  currency conversions booked (FxConverted): {moved}")
     out.append(
         f"  resolved {summary['resolved']}, adjustments {summary['adjustments']}, reviews opened {summary['reviews']}, "
         f"unexplained items {report.unexplained}"
@@ -732,6 +758,9 @@ def _line_row(file_id: int, line: SettlementLine) -> dict[str, Any]:
         "occurred_at": line.occurred_at,
         "parse_error": line.error,
         "raw": line.raw,
+        "settlement_amount_minor": line.settlement_amount_minor,
+        "settlement_currency": line.settlement_currency,
+        "exchange_rate": line.exchange_rate,
     }
 
 
@@ -750,6 +779,9 @@ def _line_columns(file_id: int, lines: Sequence[SettlementLine]) -> dict[str, li
         "occurred_at": [line.occurred_at for line in lines],
         "parse_error": [line.error for line in lines],
         "raw": [line.raw for line in lines],
+        "settlement_amount_minor": [line.settlement_amount_minor for line in lines],
+        "settlement_currency": [line.settlement_currency for line in lines],
+        "exchange_rate": [line.exchange_rate for line in lines],
     }
 
 
@@ -803,7 +835,8 @@ class _Run:
         with self.engine.begin() as conn:
             for line in lines:
                 if line.kind in (CHARGE, REFUND, FEE) and line.fee_minor:
-                    self.tally.fees[line.currency] = self.tally.fees.get(line.currency, 0) + line.fee_minor
+                    currency = line.fee_currency
+                    self.tally.fees[currency] = self.tally.fees.get(currency, 0) + line.fee_minor
             agreeing = self._write_agreeing(conn, lines, now)
             rest = [line for line in lines if line.kind != INFO and line.line_no not in agreeing]
             found = self._match(conn, rest)
@@ -818,6 +851,7 @@ class _Run:
                 self.tally.add(finding.category, line, local)
             if items:
                 conn.execute(insert(reconciliation_item), items)
+            self._book_conversions(conn, rest, found, now)
         for line, local, finding in acting:
             self._act(line, local, finding, report.new_lines > 0)
 
@@ -848,6 +882,8 @@ class _Run:
                 line.c.line_no >= low,
                 line.c.line_no <= high,
                 line.c.kind == line_kind,
+                # A converted line's item carries the conversion in its details, and its FxConverted is booked.
+                line.c.settlement_currency.is_(None),
                 table.c.provider.in_(self.accounts),
                 table.c.amount_minor == line.c.amount_minor,
                 table.c.currency == line.c.currency,
@@ -930,6 +966,17 @@ class _Run:
     ) -> dict[str, Any]:
         kind = line.kind if line is not None else (CHARGE if local and local.kind == "payment" else REFUND)
         details = {"reason": finding.reason, **(extra or {})} if with_details and (finding.reason or extra) else None
+        if line is not None and line.settlement_currency:
+            # The item's currency and amounts are the charge's; what reached the balance, and its fee, are these.
+            details = {
+                **(details or {}),
+                "settlement": {
+                    "amount_minor": line.settlement_amount_minor,
+                    "currency": line.settlement_currency,
+                    "exchange_rate": line.exchange_rate,
+                    "fee_minor": line.fee_minor,
+                },
+            }
         return {
             "run_id": self.report.run_id,
             "category": finding.category,
@@ -1005,6 +1052,63 @@ class _Run:
             held=held,
             deltas=differences(says, held),
         )
+
+    def _book_conversions(
+        self, conn: Connection, lines: Sequence[SettlementLine], found: Mapping[int, Local], now: datetime
+    ) -> None:
+        """FxConverted for each converted line: what the conversion says minus what earlier runs booked for it.
+
+        Independent of the line's category: whatever the receivable holds for the transaction in its own currency
+        (a confirmation, or an adjustment to the provider's view), the provider converted the line's amount.
+        """
+        for line in lines:
+            says = conversion_view(line)
+            if not says:
+                continue
+            local = found.get(line.line_no)
+            # As classify reads identity: a record of another provider, or a second transaction, is not this one.
+            ours = (
+                local is not None
+                and local.row["provider"] in self.accounts
+                and not (
+                    line.provider_reference
+                    and local.provider_reference
+                    and local.provider_reference != line.provider_reference
+                )
+            )
+            account = local.row["provider"] if ours else self.provider
+            subject = subject_of(self.provider, line)
+            prefix = f"{ledger.FX_CONVERTED}:{subject}:"
+            held = _provider_lines(conn, ledger_event.c.dedupe_key.startswith(prefix, autoescape=True))
+            deltas = differences(says, held)
+            count = _count_prefix(conn, prefix) if deltas else 0
+            for currency, delta in deltas.items():
+                count += 1
+                ledger.append(
+                    conn,
+                    event_type=ledger.FX_CONVERTED,
+                    dedupe_key=f"{prefix}{count}",
+                    amount_minor=abs(delta),
+                    currency=currency,
+                    source_type="reconciliation_run",
+                    source_id=str(self.report.run_id),
+                    now=now,
+                    entries=ledger.conversion_entries(account, delta),
+                    payment_id=local.row["payment_id"] if ours else None,
+                    refund_id=local.key if ours and local.kind == "refund" else None,
+                    details={
+                        "subject": subject,
+                        "delta": delta,
+                        "amount_minor": line.amount_minor,
+                        "currency": line.currency,
+                        "settlement_amount_minor": line.settlement_amount_minor,
+                        "settlement_currency": line.settlement_currency,
+                        "exchange_rate": line.exchange_rate,
+                        "settlement_file_id": self.report.file_id,
+                        "line_no": line.line_no,
+                    },
+                )
+                self.tally.conversions[currency] = self.tally.conversions.get(currency, 0) + delta
 
     # --- local only --------------------------------------------------------------------------
 

@@ -84,7 +84,7 @@ def relay_charge(
     provider = ctx.providers.get(provider_name)
     with db_turn():
         gate = admission(ctx, provider)
-        prepared: Result | tuple[int, dict[str, Any], bool] = Result.SKIPPED
+        prepared: Result | tuple[int, dict[str, Any], bool, datetime | None] = Result.SKIPPED
         try:
             prepared = _prepare(ctx, outbox_id, lease_until, provider, gate)
         finally:
@@ -92,8 +92,8 @@ def relay_charge(
                 release(ctx, provider, gate)  # no call goes out: a probe slot we took is free again
     if isinstance(prepared, Result):
         return prepared
-    call_id, current, resend = prepared
-    outcome = send_charge(ctx, provider, current)
+    call_id, current, resend, sent_before = prepared
+    outcome = send_charge(ctx, provider, current, sent_before)
     with db_turn():
         lock = partial(lock_payment, payment_id=current["payment_id"])
         result = apply_call(ctx, outbox_id, call_id, lock, provider, outcome, resend)
@@ -101,8 +101,13 @@ def relay_charge(
     return result
 
 
-def send_charge(ctx: Context, provider: Provider, current: Mapping[str, Any]) -> QueryOutcome:
-    """The charge call itself, outside any transaction, with the payment's fixed idempotency key (invariant 6)."""
+def send_charge(
+    ctx: Context, provider: Provider, current: Mapping[str, Any], sent_before: datetime | None = None
+) -> QueryOutcome:
+    """The charge call itself, outside any transaction, with the payment's fixed idempotency key (invariant 6).
+
+    ``sent_before``: when the payment's previous charge call started (None: this is its first).
+    """
     outcome = provider.charge(
         ChargeRequest(
             current["payment_id"],
@@ -111,6 +116,8 @@ def send_charge(ctx: Context, provider: Provider, current: Mapping[str, Any]) ->
             description=current["description"],
             created_at=current["created_at"],
             payment_method=current["payment_method"],
+            provider_transaction_id=current["provider_transaction_id"],
+            sent_before=sent_before,
         ),
         current["idempotency_key"],
         ctx.settings.provider_timeout_seconds,
@@ -165,7 +172,7 @@ def _prepare(
     lease_until: datetime,
     provider: Provider | None,
     gate: breaker.Gate,
-) -> Result | tuple[int, dict[str, Any], bool]:
+) -> Result | tuple[int, dict[str, Any], bool, datetime | None]:
     now = utcnow()
     with ctx.engine.begin() as conn:
         row = conn.execute(_LOCK_OUTBOX, {"p_outbox_id": outbox_id}).first()
@@ -225,7 +232,9 @@ def _prepare(
         # The lease now covers the call itself, however long the wait for the rate limiter was.
         lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
         conn.execute(_LEASE_FOR_CALL, {"p_outbox_id": outbox_id, "next_attempt_at": lease, "updated_at": now})
-    return call_id, current, resend
+    # The previous call, a 429 included: a later time than the last send that reached the provider only makes a
+    # lookup by our number more careful.
+    return call_id, current, resend, previous.started_at if previous is not None else None
 
 
 def apply_call(

@@ -467,6 +467,24 @@ settlement_line = Table(
     Column("currency", String(3), nullable=True),
     Column("occurred_at", TS, nullable=True),
     Column("parse_error", String(255), nullable=True, comment="why an invalid line could not be read"),
+    Column(
+        "settlement_amount_minor",
+        BigInteger,
+        nullable=True,
+        comment="cross-currency lines: the magnitude that reached our balance (and fee_minor's currency)",
+    ),
+    Column(
+        "settlement_currency",
+        String(3),
+        nullable=True,
+        comment="cross-currency lines: the balance's currency (amount_minor and currency are the charge's)",
+    ),
+    Column(
+        "exchange_rate",
+        String(32),
+        nullable=True,
+        comment="cross-currency lines: the provider's rate, as written (amount x rate = settlement amount)",
+    ),
     Column("raw", LONGTEXT, nullable=False, comment="the record exactly as in the file, without its line ending"),
     UniqueConstraint("settlement_file_id", "line_no", name="uq_settlement_line"),
     # Cover "does a current file name this transaction?" (local-only, aging) without reading the rows.

@@ -42,6 +42,8 @@ FAILED = "failed"
 STATUSES = (SUCCEEDED, FAILED)
 
 _CURRENCY = re.compile(r"[A-Z]{3}", re.ASCII)
+_RATE = re.compile(r"(?=.*[1-9])[0-9]{1,15}(\.[0-9]{1,15})?", re.ASCII)
+"""A positive decimal of at most 31 characters (settlement_line.exchange_rate holds 32)."""
 
 
 class SettlementFormatError(ValueError):
@@ -73,6 +75,13 @@ class SettlementLine:
     """Naive UTC."""
     error: str | None = None
     """Why an invalid line could not be read."""
+    settlement_amount_minor: int | None = None
+    """Cross-currency lines: the magnitude that reached our balance at the provider, in ``settlement_currency``
+    (``amount_minor`` and ``currency`` are the charge's or refund's own, what we match on)."""
+    settlement_currency: str | None = None
+    """Cross-currency lines: the currency of the provider's balance; ``fee_minor`` is in it too."""
+    exchange_rate: str | None = None
+    """Cross-currency lines: the provider's rate as it wrote it (amount in currency x rate = settlement amount)."""
 
     def __init__(  # noqa: PLR0913 - the fields above, in order, with their defaults (a test holds them together)
         self,
@@ -87,6 +96,9 @@ class SettlementLine:
         currency: str | None = None,
         occurred_at: datetime | None = None,
         error: str | None = None,
+        settlement_amount_minor: int | None = None,
+        settlement_currency: str | None = None,
+        exchange_rate: str | None = None,
     ) -> None:
         # By hand: the frozen dataclass's own __init__ sets each field through object.__setattr__, a third of
         # a sandbox line's parse. Stored straight into the instance dict instead, in field order, so the dict
@@ -103,6 +115,14 @@ class SettlementLine:
         fields["currency"] = currency
         fields["occurred_at"] = occurred_at
         fields["error"] = error
+        fields["settlement_amount_minor"] = settlement_amount_minor
+        fields["settlement_currency"] = settlement_currency
+        fields["exchange_rate"] = exchange_rate
+
+    @property
+    def fee_currency(self) -> str | None:
+        """The currency ``fee_minor`` is in: the settlement's on a cross-currency line, else the line's."""
+        return self.settlement_currency or self.currency
 
 
 Parser = Callable[[BinaryIO], Iterator[SettlementLine]]
@@ -149,6 +169,21 @@ def _problem(line: SettlementLine) -> str | None:
         return "fee must be an integer in minor units"
     if not isinstance(line.currency, str) or not _CURRENCY.fullmatch(line.currency):
         return "currency must be an ISO 4217 code"
+    return _settlement_problem(line)
+
+
+def _settlement_problem(line: SettlementLine) -> str | None:
+    """What is wrong with a line's settlement side (all three fields, or none)."""
+    given = (line.settlement_amount_minor, line.settlement_currency, line.exchange_rate)
+    if all(value is None for value in given):
+        return None
+    if not _is_int(line.settlement_amount_minor) or line.settlement_amount_minor <= 0:
+        return "settlement amount must be a positive integer in minor units"
+    currency = line.settlement_currency
+    if not isinstance(currency, str) or not _CURRENCY.fullmatch(currency) or currency == line.currency:
+        return "settlement currency must be an ISO 4217 code other than the line's currency"
+    if not isinstance(line.exchange_rate, str) or not _RATE.fullmatch(line.exchange_rate):
+        return "exchange rate must be a positive decimal number"
     return None
 
 

@@ -175,6 +175,19 @@ def charge_request(
     currency: str = "USD",
     pm: str | None = "pm_card_visa",
     age: float = 0.0,
+    sent_ago: float | None = 0.0,
+    provider_transaction_id: str | None = None,
 ) -> ChargeRequest:
-    """What the relay sends for a payment created ``age`` seconds ago, paid with PaymentMethod ``pm``."""
-    return ChargeRequest(payment_id, amount, currency, created_at=utcnow() - timedelta(seconds=age), payment_method=pm)
+    """What the relay sends for a payment created ``age`` seconds ago, paid with PaymentMethod ``pm``.
+
+    ``sent_ago``: how long ago its previous charge call started (None: never sent).
+    """
+    return ChargeRequest(
+        payment_id,
+        amount,
+        currency,
+        created_at=utcnow() - timedelta(seconds=age),
+        payment_method=pm,
+        provider_transaction_id=provider_transaction_id,
+        sent_before=None if sent_ago is None else utcnow() - timedelta(seconds=sent_ago),
+    )

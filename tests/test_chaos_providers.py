@@ -44,6 +44,8 @@ def mix(cls=AlipayMix, truths=None, reconciliations=None):  # noqa: ANN001, ANN2
     m = cls(faults={})
     m.truths = dict(TRUE if truths is None else truths)
     m.reconciliations = [_reconciliation()] if reconciliations is None else reconciliations
+    if isinstance(m, StripeMix):
+        m.balance = {}  # read after the reconciliation: nothing held, as the made-up ledger holds nothing
     return m
 
 
@@ -91,6 +93,25 @@ def test_each_row_fails_on_what_it_catches(truths, payments, reconciliations, ro
     if payments:
         db.payments.update(payments)
     assert row in _failing(mix(truths=truths, reconciliations=reconciliations).rows(db, CREATED))
+
+
+CONVERTED = "Succeeded Stripe payments settled from another currency into USD"
+RECEIVABLE = "Stripe receivable in the ledger equal to Stripe's balance, per currency (conversions booked)"
+
+
+def test_the_stripe_rows_fail_without_cross_currency_payments_or_when_a_conversion_is_missing_from_the_ledger():
+    m = mix(StripeMix)
+    usd_only = _db()
+    usd_only.payments["pay_a"] = {**usd_only.payments["pay_a"], "currency": "USD"}
+    assert CONVERTED in _failing(m.rows(usd_only, CREATED))
+
+    m.balance = {"USD": 10850}
+    converted = _db(receivables={("assets:provider:stripe", "USD"): 10850, ("assets:provider:stripe", "EUR"): 0})
+    assert _failing(m.rows(converted, CREATED)) == set()
+    unconverted = _db(receivables={("assets:provider:stripe", "EUR"): 10000})
+    assert RECEIVABLE in _failing(m.rows(unconverted, CREATED)), "the EUR was never converted"
+    m.balance = None
+    assert RECEIVABLE in _failing(m.rows(converted, CREATED)), "the fake's balance was not read"
 
 
 def test_the_customer_of_a_payment_is_the_same_on_every_pass_and_the_run_has_all_kinds():

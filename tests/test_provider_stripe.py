@@ -277,6 +277,84 @@ def test_the_lookup_reads_the_payment_intent_itself_not_the_stale_search_snapsho
     assert isinstance(stripe.query("pay_1", TIMEOUT, charge_request()), Succeeded)
 
 
+# --------------------------------------------------------------------------------------------- a busy account
+
+OTHERS = 10_000
+"""Another integration's PaymentIntents created in the lookup's window: 2.3 a second for 70 minutes."""
+
+
+def gets(fake):
+    return [r for r in fake.requests if r["method"] == "GET"]
+
+
+def test_a_lost_answer_is_settled_in_a_constant_number_of_calls_among_10000_other_payment_intents(stripe, fake):
+    fake.fail_next("timeout_after_commit", path="POST /v1/payment_intents")
+    assert isinstance(stripe.charge(charge_request(), "k-busy", SHORT), Unknown)
+    fake.other_traffic(OTHERS)
+    before = len(gets(fake))
+
+    found = stripe.query("pay_1", TIMEOUT, charge_request(sent_ago=5))
+
+    assert isinstance(found, Succeeded) and fake.payment_intents[found.provider_transaction_id]["metadata"] == {
+        "payment_id": "pay_1"
+    }
+    assert len(gets(fake)) - before == 2, "search, then the PaymentIntent itself"
+
+
+def test_past_24_hours_a_payment_stripe_never_saw_is_sent_once_among_10000_other_payment_intents(stripe, fake):
+    fake.other_traffic(OTHERS)
+    # The last send (2 hours ago) is older than the search index can lag: search's "none" is the answer.
+    outcome = stripe.charge(charge_request(age=2 * DAY, sent_ago=7200), "k-old-busy", TIMEOUT)
+
+    assert isinstance(outcome, Succeeded) and len(posts(fake)) == 1
+    assert [r["path"] for r in gets(fake)] == ["/v1/payment_intents/search"]
+
+
+def test_while_search_may_lag_a_busy_account_is_unknown_in_a_few_calls_and_settles_once_the_lag_has_passed(served):
+    platform = served.platform
+    platform.config.search_lag_seconds = 120
+    offset = [0.0]
+    stripe = StripeProvider(
+        API_KEY, (OLD_SECRET,), served.url, search_lag_seconds=600, clock=lambda: time.time() + offset[0]
+    )
+    platform.other_traffic(OTHERS)
+    request = charge_request(age=2 * DAY, sent_ago=0)  # its newest send just now: search may not show it yet
+
+    early = stripe.charge(request, "k-lagging", TIMEOUT)
+    assert isinstance(early, Unknown) and early.reason == "lookup_before_resend:search_may_lag"
+    assert posts(platform) == [] and len(gets(platform)) <= 3
+
+    offset[0] = platform.clock.offset = 600 + 2 * 600 + 60  # the lag and the clock margins have passed since then
+    before = len(gets(platform))
+    late = stripe.charge(request, "k-lagging", TIMEOUT)
+    assert isinstance(late, Succeeded) and len(posts(platform)) == 1
+    assert len(gets(platform)) - before == 1, "search alone"
+
+
+def test_a_payment_intent_id_we_hold_is_read_directly(stripe, fake):
+    charged = stripe.charge(charge_request(), "k-known", TIMEOUT)
+    fake.other_traffic(OTHERS)
+    before = len(gets(fake))
+
+    found = stripe.query("pay_1", TIMEOUT, charge_request(provider_transaction_id=charged.provider_transaction_id))
+
+    assert isinstance(found, Succeeded) and found.provider_transaction_id == charged.provider_transaction_id
+    assert [r["path"] for r in gets(fake)[before:]] == [f"/v1/payment_intents/{charged.provider_transaction_id}"]
+
+
+# --------------------------------------------------------------------------------------------- amount received
+
+
+def test_a_succeeded_payment_intent_that_received_less_than_we_charged_is_a_mismatch_never_succeeded(stripe, fake):
+    outcome = stripe.charge(charge_request(pm="pm_fake_partial_capture"), "k-partial", TIMEOUT)
+    (pi,) = fake.payment_intents.values()
+    assert pi["status"] == "succeeded" and pi["amount_received"] == 500
+
+    assert isinstance(outcome, Mismatch) and outcome.reason == AMOUNT_MISMATCH
+    assert isinstance(stripe.query("pay_1", TIMEOUT, charge_request()), Mismatch)
+    assert isinstance(stripe.query("pay_1", TIMEOUT), Mismatch), "without what we expected, against its own amount"
+
+
 # --------------------------------------------------------------------------------------------- queries
 
 

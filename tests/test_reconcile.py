@@ -42,7 +42,7 @@ from payments.schema import (
     settlement_file,
     settlement_line,
 )
-from payments.settlement import CHARGE, FEE, INVALID, REFUND, SettlementFormatError, SettlementLine
+from payments.settlement import CHARGE, FEE, INVALID, REFUND, SettlementFormatError, SettlementLine, checked
 from payments.states import PaymentStatus
 from tests.support import ROOT, create_payment, env_for, make_settings
 from tests.test_ledger import confirm, create_refund
@@ -169,6 +169,40 @@ def test_each_kind_of_line_is_classified(the_line, ours, expected):
         expected.adjust,
         expected.escalate,
     )
+
+
+def converted(amount: int = 10000, settled: int = 10850, kind=CHARGE, status: str = "succeeded") -> SettlementLine:
+    """A EUR charge (or refund) Stripe settled in USD at 1.085."""
+    return SettlementLine(2, "raw", kind, status, "pi_1", None, amount, 345, "EUR", None, None, settled, "USD", "1.085")
+
+
+def test_a_line_settled_in_another_currency_is_matched_on_the_charges_own_money():
+    ours = local("Succeeded", amount=10000, currency="EUR", ref="pi_1", provider="stripe")
+    assert classify(converted(), ours, ("stripe",)).category == RECON_MATCHED
+    assert classify(converted(amount=9000), ours, ("stripe",)).category == RECON_AMOUNT_MISMATCH
+    assert converted().fee_currency == "USD" and line().fee_currency == "CNY"
+
+
+def test_a_conversion_moves_the_receivable_out_of_the_charges_currency_into_the_settlements():
+    assert reconcile.conversion_view(converted()) == {"EUR": -10000, "USD": 10850}
+    assert reconcile.conversion_view(converted(3000, 3255, kind=REFUND)) == {"EUR": 3000, "USD": -3255}
+    assert reconcile.conversion_view(converted(status="failed")) == {}, "a failed line moved no money"
+    assert reconcile.conversion_view(line()) == {}, "nothing converted"
+
+
+def test_a_settlement_side_that_does_not_hold_together_makes_the_line_invalid():
+    base = converted()
+    for settled, currency, rate in (
+        (0, "USD", "1.085"),
+        (10850, "EUR", "1.085"),
+        (10850, "USD", "-1"),
+        (10850, None, "1"),
+    ):
+        bad = SettlementLine(
+            2, "raw", CHARGE, "succeeded", "pi_1", None, 10000, 0, "EUR", None, None, settled, currency, rate
+        )
+        assert checked(bad).kind == INVALID, (settled, currency, rate)
+    assert checked(base) == base
 
 
 @given(

@@ -23,12 +23,13 @@ from typing import Any
 
 from sqlalchemy import insert, select
 
+from payments import ledger
 from payments.bills.wechatpay import BEIJING
 from payments.db import utcnow
 from payments.providers.base import ChargeRequest, RefundRequest, Succeeded
 from payments.providers.stripe import StripeProvider
 from payments.providers.wechatpay import WechatPayProvider
-from payments.schema import RECON_MATCHED, RECON_RESOLVED, payment, refund
+from payments.schema import RECON_MATCHED, RECON_RESOLVED, payment, refund, settlement_line
 from payments.settings import PROVIDERS, Settings, env_name
 from payments.states import PaymentStatus, decide
 from payments.transitions import apply_decision
@@ -225,5 +226,68 @@ def test_a_day_reconciled_again_adds_nothing(engine):
         assert again["file"]["seen_before"] and again["file"]["new_lines"] == 0
         assert again["categories"][RECON_MATCHED]["count"] == 1 and again["fees_booked"] == {}
         assert again["resolved"] == again["adjustments"] == again["reviews"] == 0
+    finally:
+        served.close()
+
+
+def test_stripe_charges_and_refunds_in_eur_and_jpy_settled_in_usd_reconcile_with_nothing_unexplained(engine):
+    """An account settling in USD: each line is matched on the charge's own money, the conversion booked apart."""
+    served = FakeServer(new_fake(settlement_currency="usd"))
+    try:
+        adapter = StripeProvider(API_KEY, (OLD_SECRET,), served.url)
+
+        def paid(amount: int, currency: str) -> tuple[str, str]:
+            payment_id = create_payment(engine, provider="stripe", amount=amount, currency=currency)
+            answer = adapter.charge(charge_request(payment_id, amount, currency), f"key-{payment_id}", 5)
+            assert isinstance(answer, Succeeded), answer
+            return payment_id, answer.provider_transaction_id
+
+        eur, eur_intent = paid(10000, "EUR")
+        confirm(engine, "payment", eur, eur_intent)
+        jpy, jpy_intent = paid(5000, "JPY")
+        confirm(engine, "payment", jpy, jpy_intent)
+        refund_id = create_refund(engine, eur, 3000, "EUR", "stripe")
+        refunded = adapter.refund(RefundRequest(refund_id, eur, eur_intent, 3000, "EUR"), f"key-{refund_id}", 5)
+        assert isinstance(refunded, Succeeded), refunded
+        confirm(engine, "refund", refund_id, refunded.provider_transaction_id)
+        dropped, dropped_intent = paid(1200, "JPY")  # settled, its notification never came
+        with engine.begin() as conn:
+            conn.execute(
+                payment.update().where(payment.c.payment_id == dropped).values(provider_transaction_id=dropped_intent)
+            )
+        txns = served.platform.balance_transactions
+        assert {t["currency"] for t in txns} == {"usd"} and all(t["exchange_rate"] for t in txns)
+
+        day = datetime.fromtimestamp(served.platform.clock.now(), UTC).date().isoformat()
+        env = {
+            env_name("stripe_api_key"): API_KEY,
+            env_name("stripe_webhook_secrets"): OLD_SECRET,
+            env_name("stripe_api_base"): served.url,
+        }
+        report = reconcile_command(engine, "stripe", day, env)
+
+        assert report["unexplained"] == 0 and report["adjustments"] == 0 and report["reviews"] == 0, report
+        assert report["categories"][RECON_MATCHED]["count"] == 3, report["categories"]
+        assert report["categories"][RECON_RESOLVED]["count"] == 1, report["categories"]
+        assert set(report["fees"]) == {"USD"} and report["fees_booked"] == report["fees"]
+        settled = sum(t["amount"] for t in txns)
+        assert report["fx_converted"] == {"EUR": -7000, "JPY": -6200, "USD": settled}
+        with engine.connect() as conn:
+            held = {c: v for (account, c), v in ledger.balances(conn).items() if account == "assets:provider:stripe"}
+            lines = conn.execute(
+                select(
+                    settlement_line.c.currency, settlement_line.c.settlement_currency, settlement_line.c.exchange_rate
+                )
+            ).all()
+        # What Stripe holds for us is the USD balance: every transaction's net; nothing is left in EUR or JPY.
+        assert held == {"EUR": 0, "JPY": 0, "USD": sum(t["net"] for t in txns)}
+        assert sorted(lines) == [("EUR", "USD", "1.085"), ("EUR", "USD", "1.085"), ("JPY", "USD", "0.0067")] + [
+            ("JPY", "USD", "0.0067")
+        ]
+        assert status_of(engine, dropped)[0] == PaymentStatus.SUCCEEDED
+        assert_balanced(engine)
+
+        again = reconcile_command(engine, "stripe", day, env)
+        assert again["unexplained"] == 0 and again["fx_converted"] == {} and again["fees_booked"] == {}
     finally:
         served.close()

@@ -211,3 +211,60 @@ def test_the_refund_line_of_a_refund_the_bank_sent_back_is_failed_like_its_refun
         parse_balance_transactions(_stream([txn("refund", -300, 0, source={**REFUND, "status": "pending"})]))
     )
     assert [x.status for x in pending] == ["succeeded"]
+
+
+EUR_CHARGE = {
+    "id": "ch_eur",
+    "object": "charge",
+    "amount": 10000,
+    "amount_captured": 10000,
+    "currency": "eur",
+    "payment_intent": "pi_eur",
+    "metadata": {},
+}
+JPY_REFUND = {**REFUND, "id": "re_jpy", "amount": 5000, "currency": "jpy", "status": "succeeded"}
+
+
+def test_a_line_settled_in_another_currency_carries_the_charges_own_money_and_keeps_the_settlement_beside_it():
+    objects = [
+        txn("charge", 10850, 345, source=EUR_CHARGE, exchange_rate=1.085),
+        txn("refund", -3350, 0, source=JPY_REFUND, exchange_rate=0.0067),
+    ]
+    charge, refund = (checked(line) for line in read_settlement(_stream(objects)))
+    assert (charge.kind, charge.amount_minor, charge.currency, charge.provider_reference) == (
+        CHARGE_KIND,
+        10000,
+        "EUR",
+        "pi_eur",
+    )
+    assert (charge.settlement_amount_minor, charge.settlement_currency, charge.exchange_rate) == (10850, "USD", "1.085")
+    assert (charge.fee_minor, charge.fee_currency) == (345, "USD"), "the fee stays in the balance's currency"
+    assert (refund.kind, refund.amount_minor, refund.currency, refund.merchant_reference) == (
+        REFUND_KIND,
+        5000,
+        "JPY",
+        "re_ours",
+    )
+    assert (refund.settlement_amount_minor, refund.settlement_currency, refund.exchange_rate) == (3350, "USD", "0.0067")
+
+
+def test_a_converted_line_without_its_source_or_rate_is_invalid_with_the_reason_never_matched_on_the_wrong_money():
+    lines = list(
+        parse_balance_transactions(
+            _stream(
+                [
+                    txn("charge", 10850, 345, source="ch_eur", exchange_rate=1.085),
+                    txn("charge", 10850, 345, source=EUR_CHARGE),
+                    txn("charge", 10850, 345, source=EUR_CHARGE, exchange_rate=-1),
+                    txn("charge", 10850, 345, source={**EUR_CHARGE, "amount_captured": 10.5}, exchange_rate=1.085),
+                ]
+            )
+        )
+    )
+    assert [x.kind for x in lines] == ["invalid"] * 4
+    assert "not expanded" in lines[0].error and "exchange_rate" in lines[1].error
+
+
+def test_a_same_currency_line_is_read_as_before():
+    (line,) = read_settlement(_stream([txn("charge", 1000, 59, source={**CHARGE, "currency": "usd"})]))
+    assert (line.amount_minor, line.currency, line.settlement_currency, line.exchange_rate) == (1000, "USD", None, None)

@@ -134,6 +134,29 @@ def test_a_zero_decimal_notification_matches_a_yen_payment(engine, client):
     assert payment_row(engine, payment_id)["status"] == "Succeeded"
 
 
+def test_a_success_that_received_less_than_we_charged_is_a_conflict_for_review_never_succeeded(engine, client):
+    payment_id = stripe_payment(engine, amount=1000)
+    pi = payment_intent(payment_id, amount=1000, amount_received=400)  # captured in part
+    post(client, *signed(event("payment_intent.succeeded", pi)))
+    compensate_callbacks.run_once(runtime_for(engine))
+
+    assert payment_row(engine, payment_id)["status"] == "Pending"
+    assert confirmations(engine, payment_id) == 0
+    with engine.connect() as conn:
+        reviews = conn.execute(select(manual_review).where(manual_review.c.payment_id == payment_id)).mappings().all()
+    assert [r["kind"] for r in reviews] == ["conflicting_report"] and "400 USD" in reviews[0]["reason"]
+
+
+def test_a_webhook_signed_ahead_of_our_clock_is_applied(engine, client):
+    # Our clock 10 minutes behind Stripe's: Stripe's libraries accept it, and so must we, or every webhook is refused.
+    payment_id = stripe_payment(engine)
+    evt = event("payment_intent.succeeded", payment_intent(payment_id, amount=1000))
+    answer = post(client, *signed(evt, timestamp=time.time() + 600))
+    assert answer.status_code == 200
+    compensate_callbacks.run_once(runtime_for(engine))
+    assert payment_row(engine, payment_id)["status"] == "Succeeded"
+
+
 def _refused(payment_id):
     evt = event("payment_intent.succeeded", payment_intent(payment_id, amount=1000))
     body, headers = signed(evt)
@@ -141,14 +164,13 @@ def _refused(payment_id):
         ("wrong key", *signed(evt, (STRANGER_SECRET,)), 401, "invalid_signature"),
         ("tampered field", body.replace(b'"amount": 1000', b'"amount": 1'), headers, 401, "invalid_signature"),
         ("stale timestamp", *signed(evt, timestamp=time.time() - 301), 401, "stale_timestamp"),
-        ("future timestamp", *signed(evt, timestamp=time.time() + 301), 401, "stale_timestamp"),
         ("missing header", body, {"Content-Type": "application/json"}, 401, "invalid_signature"),
         ("malformed body", *signed(b'{"id": "evt_1", "object": "event", '), 400, "malformed_callback"),
         ("not an event", *signed(json.dumps({"object": "list", "data": []}).encode()), 400, "malformed_callback"),
     ]
 
 
-@pytest.mark.parametrize("case", range(7), ids=lambda i: _refused("pay_x")[i][0])
+@pytest.mark.parametrize("case", range(6), ids=lambda i: _refused("pay_x")[i][0])
 def test_refused_notifications_get_a_4xx_are_kept_with_status_3_and_change_nothing(engine, client, case):
     payment_id = stripe_payment(engine)
     name, body, headers, status, code = _refused(payment_id)[case]
@@ -333,6 +355,23 @@ def test_an_ambiguous_charge_becomes_unknown_and_the_query_job_resolves_it(platf
     p = payment_row(rt.engine, payment_id)
     assert p["status"] == "Succeeded" and p["status_source"].startswith("query:")
     assert len(fake.payment_intents) == 1
+
+
+def test_the_query_job_resolves_an_ambiguous_charge_on_an_account_with_10000_other_payment_intents(platform):
+    fake, rt = platform
+    payment_id = new_payment(rt)
+    fake.fail_next("drop_webhook", count=10)
+    fake.fail_next("timeout_after_commit", path="POST /v1/payment_intents")
+    relay_outbox.run_once(short(rt))
+    assert payment_row(rt.engine, payment_id)["status"] == "Unknown"
+    fake.other_traffic(10_000)  # another integration's business, all created within the last hour
+    before = len(fake.requests)
+
+    _due(rt, payment_id)
+    assert query_unresolved.run_once(rt) == 1
+    p = payment_row(rt.engine, payment_id)
+    assert p["status"] == "Succeeded" and p["status_source"].startswith("query:")
+    assert len(fake.requests) - before == 2, "search, then the PaymentIntent itself"
 
 
 def test_an_idempotency_error_is_unknown_with_a_review_and_the_query_still_resolves_it(platform):

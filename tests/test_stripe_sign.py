@@ -78,16 +78,16 @@ def test_a_signature_for_another_timestamp_does_not_verify_with_this_one():
         stripe_sign.verify([OLD_SECRET], BODY, forged, now=NOW)
 
 
-@pytest.mark.parametrize("offset", [-301, 301, -86400, 10**6])
-def test_timestamps_more_than_300_s_off_are_refused_in_both_directions(offset):
-    # Stripe's libraries check only the old side; a future timestamp must be refused too.
+@pytest.mark.parametrize("offset", [-301, -86400, -(10**6)])
+def test_timestamps_more_than_300_s_old_are_refused(offset):
     header = signature_header([OLD_SECRET], BODY, NOW + offset)
-    with pytest.raises(stripe_sign.TimestampError):
+    with pytest.raises(stripe_sign.TimestampError, match="old"):
         stripe_sign.verify([OLD_SECRET], BODY, header, now=NOW)
 
 
-@pytest.mark.parametrize("offset", [-300, 0, 300])
-def test_timestamps_within_300_s_either_way_are_accepted(offset):
+@pytest.mark.parametrize("offset", [-300, 0, 300, 301, 3600, 86400])
+def test_timestamps_ahead_of_our_clock_are_accepted_as_stripes_libraries_do(offset):
+    # Stripe's libraries refuse only old timestamps: a host whose clock runs behind must not refuse every webhook.
     header = signature_header([OLD_SECRET], BODY, NOW + offset)
     assert stripe_sign.verify([OLD_SECRET], BODY, header, now=NOW) == NOW + offset
 

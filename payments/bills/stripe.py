@@ -15,7 +15,17 @@ it. The object (https://docs.stripe.com/api/balance_transactions/object)::
 
 ``amount`` is signed in the currency's Stripe unit (a refund is negative),
 ``fee`` is what Stripe kept (negative when a fee was given back) and ``net`` =
-amount − fee. Types read here:
+amount − fee, all in the balance's currency.
+
+**Cross-currency lines.** A charge in EUR on an account that settles in USD
+has a USD balance transaction with ``exchange_rate`` set (EUR amount × rate =
+USD amount). Our payment is the EUR one, so the line's ``amount_minor`` and
+``currency`` are the charge's (the expanded source's ``amount_captured`` or
+``amount``, and ``currency``; a refund's ``amount``), and what reached the
+balance is kept beside them: ``settlement_amount_minor``,
+``settlement_currency``, ``exchange_rate`` (as Stripe wrote it); ``fee_minor``
+and ``net_minor`` stay in the settlement currency. A converted line whose source
+is not expanded cannot be matched and is ``invalid``. Types read here:
 
 - ``charge`` / ``payment`` → kind ``charge``, succeeded; the reference is the
   source charge's ``payment_intent`` (our provider_transaction_id);
@@ -43,6 +53,7 @@ import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any, BinaryIO
 
 from payments.providers.stripe_money import AmountError, from_stripe, iso_currency
@@ -90,7 +101,13 @@ class BalanceLine:
     type: str | None = None
     """Stripe's ``type``, unchanged."""
     net_minor: int | None = None
-    """Stripe's ``net`` (signed) in paysync minor units."""
+    """Stripe's ``net`` (signed) in paysync minor units, in the balance's currency."""
+    settlement_amount_minor: int | None = None
+    """Cross-currency lines: the magnitude that reached the balance, in ``settlement_currency``."""
+    settlement_currency: str | None = None
+    """Cross-currency lines: the balance's currency (``currency`` is the charge's or refund's)."""
+    exchange_rate: str | None = None
+    """Cross-currency lines: Stripe's ``exchange_rate``, exactly as written."""
 
 
 def parse_balance_transactions(stream: Iterable[bytes]) -> Iterator[BalanceLine]:
@@ -118,7 +135,8 @@ def read_line(line_no: int, data: bytes) -> BalanceLine:
     if len(data) > MAX_LINE_BYTES:
         return _bad(line_no, raw[:1000], "line too long")
     try:
-        txn = json.loads(data)
+        # parse_float: exchange_rate is a JSON number, kept exact (an amount with a fraction stays invalid).
+        txn = json.loads(data, parse_float=Decimal)
     except (UnicodeDecodeError, ValueError, RecursionError):
         return _bad(line_no, raw, "not a JSON object")
     if not isinstance(txn, dict) or txn.get("object") != "balance_transaction":
@@ -149,6 +167,16 @@ def read_line(line_no: int, data: bytes) -> BalanceLine:
         "net_minor": net,
     }
     source = txn.get("source")
+    if txn_type in CHARGE_TYPES or txn_type in REFUND_TYPES or txn_type in REFUND_FAILURE_TYPES:
+        converted = _converted(
+            txn, source, currency, abs(amount), "amount_captured" if txn_type in CHARGE_TYPES else None
+        )
+        if isinstance(converted, str):
+            return _bad(line_no, raw, converted)
+        if converted:
+            common.update(converted)
+            amount = converted["currency_amount"] if amount > 0 else -converted["currency_amount"]
+            del common["currency_amount"]
     if txn_type in CHARGE_TYPES:
         if amount <= 0:
             return _bad(line_no, raw, "a charge must add to the balance")
@@ -190,6 +218,43 @@ def read_line(line_no: int, data: bytes) -> BalanceLine:
     return BalanceLine(
         line_no, raw, kind, provider_reference=_source_id(source), amount_minor=abs(amount), fee_minor=fee, **common
     )
+
+
+def _converted(
+    txn: Mapping[str, Any], source: Any, currency: str, settled: int, captured_field: str | None
+) -> dict[str, Any] | str | None:
+    """The charge side of a cross-currency line (fields for BalanceLine), None if not converted, or why not readable.
+
+    ``settled``: the line's magnitude in the balance's ``currency``.
+    """
+    rate = txn.get("exchange_rate")
+    own = source.get("currency") if isinstance(source, Mapping) else None
+    if rate is None and (own is None or str(own).upper() == currency):
+        return None
+    if not isinstance(source, Mapping):
+        return "converted from another currency, but the source is not expanded: its own amount is unknown"
+    if isinstance(rate, bool) or not isinstance(rate, int | Decimal) or not rate > 0:
+        return "exchange_rate must be a positive number"
+    try:
+        own_currency = iso_currency(own)
+        own_value = source.get(captured_field) if captured_field else None
+        if own_value is None:
+            own_value = source.get("amount")
+        own_amount = from_stripe(own_value, own_currency)
+    except AmountError as exc:
+        return f"source amount/currency: {exc}"
+    if own_currency == currency or own_amount <= 0:
+        return "a converted line's source must be a positive amount in another currency"
+    text = format(Decimal(rate), "f")
+    if len(text) > 31:
+        return "exchange_rate has too many digits"
+    return {
+        "currency": own_currency,
+        "currency_amount": own_amount,
+        "settlement_amount_minor": settled,
+        "settlement_currency": currency,
+        "exchange_rate": text,
+    }
 
 
 def _source_id(source: Any) -> str | None:
@@ -242,4 +307,7 @@ def settlement_line(line: BalanceLine) -> SettlementLine:
         currency=line.currency,
         occurred_at=line.occurred_at,
         error=line.error,
+        settlement_amount_minor=line.settlement_amount_minor,
+        settlement_currency=line.settlement_currency,
+        exchange_rate=line.exchange_rate,
     )

@@ -214,6 +214,11 @@ class ChargeRequest:
     """When the payment was created (naive UTC): fixes a provider-side expiry that must not change on re-send."""
     payment_method: str | None = None
     """What the provider is to charge, when the merchant names it (Stripe: a PaymentMethod id, pm_…)."""
+    provider_transaction_id: str | None = None
+    """The provider's id of the charge, when an earlier answer gave it to us: a lookup can read it directly."""
+    sent_before: datetime | None = None
+    """When the newest earlier charge call for this payment that may have reached the provider started (naive
+    UTC); None: none did. A lookup by our number needs it to know how recent a charge of ours there can be."""
 
 
 @dataclass(frozen=True)

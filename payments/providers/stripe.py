@@ -2,11 +2,13 @@
 
 Inbound (``POST /callbacks/stripe``): ``Stripe-Signature`` is verified against
 every STRIPE_WEBHOOK_SECRETS entry (``stripe_sign``: HMAC-SHA256 over
-``<t>.<raw body>``, 300 s both ways). Events, by ``metadata.payment_id`` /
-``metadata.refund_id``:
+``<t>.<raw body>``, refused when more than 300 s old, as Stripe's libraries
+do). Events, by ``metadata.payment_id`` / ``metadata.refund_id``:
 
-- ``payment_intent.succeeded`` → Succeeded; ``payment_intent.payment_failed``
-  and ``payment_intent.canceled`` → Failed (see "Failed is final" below);
+- ``payment_intent.succeeded`` → Succeeded (when ``amount_received`` is the
+  amount: a success for less is another amount, a conflict for review);
+  ``payment_intent.payment_failed`` and ``payment_intent.canceled`` → Failed
+  (see "Failed is final" below);
 - ``refund.created`` / ``refund.updated`` / ``refund.failed`` → the refund's
   status (succeeded, pending, failed/canceled); ``charge.refunded`` → the same,
   read from the charge's ``refunds`` list when the endpoint's API version still
@@ -40,16 +42,19 @@ manual review (invariant 4) rather than being lost.
 hours old, and then the same key makes a second PaymentIntent. So a charge for
 a payment created more than ``KEY_LIFETIME_SECONDS`` (less a margin) ago first
 looks for an existing PaymentIntent and sends only if there is none. Looking
-is ``_find``: the search API (``metadata['payment_id']:'…'``), which is
-eventually consistent ("data is searchable in less than a minute … up to an
-hour behind during outages"), so its "not found" is not believed on its own:
-PaymentIntents created in the last ``search_lag_seconds`` are read from the
-list API, which is consistent (Stripe: "for read-after-write flows … use the
-list APIs"), and whatever is found is retrieved by id before it is believed.
-The query job uses the same lookup. Refunds are always looked up first in the
-PaymentIntent's (consistent) refund list, so no refund key is re-sent blind;
-a refund key whose saved answer is a 500 is walked past like a charge's
-(``successor_key``), once that lookup found no refund of ours.
+is ``_find``, in a number of calls that does not grow with the account's
+traffic: the PaymentIntent id we hold, if an answer gave us one, is retrieved;
+else the search API (``metadata['payment_id']:'…'``), which is eventually
+consistent ("data is searchable in less than a minute … up to an hour behind
+during outages"), so its "not found" is believed only once our newest send is
+older than ``search_lag_seconds``. Before that, up to LIST_PAGES pages of the
+list API (consistent: "for read-after-write flows … use the list APIs") are
+read; a busier window is Unknown until the lag has passed. Whatever is found is
+retrieved by id before it is believed. The query job uses the same lookup.
+Refunds are always looked up first in the PaymentIntent's (consistent) refund
+list, so no refund key is re-sent blind; a refund key whose saved answer is a
+500 is walked past like a charge's (``successor_key``), once that lookup found
+no refund of ours.
 
 Classification (invariant 5): timeouts, resets, 5xx (``api_error``), 424,
 429 (rate limits and ``lock_timeout``) and unreadable answers are Unknown. A
@@ -120,7 +125,11 @@ KEY_MARGIN_SECONDS = 600
 SEARCH_LAG_SECONDS = 3600
 """How far the search index may lag (Stripe: "up to an hour behind during outages")."""
 MAX_PAGES = 10
-"""Pages of 100 read for one lookup; past that the answer is Unknown rather than a guess."""
+"""Pages of 100 read for one list (a PaymentIntent's refunds); past that the answer is Unknown rather than a guess."""
+LIST_PAGES = 2
+"""Pages of 100 recent PaymentIntents a payment lookup reads while search may lag; a busier account waits for the
+lag to pass instead, so a lookup's cost never grows with the account's traffic."""
+_TOO_MANY = "lookup_window_too_large"
 MAX_RESPONSE_CHARS = 2000
 """Raw answers are kept this long in provider_call.response."""
 USER_AGENT = "paysync-stripe/1"
@@ -151,6 +160,7 @@ REFUND_STATUSES = {
 """Refund.status → what it reports about our refund."""
 
 _EVENT_ID = re.compile(r"evt_[0-9A-Za-z]{1,120}", re.ASCII)
+_PAYMENT_INTENT_ID = re.compile(r"pi_[0-9A-Za-z_]{1,120}", re.ASCII)
 _OBJECT_ID = re.compile(r"[a-z]{2,5}_[0-9A-Za-z_]{1,120}", re.ASCII)
 _OUR_ID = re.compile(r"[0-9A-Za-z_-]{1,40}", re.ASCII)
 """Our payment_id / refund_id as they may appear in metadata and in a search query (no quotes to escape)."""
@@ -234,6 +244,16 @@ def read_payment_intent(data: Any, payment_id: str, expected: ChargeRequest | No
             return Mismatch(AMOUNT_MISMATCH, provider_transaction_id=pi_id, raw=data)
     status = data.get("status")
     if status == "succeeded":
+        # Succeeded means the money we asked for was taken: amount_received is what was, amount only what we asked.
+        try:
+            received = from_stripe(data.get("amount_received"), data.get("currency"))
+            asked = (
+                expected.amount_minor if expected is not None else from_stripe(data.get("amount"), data.get("currency"))
+            )
+        except AmountError:
+            return Unknown("unparseable_response", raw=data)
+        if received != asked:
+            return Mismatch(AMOUNT_MISMATCH, provider_transaction_id=pi_id, raw=data)
         return Succeeded(pi_id, raw=data)
     if status in ("processing", "requires_capture", "requires_action"):
         return Pending(pi_id, raw=data)
@@ -380,6 +400,9 @@ def _payment_event(provider: str, event_id: str, event_type: str, created: int, 
     if obj.get("status") not in _EVENT_STATUS[event_type]:
         raise MalformedCallback(f"{event_type} with a PaymentIntent in status {str(obj.get('status'))[:32]!r}")
     amount, currency = _money(obj)
+    if event_type == "payment_intent.succeeded":
+        # What was taken, not what was asked: a success for less than we charged is a conflict, never Succeeded.
+        amount = _money(obj, "amount_received")[0]
     failure = None
     if event_type == "payment_intent.payment_failed":
         error = obj.get("last_payment_error")
@@ -453,14 +476,14 @@ def _metadata_reference(obj: Mapping[str, Any], key: str) -> str | None:
     return value
 
 
-def _money(obj: Mapping[str, Any]) -> tuple[int, str]:
+def _money(obj: Mapping[str, Any], field: str = "amount") -> tuple[int, str]:
     try:
         currency = iso_currency(obj.get("currency"))
-        amount = from_stripe(obj.get("amount"), currency)
+        amount = from_stripe(obj.get(field), currency)
     except AmountError as exc:
         raise MalformedCallback(f"amount/currency: {exc}") from None
     if amount <= 0:
-        raise MalformedCallback("amount must be positive")
+        raise MalformedCallback(f"{field} must be positive")
     return amount, currency
 
 
@@ -670,8 +693,19 @@ class StripeProvider(Provider):
         return self._find(payment_id, timeout, expected)
 
     def _find(self, payment_id: str, timeout: float, expected: ChargeRequest | None) -> QueryOutcome:
+        """Our PaymentIntent, in at most LIST_PAGES + 2 calls however busy the account is.
+
+        1. The pi_… an earlier answer gave us is retrieved by id (consistent).
+        2. Else the search API by metadata.payment_id; what it finds is retrieved by id.
+        3. Search's "none" is believed once our newest send is older than the search index's lag. Before that,
+           the consistent list of PaymentIntents created in the lag window is read, at most LIST_PAGES pages; a
+           busier window is Unknown (``search_may_lag``), which a later lookup settles once the lag has passed.
+        """
         if not _OUR_ID.fullmatch(payment_id):
             return Unknown("unsearchable_reference")
+        known = expected.provider_transaction_id if expected is not None else None
+        if known and _PAYMENT_INTENT_ID.fullmatch(known):
+            return self._retrieve(known, payment_id, timeout, expected)
         query = f"metadata['payment_id']:'{payment_id}'"
         reply = self._call("GET", "/v1/payment_intents/search", timeout, query={"query": query, "limit": 100})
         if reply.status != 200 or not isinstance(reply.data, dict) or not isinstance(reply.data.get("data"), list):
@@ -683,14 +717,19 @@ class StripeProvider(Provider):
             for pi in reply.data["data"]
             if isinstance(pi, dict) and isinstance(pi.get("id"), str) and _metadata_is(pi, payment_id)
         }
-        # Search may not have seen the newest PaymentIntents yet: the list API has (it is consistent).
         since = int(self._clock() - self._search_lag - KEY_MARGIN_SECONDS)
-        recent = self._list_ids(
-            "/v1/payment_intents", {"created": {"gte": since}}, timeout, lambda pi: _metadata_is(pi, payment_id)
-        )
-        if isinstance(recent, Unknown):
-            return recent
-        ids |= recent
+        if not ids and _sent_since(expected, since):
+            # Search may not have seen a PaymentIntent that recent send made: the list API has (it is consistent).
+            recent = self._list_ids(
+                "/v1/payment_intents",
+                {"created": {"gte": since}},
+                timeout,
+                lambda pi: _metadata_is(pi, payment_id),
+                pages=LIST_PAGES,
+            )
+            if isinstance(recent, Unknown):
+                return replace(recent, reason="search_may_lag") if recent.reason == _TOO_MANY else recent
+            ids = recent
         if not ids:
             return NotFound(evidence=reply.evidence)
         if len(ids) > 1:
@@ -698,18 +737,26 @@ class StripeProvider(Provider):
         (pi_id,) = ids
         if not _OBJECT_ID.fullmatch(pi_id):
             return Unknown("unparseable_response", evidence=reply.evidence)
+        return self._retrieve(pi_id, payment_id, timeout, expected)
+
+    def _retrieve(self, pi_id: str, payment_id: str, timeout: float, expected: ChargeRequest | None) -> QueryOutcome:
         current = self._call("GET", f"/v1/payment_intents/{pi_id}", timeout)
         if current.status != 200:
             return replace(_not_an_answer(current), evidence=current.evidence)
         return replace(read_payment_intent(current.data, payment_id, expected), evidence=current.evidence)
 
     def _list_ids(
-        self, path: str, query: Mapping[str, Any], timeout: float, keep: Callable[[Mapping[str, Any]], bool]
+        self,
+        path: str,
+        query: Mapping[str, Any],
+        timeout: float,
+        keep: Callable[[Mapping[str, Any]], bool],
+        pages: int = MAX_PAGES,
     ) -> set[str] | Unknown:
-        """Ids of the listed objects ``keep`` accepts, over at most MAX_PAGES pages; Unknown if that is not all."""
+        """Ids of the listed objects ``keep`` accepts, over at most ``pages`` pages; Unknown if that is not all."""
         found: set[str] = set()
         after: str | None = None
-        for _ in range(MAX_PAGES):
+        for _ in range(pages):
             page = dict(query, limit=100, **({"starting_after": after} if after else {}))
             reply = self._call("GET", path, timeout, query=page)
             items = reply.data.get("data") if reply.status == 200 and isinstance(reply.data, dict) else None
@@ -723,7 +770,7 @@ class StripeProvider(Provider):
             after = items[-1].get("id") if isinstance(items[-1], dict) else None
             if not isinstance(after, str):
                 return Unknown("unparseable_response", evidence=reply.evidence)
-        return Unknown("lookup_window_too_large")
+        return Unknown(_TOO_MANY)
 
     # ----------------------------------------------------------------------------------------- refunds
 
@@ -873,6 +920,17 @@ class StripeProvider(Provider):
     def settlement(self, day: str, timeout: float) -> Iterator[bytes]:
         """The day's balance transactions as JSON lines (``balance_transactions``), read by payments.bills.stripe."""
         return self.balance_transactions(day, timeout)
+
+
+def _sent_since(expected: ChargeRequest | None, since: float) -> bool:
+    """Whether a charge of ours may have reached Stripe after ``since`` (unix seconds): not when none was sent."""
+    if expected is None:
+        return True  # nothing known about our sends: assume the newest was just now
+    if expected.sent_before is None:
+        return False
+    # The call may have reached Stripe any time until it gave up, on a clock that may differ from ours.
+    sent = expected.sent_before.replace(tzinfo=UTC).timestamp() + KEY_MARGIN_SECONDS
+    return sent >= since
 
 
 def _metadata_is(obj: Mapping[str, Any], reference: str, key: str = "payment_id") -> bool:

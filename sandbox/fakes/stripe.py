@@ -24,7 +24,8 @@ can be tested without a network:
   list, cancel; **search** by ``metadata['key']:'value'``, answering from an
   index that lags ``search_lag_seconds`` behind (new and changed objects both);
   refunds (succeeded at once, or pending until completed); the event list
-  (30 days); balance transactions with ``expand[]=data.source``.
+  (30 days); balance transactions with ``expand[]=data.source``, converted into the
+  account's ``settlement_currency`` (with ``exchange_rate``) when it has one.
 - **Sends webhooks** for the subscribed event types to ``webhook_url``:
   ``Stripe-Signature: t=…,v1=…`` with one ``v1`` per active signing secret
   (HMAC-SHA256 of ``t.body`` keyed with the whole ``whsec_…`` string), retried
@@ -35,7 +36,9 @@ can be tested without a network:
   dropped webhooks; ``fail_next`` scripts faults for the next requests.
 
 Control surface (``/_fake/…``, this machine only): move the clock, set faults,
-script faults, complete processing PaymentIntents and pending refunds, make new
+script faults, complete processing PaymentIntents and pending refunds, add another
+integration's PaymentIntents (``other_traffic``), read the balance (``balance``:
+net per currency of every balance transaction), make new
 refunds start pending (``refunds_pending``), change the signing secrets, read
 the deliveries, every PaymentIntent (``payment_intents``) and every refund
 (``refunds``).
@@ -43,8 +46,10 @@ the deliveries, every PaymentIntent (``payment_intents``) and every refund
 ``python -m sandbox.fakes.stripe --port N`` serves it, configured from
 ``STRIPE_FAKE_API_KEY``, ``STRIPE_FAKE_WEBHOOK_SECRETS`` (comma-separated),
 ``STRIPE_FAKE_WEBHOOK_URL``, ``STRIPE_FAKE_SEARCH_LAG_SECONDS``,
-``STRIPE_FAKE_SEED``, ``STRIPE_FAKE_FAULTS`` (a JSON object of knobs) and
-``STRIPE_FAKE_REFUNDS_PENDING`` (``1``: new refunds start pending).
+``STRIPE_FAKE_SEED``, ``STRIPE_FAKE_FAULTS`` (a JSON object of knobs),
+``STRIPE_FAKE_REFUNDS_PENDING`` (``1``: new refunds start pending) and
+``STRIPE_FAKE_SETTLEMENT_CURRENCY`` (e.g. ``usd``: the balance's currency;
+charges in others are converted into it at the fake's ``EXCHANGE_RATES``).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from __future__ import annotations
 import argparse
 import base64
 import copy
+import decimal
 import hashlib
 import hmac
 import json
@@ -96,6 +102,9 @@ THREE_DECIMAL = frozenset("bhd jod kwd omr tnd".split())
 WHOLE_UNITS = frozenset({"isk", "huf", "twd"})
 """Charged in whole units only in some contexts; ISK amounts must be divisible by 100 (we apply it to ISK)."""
 
+EXCHANGE_RATES = {"eur": "1.0850", "gbp": "1.2710", "jpy": "0.006700", "usd": "1", "chf": "1.1360"}
+"""Default rates into the settlement currency, read as into USD (a fake's, not today's market)."""
+
 TEST_PAYMENT_METHODS = {
     "pm_card_visa": None,
     "pm_card_mastercard": None,
@@ -104,8 +113,11 @@ TEST_PAYMENT_METHODS = {
     "pm_card_chargeDeclinedExpiredCard": ("expired_card", "expired_card"),
     "pm_card_authenticationRequired": "requires_action",
     "pm_fake_processing": "processing",
+    "pm_fake_partial_capture": "partial_capture",
 }
-"""PaymentMethod id → None (succeeds), (code, decline_code) (declines), or the status it leaves the intent in."""
+"""PaymentMethod id → None (succeeds), (code, decline_code) (declines), or the status it leaves the intent in.
+``pm_fake_partial_capture`` succeeds having captured half the amount (as a manual capture with a smaller
+``amount_to_capture`` does): ``status`` is succeeded, ``amount_received`` less than ``amount``."""
 
 RATES = (
     "error_5xx_rate",
@@ -139,6 +151,10 @@ class Faults:
     drop_webhook_rate: float = 0.0
     """Share of webhook events never sent."""
     hang_seconds: float = 3.0
+
+
+def _stripe_exponent(currency: str) -> int:
+    return 0 if currency in ZERO_DECIMAL else 3 if currency in THREE_DECIMAL else 2
 
 
 def parse_faults(raw: str | dict[str, Any] | None) -> Faults:
@@ -176,6 +192,12 @@ class FakeConfig:
     webhook_max_attempts: int = 3
     webhook_backoff_seconds: float = 0.05
     seed: int | None = None
+    settlement_currency: str | None = None
+    """The account's balance currency: charges and refunds in another one are converted into it at
+    ``exchange_rates`` and their balance transactions carry ``exchange_rate``. None: every currency settles as
+    itself."""
+    exchange_rates: dict[str, str] = field(default_factory=lambda: dict(EXCHANGE_RATES))
+    """Currency -> how many units of the settlement currency one unit of it buys (decimal text)."""
 
 
 class Clock:
@@ -337,7 +359,21 @@ class FakeStripe:
         fee = (amount * 29 + 500) // 1000 + fixed
         return fee - fee % 10 if currency in THREE_DECIMAL else fee
 
+    def _settled(self, amount: int, currency: str) -> tuple[int, str, float | None]:
+        """(amount, currency, exchange_rate) of ``amount`` in ``currency`` as it reaches the balance."""
+        into = self.config.settlement_currency
+        if into is None or into == currency:
+            return amount, currency, None
+        rate = decimal.Decimal(self.config.exchange_rates[currency]) / decimal.Decimal(self.config.exchange_rates[into])
+        rate = rate.quantize(decimal.Decimal("0.000001"))
+        shift = decimal.Decimal(10) ** (_stripe_exponent(into) - _stripe_exponent(currency))
+        settled = int((decimal.Decimal(amount) * rate * shift).to_integral_value(decimal.ROUND_HALF_UP))
+        return settled, into, float(rate)
+
     def _balance(self, txn_type: str, amount: int, fee: int, currency: str, source: str) -> str:
+        amount, currency, rate = self._settled(amount, currency)
+        if fee:
+            fee = self._fee(abs(amount), currency)
         txn = {
             "id": self._id("txn"),
             "object": "balance_transaction",
@@ -346,7 +382,7 @@ class FakeStripe:
             "created": self._now(),
             "currency": currency,
             "description": None,
-            "exchange_rate": None,
+            "exchange_rate": rate,
             "fee": fee,
             "fee_details": [{"amount": fee, "currency": currency, "type": "stripe_fee", "description": "Stripe fee"}]
             if fee
@@ -440,6 +476,9 @@ class FakeStripe:
         if outcome == "processing":
             pi["status"] = "processing"
             return
+        if outcome == "partial_capture":
+            self._succeed(pi, self._charge(pi, "succeeded", None), key, received=pi["amount"] // 2)
+            return
         charge = self._charge(pi, "failed" if outcome else "succeeded", outcome[0] if outcome else None)
         if outcome is None:
             self._succeed(pi, charge, key)
@@ -478,12 +517,16 @@ class FakeStripe:
         pi["latest_charge"] = charge["id"]
         return charge
 
-    def _succeed(self, pi: dict[str, Any], charge: dict[str, Any], key: str | None) -> None:
+    def _succeed(
+        self, pi: dict[str, Any], charge: dict[str, Any], key: str | None, received: int | None = None
+    ) -> None:
+        received = pi["amount"] if received is None else received
         charge["status"], charge["paid"] = "succeeded", True
+        charge["amount_captured"] = received
         charge["balance_transaction"] = self._balance(
-            "charge", pi["amount"], self._fee(pi["amount"], pi["currency"]), pi["currency"], charge["id"]
+            "charge", received, self._fee(received, pi["currency"]), pi["currency"], charge["id"]
         )
-        pi["status"], pi["amount_received"] = "succeeded", pi["amount"]
+        pi["status"], pi["amount_received"] = "succeeded", received
         self._emit("charge.succeeded", charge, key)
         self._emit("payment_intent.succeeded", pi, key)
 
@@ -502,6 +545,34 @@ class FakeStripe:
                 self._emit("payment_intent.payment_failed", pi)
             self._indexed(pi)
             return copy.deepcopy(pi)
+
+    def other_traffic(self, count: int, amount: int = 500, currency: str = "usd") -> int:
+        """``count`` succeeded PaymentIntents of another integration on this account, created now (control surface).
+
+        The account's other business: no ``metadata.payment_id``, no webhooks to us. Lookups by our number must
+        cost the same however many of these there are.
+        """
+        with self.lock:
+            now = self._now()
+            for n in range(count):
+                pi_id = self._id("pi")
+                pi = {
+                    "id": pi_id,
+                    "object": "payment_intent",
+                    "amount": amount,
+                    "amount_received": amount,
+                    "capture_method": "automatic",
+                    "created": now,
+                    "currency": currency,
+                    "last_payment_error": None,
+                    "latest_charge": None,
+                    "livemode": self.config.api_key.startswith("sk_live_"),
+                    "metadata": {"order_id": f"other-{n}"},
+                    "status": "succeeded",
+                }
+                self.payment_intents[pi_id] = pi
+                self._indexed(pi)
+        return count
 
     def cancel_payment_intent(self, pi_id: str, params: dict[str, Any]) -> tuple[int, dict]:
         """POST /v1/payment_intents/<id>/cancel."""
@@ -724,6 +795,8 @@ class FakeStripe:
         if action == "fail_next":
             self.fail_next(str(body.get("kind")), int(body.get("count", 1)), body.get("path"))
             return {"script": [list(item) for item in self.script]}
+        if action == "other_traffic":
+            return {"created": self.other_traffic(int(body.get("count", 1)))}
         if action == "complete_payment_intent":
             return self.complete_payment_intent(str(body["id"]), bool(body.get("succeed", True)))
         if action == "complete_refund":
@@ -741,6 +814,12 @@ class FakeStripe:
                         for pi in self.payment_intents.values()
                     ]
                 }
+        if action == "balance":
+            with self.lock:
+                net: dict[str, int] = {}
+                for txn in self.balance_transactions:
+                    net[txn["currency"]] = net.get(txn["currency"], 0) + txn["net"]
+                return {"net": net, "transactions": len(self.balance_transactions)}
         if action == "refunds_pending":
             self.refunds_pending = bool(body.get("pending", True))
             return {"refunds_pending": self.refunds_pending}
@@ -1051,6 +1130,9 @@ def config_from_env(env: dict[str, str]) -> tuple[FakeConfig, Faults]:
     if not secrets_ or not all(s.startswith("whsec_") for s in secrets_):
         raise ValueError("STRIPE_FAKE_WEBHOOK_SECRETS must list whsec_… secrets")
     seed = env.get("STRIPE_FAKE_SEED", "").strip()
+    settles_in = env.get("STRIPE_FAKE_SETTLEMENT_CURRENCY", "").strip().lower() or None
+    if settles_in is not None and settles_in not in EXCHANGE_RATES:
+        raise ValueError(f"STRIPE_FAKE_SETTLEMENT_CURRENCY must be one of {', '.join(sorted(EXCHANGE_RATES))}")
     config = FakeConfig(
         api_key=key,
         webhook_secrets=secrets_,
@@ -1059,6 +1141,7 @@ def config_from_env(env: dict[str, str]) -> tuple[FakeConfig, Faults]:
         seed=int(seed) if seed else None,
         webhook_backoff_seconds=1.0,
         webhook_max_attempts=8,
+        settlement_currency=settles_in,
     )
     return config, parse_faults(env.get("STRIPE_FAKE_FAULTS", ""))
 
