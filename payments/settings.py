@@ -66,6 +66,23 @@ def _url(name: str, raw: str, schemes: tuple[str, ...]) -> str:
     return value
 
 
+def _database_url(name: str, raw: str) -> str:
+    value = _url(name, raw, ("sqlite", "mysql", "mariadb")) or DEFAULT_DATABASE_URL
+    if value.startswith(("mysql", "mariadb")):
+        from sqlalchemy.engine import make_url
+
+        from payments.db import MYSQL_CHARSET, charset_problem
+
+        try:
+            charset = make_url(value).query.get("charset", MYSQL_CHARSET)
+        except Exception:  # noqa: BLE001 - the URL itself is malformed: make_engine says so at connect
+            return value
+        problem = charset_problem(charset)
+        if problem:
+            raise ConfigError(f"{name} {problem}")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every setting paysync reads, with its default. See README "Settings"."""
@@ -396,7 +413,7 @@ class Settings:
 
 
 _PARSERS = {
-    "database_url": lambda n, v: _url(n, v, ("sqlite", "mysql", "mariadb")) or DEFAULT_DATABASE_URL,
+    "database_url": lambda n, v: _database_url(n, v),
     "amqp_url": lambda n, v: _url(n, v, ("amqp://", "amqps://")),
     "amqp_queue": lambda n, v: v.strip() or "payment_callbacks",
     "amqp_quorum_queue": _bool,
