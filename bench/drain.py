@@ -62,6 +62,7 @@ from sqlalchemy import Engine, func, insert, select, text
 from payments.db import utcnow
 from payments.delivery import encode_batch, encode_message
 from payments.schema import outbox, payment, payment_callback_log, processed_event
+from payments.settings import DEV_DEFAULTS
 from payments.states import CallbackStatus
 from sandbox import signing
 
@@ -254,7 +255,15 @@ def messages(engine: Engine, tree: Path, per_message: int = 1) -> list[bytes]:
     if not delivery.exists():
         return [json.dumps({"log_id": r.id}).encode() for r in rows]  # the format before the delivery message
     one = [
-        encode_message(r.id, r.provider, r.create_time, bytes(r.callback_data), json.loads(r.headers), r.remote_addr)
+        encode_message(
+            r.id,
+            r.provider,
+            r.create_time,
+            bytes(r.callback_data),
+            json.loads(r.headers),
+            r.remote_addr,
+            key=DEV_DEFAULTS["broker_message_secret"][0],  # what the bench's development consumers verify with
+        )
         for r in rows
     ]
     if per_message <= 1 or "def encode_batch" not in delivery.read_text():

@@ -32,8 +32,11 @@ from common import DEFAULT_AMQP_URL, delete_queue, loadavg, median, sandbox_even
 from broker.publisher import CallbackPublisher
 from payments.db import utcnow
 from payments.delivery import decode_message, encode_message
+from payments.settings import DEV_DEFAULTS
 
 MAX_BODY = 256 * 1024
+KEY = DEV_DEFAULTS["broker_message_secret"][0]
+"""What the development consumer verifies messages with (BROKER_MESSAGE_SECRET's default)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,7 +66,7 @@ def pointer(log_id: int, _body: bytes, _headers: dict[str, str], _at: object) ->
 
 def delivery(log_id: int, body: bytes, headers: dict[str, str], at: object) -> bytes:
     """The message now: the delivery itself."""
-    return encode_message(log_id, "sandbox", at, body, headers, "127.0.0.1")
+    return encode_message(log_id, "sandbox", at, body, headers, "127.0.0.1", key=KEY)
 
 
 def broker_cpu_seconds() -> float | None:
@@ -113,7 +116,7 @@ def read_round(messages: list[bytes]) -> float:
     """CPU seconds per message for the consumer's reading of a message (before any database work)."""
     started = time.process_time()
     for raw in messages:
-        decode_message(raw, MAX_BODY)
+        decode_message(raw, MAX_BODY, keys=(KEY,))
     return (time.process_time() - started) / len(messages)
 
 

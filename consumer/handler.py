@@ -4,8 +4,10 @@ The message is the delivery itself (``payments.delivery``); the row it names
 is the truth, and when the database lost that row the message restores it.
 Any outcome of processing (applied, duplicate, conflict, recorded for retry)
 is an ack: the row now carries the state, and the compensator owns retries.
-Only a message we cannot read goes to the dead-letter queue, and only a
-database we cannot reach at all leaves the message for redelivery.
+Only a message we cannot read, or one paysync did not sign (``ForgedMessage``:
+no valid BROKER_MESSAGE_SECRET signature), goes to the dead-letter queue; a
+forged one also raises the alert ``broker_message_forged``. Only a database we
+cannot reach at all leaves the message for redelivery.
 """
 
 from __future__ import annotations
@@ -15,9 +17,17 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from broker.consume import Action
-from payments import metrics
+from payments import alerts, metrics
 from payments.callbacks import CallbackResult, process_callback
-from payments.delivery import Delivery, UnreadableMessage, decode_messages, process_batch, process_delivery
+from payments.db import utcnow
+from payments.delivery import (
+    Delivery,
+    ForgedMessage,
+    UnreadableMessage,
+    decode_messages,
+    process_batch,
+    process_delivery,
+)
 from payments.logs import REQUEST_ID
 from payments.runtime import Runtime
 
@@ -39,11 +49,44 @@ def handle(runtime: Runtime, body: bytes) -> Answer:
     return answer
 
 
-def _handle(runtime: Runtime, body: bytes) -> Answer:
+FORGED_ALERT_RULE = "broker_message_forged"
+"""The alert raised (one open alert, seen again at each forgery) when a message without paysync's signature arrives."""
+
+
+def _decode(runtime: Runtime, body: bytes) -> list[Delivery | int] | None:
+    """The message's deliveries, or None: it was dead-lettered (logged, and alerted if forged)."""
+    settings = runtime.settings
     try:
-        messages = decode_messages(body, runtime.settings.callback_max_body_bytes)
+        return decode_messages(body, settings.callback_max_body_bytes, keys=settings.broker_message_secret)
+    except ForgedMessage as exc:
+        log.error("forged message sent to the dead-letter queue (%d bytes): %s", len(body), exc)
+        _alert_forged(runtime, str(exc), len(body))
     except UnreadableMessage as exc:
         log.warning("unreadable message sent to the dead-letter queue (%d bytes): %s", len(body), exc)
+    return None
+
+
+def _alert_forged(runtime: Runtime, reason: str, size: int) -> None:
+    # Someone with access to the broker published as if they were a gateway (or a gateway has a key the
+    # consumers do not list): a person must look. The message itself stays in the dead-letter queue.
+    try:
+        with runtime.engine.begin() as conn:
+            alerts.observe(
+                conn,
+                rule=FORGED_ALERT_RULE,
+                key=FORGED_ALERT_RULE,
+                message=f"a callback message without paysync's signature was dead-lettered: {reason}",
+                now=utcnow(),
+                severity="critical",
+                details={"queue": runtime.settings.amqp_queue, "bytes": size, "reason": reason},
+            )
+    except Exception as exc:  # noqa: BLE001 - the dead-letter queue keeps the message; the log line says it
+        log.error("forged message alert not recorded (%s)", type(exc).__name__)
+
+
+def _handle(runtime: Runtime, body: bytes) -> Answer:
+    messages = _decode(runtime, body)
+    if messages is None:
         return Answer(Action.DEAD_LETTER, None, 0)
     if len(messages) > 1:  # several deliveries in one message: one transaction for them, as for a batch
         answers = _handle_batch(runtime, [body], None, decoded=[messages])
@@ -91,12 +134,8 @@ def _handle_batch(
     answers = [Answer(Action.ACK, None, 0)] * len(bodies)
     deliveries: list[tuple[int, Delivery | int]] = []  # (index of its message, delivery)
     for i, body in enumerate(bodies):
-        try:
-            messages = (
-                decoded[i] if decoded is not None else decode_messages(body, runtime.settings.callback_max_body_bytes)
-            )
-        except UnreadableMessage as exc:
-            log.warning("unreadable message sent to the dead-letter queue (%d bytes): %s", len(body), exc)
+        messages = decoded[i] if decoded is not None else _decode(runtime, body)
+        if messages is None:
             answers[i] = Answer(Action.DEAD_LETTER, None, 0)
             continue
         deliveries.extend((i, message) for message in messages)

@@ -122,7 +122,16 @@ def receive_delivery(
     # 3. The delivery itself to the broker: the consumer's fast path, and a copy that outlives a lost row.
     publisher = paysync["publisher"]
     if publisher.enabled:
-        message = encode_message(log_id, provider_name, received_at, body, headers, remote_addr, request_id)
+        message = encode_message(
+            log_id,
+            provider_name,
+            received_at,
+            body,
+            headers,
+            remote_addr,
+            request_id,
+            key=settings.broker_message_secret[0],
+        )
         if not publisher.publish(log_id, message):
             metrics.publish_failed("dropped")
 

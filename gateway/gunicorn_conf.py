@@ -33,7 +33,7 @@ import struct
 import tempfile
 from pathlib import Path
 
-from payments.logs import scrub_logger
+from payments.logs import scrub_every_handler, scrub_logger
 from payments.settings import start_process
 
 # Refuses weak secrets in production (exit 2, one line) before any worker forks; warns once in development.
@@ -75,13 +75,20 @@ def _read_timeout(seconds: float) -> bytes:
 
 def when_ready(server) -> None:  # noqa: ANN001 - gunicorn's hook signature
     """Scrub gunicorn's own logs; give the listening sockets a receive timeout, which accepted sockets inherit."""
-    # Before the workers fork, so theirs are scrubbed too (they do not pass through paysync's formatter).
+    # Before the workers fork, so theirs are scrubbed too (they do not pass through paysync's formatter):
+    # the loggers themselves, and every handler writing to the output, whichever logger its records come from.
     scrub_logger("gunicorn.error")
     scrub_logger("gunicorn.access")
+    scrub_every_handler()
     for listener in server.LISTENERS:
         listener.sock.setsockopt(
             socket.SOL_SOCKET, socket.SO_RCVTIMEO, _read_timeout(_settings.web_read_timeout_seconds)
         )
+
+
+def post_worker_init(_worker) -> None:  # noqa: ANN001 - gunicorn's hook signature
+    """A worker may have set up handlers of its own after the fork (a reopened log file): scrub those too."""
+    scrub_every_handler()
 
 
 def child_exit(_server, worker) -> None:  # noqa: ANN001 - gunicorn's hook signature

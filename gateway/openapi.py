@@ -149,7 +149,10 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                         "409": _error_response("A request with this Idempotency-Key is still waiting for its QR code"),
                         "413": _error_response("Body too large"),
                         "415": _error_response("Body is not JSON"),
-                        "422": _error_response("This Idempotency-Key was used with a different request"),
+                        "422": _error_response(
+                            "This Idempotency-Key was used with a different request (`idempotency_key_reuse`): "
+                            "a schema-valid body is refused when its key already names another one"
+                        ),
                         "503": _error_response("Storage unavailable; retry with the same key"),
                     },
                 }
@@ -265,7 +268,10 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                             "type": "integer",
                             "minimum": 1,
                             "maximum": max_amount,
-                            "description": "minor units (fen, cents); never a float",
+                            "description": (
+                                "minor units (fen, cents): an integer, taken exactly however JSON writes it "
+                                "(1000, 1000.0 and 1e3 are the same amount); a fraction (10.5) is refused with 400"
+                            ),
                         },
                         "currency": {"type": "string", "enum": sorted(ISO_4217)},
                         "provider": {"type": "string", "enum": sorted(providers)},
@@ -281,7 +287,10 @@ def document(providers: list[str], max_amount: int) -> dict[str, Any]:
                             "type": "integer",
                             "minimum": 1,
                             "maximum": 2**63 - 1,
-                            "description": "minor units; at most what is left to refund",
+                            "description": (
+                                "minor units, an integer as for a payment (1000.0 is 1000); at most what is left "
+                                "to refund (else 422 `amount_exceeds_refundable`)"
+                            ),
                         },
                         "reason": {"type": ["string", "null"], "maxLength": MAX_REASON_LENGTH},
                     },

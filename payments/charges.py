@@ -43,6 +43,8 @@ from payments.idempotency import (  # noqa: F401
     IdempotencyConflict,
     InvalidRequest,
     check_key,
+    minor_units,
+    request_object,
 )
 from payments.ids import new_id
 from payments.providers.base import Provider
@@ -112,20 +114,9 @@ class CreatePayment:
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _reject_constant(name: str) -> Any:
-    raise InvalidRequest(f"{name} is not valid JSON")
-
-
 def parse_create(raw: bytes, providers: set[str] | frozenset[str], max_amount: int) -> CreatePayment:
     """Validate a POST /payments body (pure); raise InvalidRequest with a message naming the field."""
-    try:
-        data = json.loads(raw, parse_constant=_reject_constant)
-    except InvalidRequest:
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly deep nesting
-        raise InvalidRequest("body must be a JSON object", "invalid_json") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("body must be a JSON object", "invalid_json")
+    data = request_object(raw)
     allowed = {"order_no", "amount", "currency", "provider", "description", "payment_method"}
     extra = sorted(set(data) - allowed)
     if extra:
@@ -137,9 +128,9 @@ def parse_create(raw: bytes, providers: set[str] | frozenset[str], max_amount: i
         or len(order_no) > MAX_ORDER_NO_LENGTH
     ):
         raise InvalidRequest(f"order_no must be a non-empty string of at most {MAX_ORDER_NO_LENGTH} characters")
-    amount = data.get("amount")
-    # Money is integer minor units (invariant 7): bool is an int subclass, and 10.0 or 1e3 are floats.
-    if isinstance(amount, bool) or not isinstance(amount, int):
+    # Money is integer minor units (invariant 7): 1000, 1000.0 or 1e3 (exactly), never 10.5, "10" or true.
+    amount = minor_units(data.get("amount"))
+    if amount is None:
         raise InvalidRequest("amount must be an integer number of minor units", "invalid_amount")
     if amount <= 0:
         raise InvalidRequest("amount must be greater than zero", "invalid_amount")

@@ -48,6 +48,7 @@ from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.schema import CreateIndex, CreateTable
 from sqlalchemy.sql.base import Executable
 
+from payments.errors import ConfigError
 from payments.schema import metadata, trigger_ddl
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
@@ -69,13 +70,34 @@ def is_sqlite(engine: Engine) -> bool:
     return engine.dialect.name == "sqlite"
 
 
+MYSQL_CHARSET = "utf8mb4"
+"""The only connection character set paysync accepts on MySQL/MariaDB (see ``insert_ignore_columns``)."""
+
+
+def charset_problem(charset: object) -> str | None:
+    """Why ``charset`` (a URL's ``charset=`` parameter) will not do, or None for utf8mb4.
+
+    The bulk path writes string literals by hand with backslash escapes, which
+    is safe only where no multi-byte character can contain the byte of a
+    quote or a backslash: true of UTF-8, false of GBK, Big5 or SJIS (the
+    classic escaping bypass). Any other charset would also mangle 4-byte text.
+    """
+    if isinstance(charset, str) and charset.lower() == MYSQL_CHARSET:
+        return None
+    shown = charset if isinstance(charset, str) else ",".join(map(str, charset))  # repeated: a tuple
+    return f"charset={shown[:32]!r} is not supported: paysync needs charset={MYSQL_CHARSET}"
+
+
 def make_engine(url: str, *, pool_size: int = 5, **kwargs: Any) -> Engine:
     """Create the engine for ``url`` with the settings described in this module's docstring."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(url, **kwargs)
     query = dict(parsed.query)
-    query.setdefault("charset", "utf8mb4")
+    query.setdefault("charset", MYSQL_CHARSET)
+    problem = charset_problem(query["charset"])
+    if problem:
+        raise ConfigError(f"DATABASE_URL {problem}")
     parsed = parsed.set(query=query)
     # Well under gunicorn's 30 s worker timeout, so a hung database still gets the provider a 503.
     connect_args = {"connect_timeout": 3, "read_timeout": 10, "write_timeout": 10}
@@ -477,7 +499,10 @@ def insert_ignore_columns(conn: Connection, table: Table, columns: Mapping[str, 
     one) still runs; then None, plain ints, plain strs and naive datetimes
     are written inline exactly as PyMySQL's ``escape`` writes them (its
     quoting rules, which follow the session's NO_BACKSLASH_ESCAPES), and every
-    other value goes through the driver's own ``escape``.
+    other value goes through the driver's own ``escape``. The connection must
+    be utf8mb4 (``charset_problem``; ConfigError otherwise): in UTF-8 no byte
+    of a multi-byte character is a quote or a backslash, so escaping those
+    characters one by one cannot be undone by the server's decoding.
     """
     names = list(columns)
     values = [columns[name] for name in names]
@@ -490,6 +515,10 @@ def insert_ignore_columns(conn: Connection, table: Table, columns: Mapping[str, 
         rows = [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
         return max(conn.execute(insert_ignore(table), rows).rowcount, 0)
     dbapi_conn = conn.connection.dbapi_connection
+    problem = charset_problem(getattr(dbapi_conn, "charset", None) or "")
+    if problem:
+        # A connection not made by make_engine: its literals could not be proven safe, so none are written.
+        raise ConfigError(f"insert_ignore_columns: connection {problem}")
     quote = conn.dialect.identifier_preparer.quote
     head = f"INSERT IGNORE INTO {quote(table.name)} ({', '.join(quote(name) for name in names)}) VALUES "
     processors = [table.c[name].type.dialect_impl(conn.dialect).bind_processor(conn.dialect) for name in names]

@@ -29,9 +29,21 @@ each entry is a message as above and gets exactly what a message of its own
 would. Broker work is per message, not per byte: on the 2-core machine a
 message cost RabbitMQ about 0.2 ms of CPU at ingest rates, whatever it held.
 
-A message of the earlier format, ``{"log_id": N}`` (queued before an upgrade),
-is still processed by its id; one without ``request_id`` (or with one that is
-not sane) is read as having none.
+Every message (each entry of a batch) carries ``"sig"``: an HMAC-SHA256, with
+the first BROKER_MESSAGE_SECRET, of every field but the body itself (the body
+is bound by ``body_sha256``, which must match it). The consumer acts on
+fields of the message that no provider signature covers: ``received_at``
+becomes a restored row's receipt time, which the provider's timestamp
+tolerance is checked against, and a restored row is a row nobody else
+vouched for. So a message without a valid signature under one of the listed
+secrets (rotation: every one verifies) is ``ForgedMessage``, and goes to the
+dead-letter queue with an alert, changing nothing (DESIGN.md invariant 16).
+
+A message of the earlier format, ``{"log_id": N, "sig": …}``, is still
+processed by its id (a row is always verified again); one of the format
+before messages were signed, with no ``sig``, is dead-lettered like any
+unsigned message, and the sweep processes its row. One without
+``request_id`` (or with one that is not sane) is read as having none.
 
 ``process_batch`` does the same for several messages in ONE transaction and
 one COMMIT (and the consumer one multiple ack). The common batch, every
@@ -48,9 +60,10 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -84,6 +97,44 @@ RESTORE_CANDIDATES = 100
 
 class UnreadableMessage(ValueError):
     """A message that is not a callback message (or whose body does not match its digest)."""
+
+
+class ForgedMessage(UnreadableMessage):
+    """A message paysync did not sign: no ``sig``, a wrong one, or a body other than the one it signed."""
+
+
+SIGNATURE_FIELD = "sig"
+"""The field of a message holding its HMAC (``message_signature``)."""
+_SIGNING_CONTEXT = b"paysync callback message v1\n"
+"""Prefixed to what is signed, so the key's HMACs cannot stand for anything else paysync might sign."""
+
+
+def _signed_content(doc: Mapping[str, Any]) -> bytes:
+    # Canonical JSON of the parsed fields, so the signature does not depend on how the JSON was spaced.
+    fields = {k: v for k, v in doc.items() if k not in (SIGNATURE_FIELD, "body")}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _SIGNING_CONTEXT + canonical.encode("utf-8", "surrogatepass")
+
+
+def message_signature(doc: Mapping[str, Any], key: str) -> str:
+    """Hex HMAC-SHA256 under ``key`` of a message's fields but ``sig`` and ``body`` (``body_sha256`` binds it)."""
+    return hmac.new(key.encode(), _signed_content(doc), hashlib.sha256).hexdigest()
+
+
+def _check_signature(doc: Mapping[str, Any], keys: Sequence[str]) -> None:
+    signature = doc.get(SIGNATURE_FIELD)
+    if not isinstance(signature, str):
+        raise ForgedMessage("message is not signed")
+    if not any(hmac.compare_digest(signature, message_signature(doc, key)) for key in keys if key):
+        raise ForgedMessage("message signature does not verify under BROKER_MESSAGE_SECRET")
+
+
+def sign_document(doc: dict[str, Any], key: str) -> bytes:
+    """``doc`` with its ``sig`` added, encoded as the gateway publishes it (also for a bare ``{"log_id": N}``)."""
+    if not key:
+        raise ValueError("a callback message needs BROKER_MESSAGE_SECRET to be signed")
+    signed = {**doc, SIGNATURE_FIELD: message_signature(doc, key)}
+    return json.dumps(signed, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
 
 
 @dataclass(frozen=True)
@@ -124,8 +175,13 @@ def encode_message(
     headers: Mapping[str, str],
     remote_addr: str | None = None,
     request_id: str | None = None,
+    *,
+    key: str,
 ) -> bytes:
-    """The message the gateway publishes for the row it just committed (``received_at`` = its create_time)."""
+    """The message the gateway publishes for the row it just committed (``received_at`` = its create_time).
+
+    Signed with ``key`` (the first BROKER_MESSAGE_SECRET): see the module docstring.
+    """
     doc: dict[str, Any] = {
         "log_id": log_id,
         "provider": provider,
@@ -137,7 +193,7 @@ def encode_message(
     }
     if request_id:
         doc["request_id"] = request_id
-    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+    return sign_document(doc, key)
 
 
 def _positive_int(value: Any) -> int | None:
@@ -161,28 +217,30 @@ def encode_batch(messages: list[bytes]) -> bytes:
     return BATCH_KEY + b",".join(messages) + b"]}"
 
 
-def decode_messages(raw: bytes, max_body_bytes: int) -> list[Delivery | int]:
+def decode_messages(raw: bytes, max_body_bytes: int, *, keys: Sequence[str]) -> list[Delivery | int]:
     """Every delivery ``raw`` carries (one, or the entries of an ``encode_batch`` message); raise UnreadableMessage.
 
-    A batch with one unreadable entry is unreadable as a whole (the dead-letter
-    queue keeps it as it came): the gateway only packs messages it encoded
-    itself, so such a batch is corrupt, and its rows are in the database for the sweep.
+    Each must be signed under one of ``keys`` (BROKER_MESSAGE_SECRET), else
+    ForgedMessage. A batch with one unreadable or forged entry is refused as a
+    whole (the dead-letter queue keeps it as it came): the gateway only packs
+    messages it signed itself, so such a batch is corrupt or forged, and the
+    rows it names, if real, are in the database for the sweep.
     """
     doc = _json_object(raw, max_body_bytes)
     if set(doc) != {"deliveries"}:
-        return [_delivery(doc, max_body_bytes)]
+        return [_delivery(doc, max_body_bytes, keys)]
     entries = doc["deliveries"]
     if not isinstance(entries, list) or not entries:
         raise UnreadableMessage("deliveries must be a non-empty list")
     try:
-        return [_delivery(entry, max_body_bytes) for entry in entries]
+        return [_delivery(entry, max_body_bytes, keys) for entry in entries]
     except UnreadableMessage as exc:
-        raise UnreadableMessage(f"an entry of a batch of {len(entries)}: {exc}") from None
+        raise type(exc)(f"an entry of a batch of {len(entries)}: {exc}") from None
 
 
-def decode_message(raw: bytes, max_body_bytes: int) -> Delivery | int:
+def decode_message(raw: bytes, max_body_bytes: int, *, keys: Sequence[str]) -> Delivery | int:
     """A Delivery, or the log id of an earlier-format ``{"log_id": N}`` message; raise UnreadableMessage."""
-    return _delivery(_json_object(raw, max_body_bytes), max_body_bytes)
+    return _delivery(_json_object(raw, max_body_bytes), max_body_bytes, keys)
 
 
 def _json_object(raw: bytes, max_body_bytes: int) -> dict[str, Any]:
@@ -197,13 +255,14 @@ def _json_object(raw: bytes, max_body_bytes: int) -> dict[str, Any]:
     return doc
 
 
-def _delivery(doc: Any, max_body_bytes: int) -> Delivery | int:
+def _delivery(doc: Any, max_body_bytes: int, keys: Sequence[str]) -> Delivery | int:
     if not isinstance(doc, dict):
         raise UnreadableMessage("not a JSON object")
+    _check_signature(doc, keys)  # first: nothing of a message paysync did not sign is looked at
     log_id = _positive_int(doc.get("log_id"))
     if log_id is None:
         raise UnreadableMessage("log_id must be a positive integer")
-    if set(doc) == {"log_id"}:
+    if set(doc) == {"log_id", SIGNATURE_FIELD}:
         return log_id
     provider = doc.get("provider")
     if not isinstance(provider, str) or not 0 < len(provider) <= 32:
@@ -234,8 +293,8 @@ def _delivery(doc: Any, max_body_bytes: int) -> Delivery | int:
         raise UnreadableMessage(f"body of {len(body)} bytes exceeds CALLBACK_MAX_BODY_BYTES")
     digest = doc.get("body_sha256")
     if not isinstance(digest, str) or digest != body_digest(body):
-        # Not the delivery it claims to be: restoring it would store something nobody sent.
-        raise UnreadableMessage("body_sha256 does not match the body")
+        # A body swapped under a signed digest: restoring it would store something nobody sent.
+        raise ForgedMessage("body_sha256 does not match the body")
     return Delivery(
         log_id, provider, received_at, body, headers, remote_addr, digest, sane_request_id(doc.get("request_id"))
     )

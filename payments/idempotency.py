@@ -24,10 +24,13 @@ used once for a payment and once for a refund.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
 
 from sqlalchemy import Connection, Engine, bindparam, select, update
 
@@ -64,6 +67,45 @@ class InvalidRequest(PaysyncError):
             self.code = code
         if http_status:
             self.http_status = http_status
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidRequest(f"{name} is not valid JSON")
+
+
+def request_object(raw: bytes) -> dict[str, Any]:
+    """A merchant request body as a JSON object (pure), numbers with a fraction or exponent read as exact Decimals.
+
+    Never floats: ``8388607.0`` must not pass through binary floating point
+    on its way to being an amount (invariant 7). NaN and Infinity are refused.
+    """
+    try:
+        data = json.loads(raw, parse_float=Decimal, parse_constant=_reject_constant)
+    except InvalidRequest:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly deep nesting
+        raise InvalidRequest("body must be a JSON object", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("body must be a JSON object", "invalid_json")
+    return data
+
+
+def minor_units(value: object) -> int | None:
+    """``value`` (from ``request_object``) as an integer amount, or None when it is not one.
+
+    JSON Schema's "integer", which the OpenAPI document publishes, is any
+    number with no fractional part: ``1000``, ``1000.0`` and ``1e3`` all
+    stand for 1000, exactly (they were parsed as Decimal, so there is no
+    rounding at any size). ``1000.5``, strings and booleans are not amounts.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, Decimal) and value.is_finite() and value == value.to_integral_value():
+        # Clamped to 2**63, beyond every amount paysync takes: 1e999999999 is integral too, and not worth building.
+        return int(value) if value.adjusted() < 19 else (2**63 if value > 0 else -(2**63))
+    return None
 
 
 class IdempotencyConflict(InvalidRequest):

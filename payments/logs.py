@@ -18,10 +18,15 @@ from typing import Any
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
-# Card numbers: 13-19 digits, optionally grouped by spaces, dashes or dots, wherever they stand (also glued
-# to letters, as in "pay_4111111111111111"). Only runs that pass the Luhn check are redacted, so
-# millisecond timestamps and other long numbers stay readable.
-_PAN = re.compile(r"(?<!\d)(?:\d[ .-]?){12,18}\d(?!\d)")
+# Card numbers: 13-19 digits, wherever they stand (also glued to letters, as in "pay_4111111111111111"),
+# grouped by up to three separators between two digits: blanks (tabs and double spaces included), dashes,
+# dots, underscores, slashes, "+", and the escaped forms a repr, JSON or a URL gives a blank or a slash
+# ("\t", "%20", "%2F"), since gunicorn logs a raw request line as a repr. Only runs that pass the Luhn
+# check are redacted, so millisecond timestamps and other long numbers stay readable.
+_PAN_SEPARATOR = r"(?:[\s._/+\\-]|\\[tnr]|\\x09|\\u0009|%(?:20|09|2[dDfF]|5[fF]))"
+_PAN = re.compile(rf"(?<!\d)\d(?:{_PAN_SEPARATOR}{{0,3}}\d){{12,18}}(?!\d)")
+_NOT_DIGIT = re.compile(r"\D")
+_DECIMAL = re.compile(r"\d+\.\d+")
 
 
 def luhn_valid(digits: str) -> bool:
@@ -37,20 +42,27 @@ def luhn_valid(digits: str) -> bool:
 
 def _redact_pan(match: re.Match[str]) -> str:
     text = match.group(0)
-    if text.count(".") == 1:
+    if _DECIMAL.fullmatch(text):
         return text  # a decimal number (a float timestamp, an amount), not a card grouped by dots
-    return "[REDACTED-PAN]" if luhn_valid(re.sub(r"[ .-]", "", text)) else text
+    digits = _NOT_DIGIT.sub("", re.sub(r"%[0-9A-Fa-f]{2}|\\x09|\\u0009", "", text))
+    return "[REDACTED-PAN]" if 13 <= len(digits) <= 19 and luhn_valid(digits) else text
 
 
 SENSITIVE_NAMES = (
-    r"(?:[A-Za-z0-9]+[_-])*(?:token|secret|password|passwd|passphrase|cvv2?|cvc2?|sign|authorization"
-    r"|cookie|set-cookie|apikey)"
-    r"|(?:[A-Za-z0-9]+[_-])+key"
+    # In any case style: access_token, access-token, access.token, accessToken, AccessToken, ACCESS_TOKEN,
+    # accesstoken (the prefix may be glued on), clientSecret, db_pwd, APIv3Key, privateKey, X-Api-Key.
+    # Prefixes are bounded (64): unbounded, a long run of "1.1.1…" made every position scan to the end.
+    r"[A-Za-z0-9_.-]{0,64}?(?:token|secret|password|passwd|pwd|passphrase|credentials?)"
+    r"|[A-Za-z0-9_.-]{1,64}?key"
+    # These only whole or after a separator, and "sign" also camel-cased (WeChat Pay's paySign): a glued
+    # prefix would take in "design" or "assign".
+    r"|(?:[A-Za-z0-9_.-]{0,64}?[_.-])?(?:cvv2?|cvc2?|sign|authorization|cookie|set-cookie)"
+    r"|[A-Za-z0-9_.-]{0,64}?[a-z0-9](?-i:Sign)"
 )
-"""Names whose values are secrets: *_token, *_secret, *_key, password, cvv, cvc, Authorization, Cookie, sign.
+"""Names whose values are secrets: *token, *secret, *key, password, pwd, cvv, cvc, Authorization, Cookie, sign.
 
 Not "signature": "invalid_signature: …" is a reason worth reading; signature values themselves are
-caught by their shape (v1=<hex>, v1,<base64>)."""
+caught by their shape (v1=<hex>, v1,<base64>). Not a bare "key" either (a dict key, a cache key)."""
 _SENSITIVE_NAME = re.compile(rf"(?i)^(?:{SENSITIVE_NAMES})$")
 # A quoted value: "…", '…', or \"…\" (JSON inside a JSON string, as a provider's error text may echo it).
 _QUOTED = r"""\\"(?:(?!\\").)*\\"|"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'"""
@@ -76,6 +88,8 @@ def _redact_named(match: re.Match[str]) -> str:
 
 
 _SCRUBBERS = [
+    # PEM blocks (private keys, certificates) whole, even cut off before their END line or with escaped newlines.
+    (re.compile(r"-----BEGIN [A-Z0-9 ]{1,64}-----.*?(?:-----END [A-Z0-9 ]{1,64}-----|\Z)", re.S), "[REDACTED-PEM]"),
     # Provider and webhook secrets wherever they stand, named or not.
     (re.compile(r"\b(?:whsec|sk_live|sk_test|rk_live|rk_test)_[A-Za-z0-9+/=_-]+"), "[REDACTED]"),
     # Standard Webhooks signatures (v1,<base64>) and hex HMACs (v1=<hex>).
@@ -179,6 +193,30 @@ def scrub_logger(name: str) -> None:
     logger = logging.getLogger(name)
     if not any(isinstance(f, ScrubFilter) for f in logger.filters):
         logger.addFilter(ScrubFilter())
+
+
+def scrub_every_handler() -> int:
+    """Add ScrubFilter to every handler of every logger that does not format with JsonFormatter; return how many.
+
+    A filter on a logger sees only the records logged to that very logger; one
+    on a handler sees every record the handler writes, from child loggers too.
+    So whatever reaches the process output through a handler someone else set
+    up (gunicorn's error and access logs, a library's own StreamHandler) is
+    scrubbed on its way out. Call it once the handlers exist (gunicorn's
+    ``when_ready``, before the workers fork).
+    """
+    loggers = [logging.getLogger()] + [
+        logger for logger in logging.root.manager.loggerDict.values() if isinstance(logger, logging.Logger)
+    ]
+    added = 0
+    for logger in loggers:
+        for handler in logger.handlers:
+            if isinstance(handler.formatter, JsonFormatter):
+                continue  # paysync's own lines: already scrubbed, every part, by the formatter
+            if not any(isinstance(f, ScrubFilter) for f in handler.filters):
+                handler.addFilter(ScrubFilter())
+                added += 1
+    return added
 
 
 def setup_logging(level: str = "INFO", process: str | None = None) -> None:

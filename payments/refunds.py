@@ -30,7 +30,7 @@ from sqlalchemy import Connection, Engine, func, insert, select
 
 from payments import idempotency, ledger, outbox, provider_calls
 from payments.db import utcnow
-from payments.idempotency import Answer, InvalidRequest
+from payments.idempotency import Answer, InvalidRequest, minor_units, request_object
 from payments.ids import new_id
 from payments.schema import payment, refund
 from payments.states import PaymentStatus
@@ -55,26 +55,15 @@ class PaymentNotFound(InvalidRequest):
     """No payment with that id."""
 
 
-def _reject_constant(name: str) -> Any:
-    raise InvalidRequest(f"{name} is not valid JSON")
-
-
 def parse_refund(raw: bytes) -> tuple[int, str | None]:
     """Validate a refund request body (pure): ``(amount, reason)``, or InvalidRequest naming the field."""
-    try:
-        data = json.loads(raw, parse_constant=_reject_constant)
-    except InvalidRequest:
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: absurdly deep nesting
-        raise InvalidRequest("body must be a JSON object", "invalid_json") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("body must be a JSON object", "invalid_json")
+    data = request_object(raw)
     extra = sorted(set(data) - {"amount", "reason"})
     if extra:
         raise InvalidRequest(f"unknown field {extra[0][:40]!r}")
-    amount = data.get("amount")
-    # Money is integer minor units (invariant 7): bool is an int subclass, and 10.0 or 1e3 are floats.
-    if isinstance(amount, bool) or not isinstance(amount, int):
+    # Money is integer minor units (invariant 7): 1000, 1000.0 or 1e3 (exactly), never 10.5, "10" or true.
+    amount = minor_units(data.get("amount"))
+    if amount is None:
         raise InvalidRequest("amount must be an integer number of minor units", "invalid_amount")
     if amount <= 0:
         raise InvalidRequest("amount must be greater than zero", "invalid_amount")

@@ -66,6 +66,23 @@ def _url(name: str, raw: str, schemes: tuple[str, ...]) -> str:
     return value
 
 
+def _database_url(name: str, raw: str) -> str:
+    value = _url(name, raw, ("sqlite", "mysql", "mariadb")) or DEFAULT_DATABASE_URL
+    if value.startswith(("mysql", "mariadb")):
+        from sqlalchemy.engine import make_url
+
+        from payments.db import MYSQL_CHARSET, charset_problem
+
+        try:
+            charset = make_url(value).query.get("charset", MYSQL_CHARSET)
+        except Exception:  # noqa: BLE001 - the URL itself is malformed: make_engine says so at connect
+            return value
+        problem = charset_problem(charset)
+        if problem:
+            raise ConfigError(f"{name} {problem}")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every setting paysync reads, with its default. See README "Settings"."""
@@ -74,6 +91,9 @@ class Settings:
     """SQLAlchemy URL; mysql+pymysql://… in production, SQLite file by default."""
     amqp_url: str = ""
     """RabbitMQ URL; empty means no broker (the compensator alone converges)."""
+    broker_message_secret: tuple[str, ...] = ()
+    """HMAC key(s) of the callback messages paysync publishes, comma-separated (the first signs, every one
+    verifies); required with AMQP_URL. Known to paysync alone: the broker's users never need it."""
     amqp_queue: str = "payment_callbacks"
     """Queue that carries each stored callback delivery from the gateway to the consumer."""
     amqp_quorum_queue: bool = False
@@ -404,8 +424,9 @@ class Settings:
 
 
 _PARSERS = {
-    "database_url": lambda n, v: _url(n, v, ("sqlite", "mysql", "mariadb")) or DEFAULT_DATABASE_URL,
+    "database_url": lambda n, v: _database_url(n, v),
     "amqp_url": lambda n, v: _url(n, v, ("amqp://", "amqps://")),
+    "broker_message_secret": lambda n, v: _secrets(n, v),
     "amqp_queue": lambda n, v: v.strip() or "payment_callbacks",
     "amqp_quorum_queue": _bool,
     "paysync_env": lambda n, v: _env(n, v),
@@ -768,6 +789,7 @@ DEV_DEFAULTS: dict[str, tuple[str, ...]] = {
     "ops_token": ("dev-ops-token",),
     "sandbox_webhook_secret": ("whsec_dev_sandbox",),
     "sandbox_api_key": ("sk_sandbox_dev_key",),
+    "broker_message_secret": ("dev-broker-message-secret",),
 }
 """Secrets PAYSYNC_ENV=development fills in when they are not set; production refuses every one of them."""
 
@@ -869,8 +891,9 @@ def _weakness(settings: Settings, field_name: str) -> str | None:
 def check_deployment(settings: Settings) -> str | None:
     """Refuse (ConfigError) what must not run in production; in development return the one warning, if any.
 
-    Checked: MERCHANT_API_TOKEN, OPS_TOKEN, OPS_READONLY_TOKEN (when set) and
-    the secrets of every enabled provider are set, not a development default, and at least
+    Checked: MERCHANT_API_TOKEN, OPS_TOKEN, OPS_READONLY_TOKEN (when set),
+    BROKER_MESSAGE_SECRET (with a broker) and the secrets of every enabled
+    provider are set, not a development default, and at least
     MIN_SECRET_LENGTH characters long (every value of a rotation list). A
     provider with some of its secrets set and others empty is refused in
     either environment.
@@ -882,7 +905,12 @@ def check_deployment(settings: Settings) -> str | None:
             PROVIDERS[name].check(settings)
     if settings.sandbox_legacy_enabled and "sandbox_legacy" not in enabled:
         raise ConfigError("SANDBOX_LEGACY_ENABLED=true needs SANDBOX_WEBHOOK_SECRET and SANDBOX_API_KEY")
+    if settings.has_broker and not settings.broker_message_secret:
+        # In either environment: every unsigned message would be dead-lettered, so no fast path at all.
+        raise ConfigError("BROKER_MESSAGE_SECRET is required when AMQP_URL is set (it signs the callback messages)")
     names = list(ALWAYS_REQUIRED_SECRETS) + [f for f in OPTIONAL_SECRETS if getattr(settings, f)]
+    if settings.has_broker:
+        names.append("broker_message_secret")  # signs the callback messages (payments.delivery)
     for name in enabled:
         names += [f for f in PROVIDERS[name].secrets if f not in names]
     problems = [(env_name(f), why) for f in names if (why := _weakness(settings, f))]

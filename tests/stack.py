@@ -20,9 +20,9 @@ import requests
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
-from payments.delivery import decode_messages, encode_message
+from payments.delivery import decode_messages, encode_message, sign_document
 from payments.schema import ledger_event, payment, payment_callback_log, processed_event
-from tests.support import SECRET, Proc, TcpProxy, env_for, free_port, wait_for_port, wait_until
+from tests.support import BROKER_KEY, SECRET, Proc, TcpProxy, env_for, free_port, wait_for_port, wait_until
 
 
 def url_via(url: str, port: int) -> str:
@@ -183,7 +183,7 @@ def queued_callbacks(amqp_url: str, queue: str) -> tuple[int, int]:
             if method is None:
                 break
             messages += 1
-            callbacks += len(decode_messages(body, 1 << 20))
+            callbacks += len(decode_messages(body, 1 << 20, keys=(BROKER_KEY,)))
     except pika.exceptions.ChannelClosedByBroker:
         pass  # no such queue yet
     finally:
@@ -207,14 +207,20 @@ def publish_raw(amqp_url: str, queue: str, bodies: Iterable[bytes]) -> None:
 
 
 def publish_ids(amqp_url: str, queue: str, log_ids: Iterable[int]) -> None:
-    """Publish ``{"log_id": …}`` messages, the format of earlier versions (still in queues after an upgrade)."""
-    publish_raw(amqp_url, queue, (json.dumps({"log_id": i}).encode() for i in log_ids))
+    """Publish signed ``{"log_id": …}`` messages, the format of earlier versions (the row alone is the truth)."""
+    publish_raw(amqp_url, queue, (sign_document({"log_id": i}, BROKER_KEY) for i in log_ids))
 
 
 def delivery_message(row: Any) -> bytes:
     """The message the gateway publishes for a stored row (``payments.delivery``)."""
     return encode_message(
-        row.id, row.provider, row.create_time, bytes(row.callback_data), json.loads(row.headers), row.remote_addr
+        row.id,
+        row.provider,
+        row.create_time,
+        bytes(row.callback_data),
+        json.loads(row.headers),
+        row.remote_addr,
+        key=BROKER_KEY,
     )
 
 

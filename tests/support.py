@@ -29,6 +29,8 @@ SECRET = "whsec_test_secret"
 API_KEY = "sk_sandbox_test_key"
 """The sandbox API key every test process shares (SANDBOX_API_KEY); not the development default, on purpose."""
 API_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+BROKER_KEY = DEV_DEFAULTS["broker_message_secret"][0]
+"""The key that signs callback messages in tests (BROKER_MESSAGE_SECRET's development default, as processes get)."""
 """What a test sends to the sandbox's /v1/* when it calls the platform itself."""
 
 
@@ -40,6 +42,7 @@ def make_settings(**overrides: Any) -> Settings:
         ops_token=DEV_DEFAULTS["ops_token"],
         sandbox_webhook_secret=(SECRET,),
         sandbox_api_key=(API_KEY,),
+        broker_message_secret=(BROKER_KEY,),
         retry_base_seconds=0.01,
         retry_max_seconds=0.05,
     )

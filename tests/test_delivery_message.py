@@ -25,15 +25,18 @@ from payments.delivery import (
     decode_message,
     encode_message,
     max_message_bytes,
+    message_signature,
     process_delivery,
+    sign_document,
 )
 from payments.providers import build_providers
 from payments.schema import payment_callback_log
 from payments.states import CallbackStatus
 from tests.stack import callback_rows, delivery_message, effect_counts, payment_status
-from tests.support import create_payment, make_settings, sandbox_event, signed
+from tests.support import BROKER_KEY, create_payment, make_settings, sandbox_event, signed
 
 MAX_BODY = 256 * 1024
+KEYS = (BROKER_KEY,)
 PROVIDERS = build_providers(make_settings())
 POLICY = RetryPolicy(max_retries=3, base_seconds=0.01, max_seconds=0.05)
 
@@ -52,15 +55,17 @@ header_maps = st.dictionaries(st.text(min_size=1, max_size=20), st.text(max_size
 def test_a_message_decodes_to_exactly_the_delivery_it_was_made_from(
     log_id, provider, received_at, body, headers, remote_addr
 ):
-    raw = encode_message(log_id, provider, received_at, body, headers, remote_addr)
-    assert decode_message(raw, MAX_BODY) == Delivery(
+    raw = encode_message(log_id, provider, received_at, body, headers, remote_addr, key=BROKER_KEY)
+    assert decode_message(raw, MAX_BODY, keys=KEYS) == Delivery(
         log_id, provider, received_at, body, headers, remote_addr, body_digest(body)
     )
 
 
 def test_a_message_carries_the_named_fields_with_the_body_in_base64():
     when = datetime(2024, 5, 1, 12, 0, 0, 123456)
-    doc = json.loads(encode_message(7, "sandbox", when, b'{"id":"evt_1"}', {"Sandbox-Signature": "t=1,v1=ab"}))
+    doc = json.loads(
+        encode_message(7, "sandbox", when, b'{"id":"evt_1"}', {"Sandbox-Signature": "t=1,v1=ab"}, key=BROKER_KEY)
+    )
     assert doc == {
         "log_id": 7,
         "provider": "sandbox",
@@ -69,28 +74,33 @@ def test_a_message_carries_the_named_fields_with_the_body_in_base64():
         "headers": {"Sandbox-Signature": "t=1,v1=ab"},
         "body": base64.b64encode(b'{"id":"evt_1"}').decode(),
         "body_sha256": body_digest(b'{"id":"evt_1"}'),
+        "sig": message_signature(doc, BROKER_KEY),
     }
 
 
 def test_the_largest_body_fits_the_message_bound_and_a_larger_one_is_refused():
     big = b"x" * MAX_BODY
-    raw = encode_message(1, "sandbox", utcnow(), big, {"User-Agent": "\u00ff" * 8000, "Sandbox-Signature": "s" * 8000})
+    raw = encode_message(
+        1, "sandbox", utcnow(), big, {"User-Agent": "\u00ff" * 8000, "Sandbox-Signature": "s" * 8000}, key=BROKER_KEY
+    )
     assert len(raw) <= max_message_bytes(MAX_BODY)
-    assert decode_message(raw, MAX_BODY).body == big
+    assert decode_message(raw, MAX_BODY, keys=KEYS).body == big
     with pytest.raises(UnreadableMessage, match="exceeds CALLBACK_MAX_BODY_BYTES"):
-        decode_message(encode_message(1, "sandbox", utcnow(), big + b"x", {}), MAX_BODY)
+        decode_message(encode_message(1, "sandbox", utcnow(), big + b"x", {}, key=BROKER_KEY), MAX_BODY, keys=KEYS)
     with pytest.raises(UnreadableMessage, match="larger than any callback message"):
-        decode_message(b" " * (max_message_bytes(MAX_BODY) + 1), MAX_BODY)
+        decode_message(b" " * (max_message_bytes(MAX_BODY) + 1), MAX_BODY, keys=KEYS)
 
 
-def test_the_earlier_format_is_still_read_as_a_log_id():
-    assert decode_message(b'{"log_id": 42}', MAX_BODY) == 42
+def test_the_earlier_format_is_still_read_as_a_log_id_when_signed():
+    assert decode_message(sign_document({"log_id": 42}, BROKER_KEY), MAX_BODY, keys=KEYS) == 42
 
 
 def _doc(**changes):
-    doc = json.loads(encode_message(5, "sandbox", datetime(2024, 1, 1), b"{}", {}))
+    """A message as a gateway with a bug would sign it: signed, and wrong in ``changes``."""
+    doc = json.loads(encode_message(5, "sandbox", datetime(2024, 1, 1), b"{}", {}, key=BROKER_KEY))
+    del doc["sig"]
     doc.update(changes)
-    return json.dumps(doc).encode()
+    return sign_document(doc, BROKER_KEY)
 
 
 @pytest.mark.parametrize(
@@ -98,9 +108,9 @@ def _doc(**changes):
     [
         (b"not json", "not JSON"),
         (b"[1]", "not a JSON object"),
-        (b'{"log_id": "5"}', "log_id"),
-        (b'{"log_id": true}', "log_id"),
-        (b'{"log_id": -1}', "log_id"),
+        (sign_document({"log_id": "5"}, BROKER_KEY), "log_id"),
+        (sign_document({"log_id": True}, BROKER_KEY), "log_id"),
+        (sign_document({"log_id": -1}, BROKER_KEY), "log_id"),
         (b"[" * 100_000, "not JSON"),
         (_doc(body_sha256=body_digest(b"[]")), "does not match"),
         (_doc(body="not base64!"), "base64"),
@@ -116,7 +126,7 @@ def _doc(**changes):
 )
 def test_anything_else_is_unreadable_with_the_reason(raw, reason):
     with pytest.raises(UnreadableMessage, match=reason):
-        decode_message(raw, MAX_BODY)
+        decode_message(raw, MAX_BODY, keys=KEYS)
 
 
 # --- processing a delivery, restoring what the database lost -------------------------------------------------
@@ -137,7 +147,7 @@ def _received_as(engine, body: bytes, headers: dict) -> tuple[int, bytes]:
 
 
 def _process(engine, raw: bytes) -> tuple[int, CallbackResult]:
-    return process_delivery(engine, PROVIDERS, decode_message(raw, MAX_BODY), POLICY)
+    return process_delivery(engine, PROVIDERS, decode_message(raw, MAX_BODY, keys=KEYS), POLICY)
 
 
 def _forget(engine, *log_ids: int) -> None:
@@ -190,7 +200,7 @@ def test_a_row_whose_id_now_holds_another_delivery_leaves_both_deliveries_applie
     assert restored_id != log_id and outcome is CallbackResult.APPLIED
     assert _process(engine, second_raw) == (log_id, CallbackResult.APPLIED)
     bodies = sorted(bytes(r.callback_data) for r in callback_rows(engine))
-    assert bodies == sorted(decode_message(raw, MAX_BODY).body for raw in (first_raw, second_raw))
+    assert bodies == sorted(decode_message(raw, MAX_BODY, keys=KEYS).body for raw in (first_raw, second_raw))
     assert payment_status(engine, first_payment) == payment_status(engine, second_payment) == "Succeeded"
     assert effect_counts(engine)["processed_events"] == 2
 
@@ -215,7 +225,7 @@ def test_a_restored_row_is_verified_against_its_original_receipt_time(engine):
     payment_id = create_payment(engine)
     body, headers = signed(sandbox_event(payment_id), timestamp=1_700_000_000)
     received = datetime(2023, 11, 14, 22, 16, 40)  # 1_700_000_200 in UTC
-    raw = encode_message(99, "sandbox", received, body, headers)
+    raw = encode_message(99, "sandbox", received, body, headers, key=BROKER_KEY)
     restored_id, outcome = _process(engine, raw)
     assert outcome is CallbackResult.APPLIED
     with engine.connect() as conn:

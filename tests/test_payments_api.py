@@ -166,7 +166,7 @@ def test_twenty_concurrent_identical_requests_make_one_payment(app, mariadb):
     ("data", "code"),
     [
         (body(amount=19.99), "invalid_amount"),
-        (body(amount=1999.0), "invalid_amount"),
+        (body(amount=1999.5), "invalid_amount"),
         (body(amount=0), "invalid_amount"),
         (body(amount=-5), "invalid_amount"),
         (body(amount=True), "invalid_amount"),

@@ -29,14 +29,16 @@ from payments.delivery import (
     encode_batch,
     encode_message,
     max_message_bytes,
+    sign_document,
 )
 from payments.runtime import build_runtime
 from payments.schema import payment_callback_log
 from payments.states import CallbackStatus
 from tests.stack import callback_rows, delivery_message, effect_counts, payment_status, queued_callbacks
-from tests.support import create_payment, make_settings, sandbox_event, signed
+from tests.support import BROKER_KEY, create_payment, make_settings, sandbox_event, signed
 
 MAX_BODY = 256 * 1024
+KEYS = (BROKER_KEY,)
 
 deliveries = st.lists(
     st.tuples(st.integers(min_value=1, max_value=2**53), st.binary(max_size=300), st.text(max_size=40)),
@@ -48,17 +50,25 @@ deliveries = st.lists(
 @given(deliveries)
 def test_a_batch_decodes_to_exactly_the_deliveries_packed_in_it_in_order(items):
     at = utcnow()
-    messages = [encode_message(i, "sandbox", at, body, {"X-Note": note}) for i, body, note in items]
-    got = decode_messages(encode_batch(messages), MAX_BODY)
-    assert got == [decode_message(m, MAX_BODY) for m in messages]
+    messages = [encode_message(i, "sandbox", at, body, {"X-Note": note}, key=BROKER_KEY) for i, body, note in items]
+    got = decode_messages(encode_batch(messages), MAX_BODY, keys=KEYS)
+    assert got == [decode_message(m, MAX_BODY, keys=KEYS) for m in messages]
     assert [d.log_id for d in got] == [i for i, _, _ in items]
 
 
 def test_a_lone_message_is_sent_as_it_is_and_both_readers_agree():
-    message = encode_message(7, "sandbox", utcnow(), b'{"id":"evt_1"}', {})
+    message = encode_message(7, "sandbox", utcnow(), b'{"id":"evt_1"}', {}, key=BROKER_KEY)
     assert encode_batch([message]) == message
-    assert decode_messages(message, MAX_BODY) == [decode_message(message, MAX_BODY)]
-    assert decode_messages(b'{"log_id": 42}', MAX_BODY) == [42]  # the earlier format
+    assert decode_messages(message, MAX_BODY, keys=KEYS) == [decode_message(message, MAX_BODY, keys=KEYS)]
+    assert decode_messages(sign_document({"log_id": 42}, BROKER_KEY), MAX_BODY, keys=KEYS) == [42]  # the earlier format
+
+
+def _batch(*entries: object, signed: bool = True) -> bytes:
+    """A batch of ``entries``, each signed (but the last when not ``signed``), as a gateway with a bug might pack."""
+    parts = [sign_document(e, BROKER_KEY) if isinstance(e, dict) else json.dumps(e).encode() for e in entries]
+    if not signed:
+        parts[-1] = json.dumps(entries[-1]).encode()
+    return encode_batch(parts)
 
 
 @pytest.mark.parametrize(
@@ -66,29 +76,30 @@ def test_a_lone_message_is_sent_as_it_is_and_both_readers_agree():
     [
         (b'{"deliveries": []}', "non-empty list"),
         (b'{"deliveries": {"log_id": 1}}', "non-empty list"),
-        (b'{"deliveries": [{"log_id": 1}, {"log_id": 0}]}', "an entry of a batch of 2: log_id"),
-        (b'{"deliveries": [{"log_id": 1}, 5]}', "an entry of a batch of 2: not a JSON object"),
+        (_batch({"log_id": 1}, {"log_id": 0}), "an entry of a batch of 2: log_id"),
+        (_batch({"log_id": 1}, 5), "an entry of a batch of 2: not a JSON object"),
+        (_batch({"log_id": 1}, {"log_id": 2}, signed=False), "an entry of a batch of 2: message is not signed"),
     ],
 )
 def test_a_batch_with_anything_wrong_in_it_is_unreadable_as_a_whole(raw, reason):
     with pytest.raises(UnreadableMessage, match=reason):
-        decode_messages(raw, MAX_BODY)
+        decode_messages(raw, MAX_BODY, keys=KEYS)
 
 
 def test_a_batch_packed_up_to_the_publishers_bound_is_still_readable():
     bound = max_message_bytes(1000) - PACKING_BYTES
-    one = encode_message(1, "sandbox", utcnow(), b"x" * 200, {})
+    one = encode_message(1, "sandbox", utcnow(), b"x" * 200, {}, key=BROKER_KEY)
     count = bound // (len(one) + 1)
     packed = encode_batch([one] * count)
     assert len(packed) <= max_message_bytes(1000)
-    assert len(decode_messages(packed, 1000)) == count
+    assert len(decode_messages(packed, 1000, keys=KEYS)) == count
 
 
 # --- the gateway's publisher, real RabbitMQ -----------------------------------------------------------
 
 
 def _message(log_id: int, size: int = 50) -> bytes:
-    return encode_message(log_id, "sandbox", utcnow(), b"b" * size, {})
+    return encode_message(log_id, "sandbox", utcnow(), b"b" * size, {}, key=BROKER_KEY)
 
 
 @pytest.mark.rabbitmq

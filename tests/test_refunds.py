@@ -171,7 +171,7 @@ def test_an_unknown_payment_is_404_and_writes_nothing(client, mariadb):
         ({}, "invalid_amount"),
         ({"amount": 0}, "invalid_amount"),
         ({"amount": -5}, "invalid_amount"),
-        ({"amount": 10.0}, "invalid_amount"),
+        ({"amount": 10.5}, "invalid_amount"),
         ({"amount": "10"}, "invalid_amount"),
         ({"amount": True}, "invalid_amount"),
         (b'{"amount": NaN}', "invalid_request"),

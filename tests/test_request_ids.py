@@ -15,12 +15,12 @@ from sqlalchemy import delete, select
 from compensator import compensate_callbacks
 from consumer.handler import handle
 from gateway import create_app
-from payments.delivery import decode_message, encode_message
+from payments.delivery import decode_message, encode_message, sign_document
 from payments.logs import _REQUEST_ID, REQUEST_ID, sane_request_id, scrub, setup_logging
 from payments.runtime import build_runtime
 from payments.schema import payment_callback_log
 from tests.stack import db_url, delivery_message
-from tests.support import create_payment, make_settings, sandbox_event, signed
+from tests.support import BROKER_KEY, create_payment, make_settings, sandbox_event, signed
 
 
 @pytest.fixture
@@ -100,12 +100,15 @@ def test_the_gateway_answers_with_the_request_id_and_stores_it_with_the_callback
 
 def test_the_message_carries_the_request_id_and_old_messages_still_read():
     args = (7, "sandbox", __import__("datetime").datetime(2026, 1, 2, 3, 4, 5), b"{}", {})
-    assert decode_message(encode_message(*args, None, "req-9"), 1024).request_id == "req-9"
-    assert decode_message(encode_message(*args), 1024).request_id is None  # published before it was carried
-    doc = json.loads(encode_message(*args))
+    keys = (BROKER_KEY,)
+    assert decode_message(encode_message(*args, None, "req-9", key=BROKER_KEY), 1024, keys=keys).request_id == "req-9"
+    # Published before it was carried:
+    assert decode_message(encode_message(*args, key=BROKER_KEY), 1024, keys=keys).request_id is None
+    doc = json.loads(encode_message(*args, key=BROKER_KEY))
+    del doc["sig"]
     doc["request_id"] = "not sane at all"
-    assert decode_message(json.dumps(doc).encode(), 1024).request_id is None  # read, the id dropped
-    assert decode_message(b'{"log_id": 7}', 1024) == 7
+    assert decode_message(sign_document(doc, BROKER_KEY), 1024, keys=keys).request_id is None  # read, the id dropped
+    assert decode_message(sign_document({"log_id": 7}, BROKER_KEY), 1024, keys=keys) == 7
 
 
 def test_the_compensators_lines_about_a_callback_name_the_request_that_stored_it(engine, settings, json_logs):
@@ -136,11 +139,12 @@ def test_the_consumer_restores_a_lost_row_with_its_request_id_and_logs_it(mariad
         (row,) = conn.execute(select(payment_callback_log))
         conn.execute(delete(payment_callback_log))  # the database lost it (a failover); the message did not
     message = json.loads(delivery_message(row))
+    del message["sig"]
     message["request_id"] = row.request_id
     json_logs.truncate(0)
     json_logs.seek(0)
 
-    handle(build_runtime(settings, engine=mariadb), json.dumps(message).encode())
+    handle(build_runtime(settings, engine=mariadb), sign_document(message, BROKER_KEY))
 
     restored = [line for line in lines(json_logs) if "restored from its message" in line["msg"]]
     assert restored and restored[0]["request_id"] == "req-lost"
@@ -165,4 +169,4 @@ def test_the_gateway_puts_the_request_id_in_the_broker_message(mariadb, amqp_url
     finally:
         conn.close()
         app.extensions["paysync"]["publisher"].close()
-    assert decode_message(got, settings.callback_max_body_bytes).request_id == "req-amqp"
+    assert decode_message(got, settings.callback_max_body_bytes, keys=(BROKER_KEY,)).request_id == "req-amqp"

@@ -15,6 +15,7 @@ from gateway.ops import SESSION_SECONDS, bp, client_addr, match_token, safe_next
 from payments import aging, ops_actions, ops_sessions
 from payments.callbacks import process_callback
 from payments.db import utcnow
+from payments.logs import scrub
 from payments.ops_actions import Actor, CallbackSearch, OpsRefused
 from payments.schema import RECON_CATEGORIES
 from payments.states import CallbackStatus, PaymentStatus, ReviewStatus
@@ -82,16 +83,21 @@ def login() -> Any:
         return body, 429, {"Retry-After": str(int(wait) + 1)}
     name = request.form.get("name", "")
     matched = match_token(request.form.get("token", ""), settings)
+    name_error = "Give your name (1 to 64 characters): it is recorded."
     try:
         actor = ops_actions.clean_actor(name)
     except OpsRefused:
         actor = None
+    if actor is not None and _holds_a_secret(actor, settings):
+        # A token typed into the name box (or pasted with it) would be the actor of every action: in the
+        # session, in each ops_action row and in the login line. No scrubber can tell a bare token from a name.
+        actor, name_error = None, "That is a token or a card number, not a name: give your name."
     if matched is None or actor is None:
         if matched is None:
             throttle.failed(addr)
             # Neither the token nor the name field: a token typed into the wrong box must not reach the logs.
             log.warning("ops login failed: unknown token", extra={"remote_addr": addr})
-        error = "Unknown token." if matched is None else "Give your name (1 to 64 characters): it is recorded."
+        error = "Unknown token." if matched is None else name_error
         return render_template("ops/login.html", next=next_url, error=error), 401 if matched is None else 400
     throttle.succeeded(addr)
     role, tk = matched
@@ -104,6 +110,12 @@ def login() -> Any:
     session.update({"role": role, "actor": actor, "tk": tk, "sid": sid, "iat": int(time.time())})
     log.info("ops login", extra={"actor": actor, "role": role, "remote_addr": addr, "ops_session_id": live.id})
     return redirect(next_url)
+
+
+def _holds_a_secret(name: str, settings: Any) -> bool:
+    """True when ``name`` contains a configured token, or text the log scrubber would alter (a card number)."""
+    tokens = (*settings.ops_token, *settings.ops_readonly_token, *settings.merchant_api_token)
+    return any(token and token in name for token in tokens) or scrub(name) != name
 
 
 @bp.post("/logout")
