@@ -385,7 +385,12 @@ class Settings:
         a claimed row. The prepare step renews the lease for the call itself.
         """
         wait = 2 * self.relay_concurrency / self.provider_rate_limit
-        return wait + self.provider_timeout_seconds * 2 + 3.0
+        return wait + self.call_seconds
+
+    @property
+    def call_seconds(self) -> float:
+        """How much of a lease one provider call needs once it goes out (two timeouts, slack): the rest is the wait."""
+        return self.provider_timeout_seconds * 2 + 3.0
 
     @property
     def effective_interval_seconds(self) -> float:
