@@ -7,7 +7,8 @@ row is the same simple case, so ``relay_outbox`` hands its claimed rows here:
 
 - ``prepare_charges``: in one transaction for the whole claim, the rows that
   are a first send of a Created payment (no earlier charge call, deadline not
-  passed, adapter present, breaker closed) get what ``relay.relay_charge``'s
+  passed, adapter present, breaker closed, a provider that dedupes a re-send:
+  ``_plain_first_send``) get what ``relay.relay_charge``'s
   prepare gives them: the provider_call row, Created → Pending naming it, the
   lease renewed for the call and the attempt counted. A handful of statements
   whatever the count. Every other row is left to ``relay_charge``, which
@@ -191,9 +192,16 @@ def prepare_charges(
 
 
 def _plain_first_send(current: dict[str, Any] | None, provider: Provider, now: datetime) -> bool:
-    """True for a Created payment of ``provider`` whose deadline has not passed: ``relay``'s prepare would send it."""
+    """True for a Created payment of ``provider`` whose deadline has not passed: ``relay``'s prepare would send it.
+
+    Only for a provider that dedupes a re-send. A grouped prepare puts its calls on file before their wait for a
+    provider slot, and a crash in that wait leaves them without an outcome: a provider that dedupes gets them
+    again under the same key, but one that does not could only hand each to a person. Its charges are prepared
+    one by one, right before each send, where that window is a few milliseconds wide.
+    """
     return (
-        current is not None
+        provider.capabilities.may_resend
+        and current is not None
         and current["status"] == PaymentStatus.CREATED
         and current["provider"] == provider.name
         and (current["deadline_at"] is None or now < current["deadline_at"])

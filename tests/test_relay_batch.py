@@ -39,7 +39,7 @@ from payments.runtime import build_runtime
 from payments.schema import ledger_entry, ledger_event, manual_review, outbox, payment, provider_breaker, provider_call
 from payments.states import BreakerState, OutboxStatus
 from tests.fake_provider import FakeProvider
-from tests.outbound_support import calls, new_payment, row
+from tests.outbound_support import calls, expire_leases, new_payment, row
 from tests.support import make_settings
 
 
@@ -298,9 +298,10 @@ def test_a_row_whose_lease_another_worker_holds_is_neither_prepared_nor_sent(mar
 
 
 def test_a_prepared_charge_whose_breaker_opened_meanwhile_is_not_sent_and_comes_back_as_a_first_send(mariadb):
-    # A provider that neither dedupes nor can be queried: a send after a call that may have gone out would be
-    # handed to a person. The withheld call went nowhere, so the later send is a plain first send.
-    fake = FakeProvider(Capabilities(dedupe=Dedupe.NONE, query_by_merchant_id=False))
+    # A refusal answers the later send: Failed on a first send, Unknown on a re-send (reported_status). The
+    # withheld call went nowhere, so the later send is a plain first send and its refusal is final.
+    refused = Failed("invalid_request", definitive=True, refusal=True)
+    fake = FakeProvider(Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True), charges=[refused])
     rt = runtime_with(mariadb, fake)
     payment_id = new_payment(rt, provider="fake")
     ctx = Context(rt.engine, rt.providers, rt.settings)
@@ -335,7 +336,26 @@ def test_a_prepared_charge_whose_breaker_opened_meanwhile_is_not_sent_and_comes_
     breaker.clear_cache()
     relay_outbox.run_once(rt)
     assert len(fake.charges) == 1
-    assert row(rt, payment_id)["status"] == "Succeeded"
+    assert row(rt, payment_id)["status"] == "Failed"
+    with rt.engine.connect() as conn:
+        assert conn.execute(select(manual_review.c.kind)).scalars().all() == []
+
+
+def test_a_crash_between_the_grouped_prepare_and_the_send_sends_nothing_of_a_non_deduping_provider_to_review(mariadb):
+    # Neither dedupes nor can be queried: a charge whose call is on file without an outcome can only go to a
+    # person. A grouped prepare puts many on file long before they go out (they wait for provider slots), so
+    # such charges are never prepared in groups: each is prepared right before its own send.
+    fake = FakeProvider(Capabilities(dedupe=Dedupe.NONE, query_by_merchant_id=False))
+    rt = runtime_with(mariadb, fake)
+    ids = [new_payment(rt, provider="fake", amount=1000 + n) for n in range(3)]
+    ctx = Context(rt.engine, rt.providers, rt.settings)
+    prepare_charges(ctx, claimed(rt))  # the relay claims and prepares, and is killed before any send
+
+    expire_leases(rt)
+    relay_outbox.run_once(rt)  # another relay takes the rows over once the leases ran out
+
+    assert len(fake.charges) == 3
+    assert {row(rt, pid)["status"] for pid in ids} == {"Succeeded"}
     with rt.engine.connect() as conn:
         assert conn.execute(select(manual_review.c.kind)).scalars().all() == []
 
