@@ -37,6 +37,7 @@ from payments.calls import (
     lock_payment,
     lock_refund,
     query_delay,
+    reach_ends,
     refund_request,
     release,
     review,
@@ -226,8 +227,9 @@ def _not_found(
 
     A provider that does not dedupe is only queried again (until the
     deadline): its NotFound may be a charge not visible yet. Where a re-send
-    is allowed, a NotFound within QUERY_NOT_FOUND_GRACE_SECONDS of the last
-    send is not believed yet either: the next query comes after the grace.
+    is allowed, a NotFound within QUERY_NOT_FOUND_GRACE_SECONDS of the end of
+    the last send (``reach_ends``) is not believed yet either: the next query
+    comes after the grace.
     Nor is one about a send the provider answered Pending: it has the order,
     which it shows to a query only once the payer starts (an Alipay QR code
     nobody scanned yet); re-sending it would only make the same order again,
@@ -238,7 +240,10 @@ def _not_found(
     attempts = current["query_attempts"] + 1
     next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts))
     last = what.last_send(conn, current[what.key])
-    grace_ends = last.started_at + timedelta(seconds=ctx.settings.query_not_found_grace_seconds) if last else now
+    # Counted from the end of the last send that may have reached the provider, not from when it was prepared:
+    # a call can wait for a slot, and hang until its timeout, after its row was written.
+    grace = timedelta(seconds=ctx.settings.query_not_found_grace_seconds)
+    grace_ends = reach_ends(ctx.settings, last) + grace if last else now
     accepted = last is not None and last.outcome == Pending.__name__  # as provider_calls.outcome_name writes it
     may_resend = provider.capabilities.may_resend and not accepted
     believed = may_resend and now >= grace_ends

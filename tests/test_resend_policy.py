@@ -139,7 +139,9 @@ def test_a_not_found_right_after_the_last_send_is_not_believed_until_the_grace_h
 
     with rt.engine.begin() as conn:  # the grace has passed since the last send
         conn.execute(
-            update(provider_call).where(provider_call.c.id == charge["id"]).values(started_at=utcnow() - grace * 2)
+            update(provider_call)
+            .where(provider_call.c.id == charge["id"])
+            .values(started_at=utcnow() - grace * 2, finished_at=utcnow() - grace * 2)
         )
     make_due(rt, payment_id)
     query_unresolved.run_once(rt)
@@ -147,6 +149,43 @@ def test_a_not_found_right_after_the_last_send_is_not_believed_until_the_grace_h
     relay_outbox.run_once(rt)
     assert row(rt, payment_id)["status"] == "Succeeded"
     assert sandbox.charge_count(payment_id) == 1
+
+
+def test_a_not_found_right_after_a_long_call_ended_is_not_believed_until_the_grace_from_its_end(mariadb):
+    # The request went out two grace periods ago and hung until its timeout just now: it may have reached the
+    # provider at any moment of that, so the grace counts from the call's end, not from when it was prepared.
+    fake = FakeProvider(Capabilities(dedupe=Dedupe.KEY, query_by_merchant_id=True), charges=[Unknown("timeout")])
+    rt = with_provider(runtime_for(mariadb), fake)
+    grace = timedelta(seconds=rt.settings.query_not_found_grace_seconds)
+
+    def hang(request, key):
+        with rt.engine.begin() as conn:
+            conn.execute(
+                update(provider_call)
+                .where(provider_call.c.payment_id == request.payment_id)
+                .values(started_at=utcnow() - grace * 2)
+            )
+
+    fake.on_charge = hang
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)
+    (charge,) = calls(rt, payment_id, "charge")
+    assert row(rt, payment_id)["status"] == "Unknown"
+    assert charge["started_at"] + grace < utcnow() < charge["finished_at"] + grace
+
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)  # NotFound
+    assert pending_charge_requests(rt, payment_id) == 0, "the request may have reached the provider moments ago"
+    assert row(rt, payment_id)["next_query_at"] >= charge["finished_at"] + grace
+
+    with rt.engine.begin() as conn:  # the grace has passed since the call ended
+        conn.execute(
+            update(provider_call).where(provider_call.c.id == charge["id"]).values(finished_at=utcnow() - grace)
+        )
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    assert pending_charge_requests(rt, payment_id) == 1, "now it is believed: sent again with the same key"
+    assert len(fake.queries) == 2
 
 
 def _as_rate_limited(rt, call_id):
