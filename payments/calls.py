@@ -36,6 +36,7 @@ from payments.backoff import compute_backoff
 from payments.db import utcnow
 from payments.providers.base import (
     REVIEW_PREFIX,
+    Dedupe,
     Failed,
     Mismatch,
     Pending,
@@ -220,6 +221,22 @@ def last_refund_send(conn: Connection, refund_id: str) -> Row | None:
 def last_charge_send(conn: Connection, payment_id: str) -> Row | None:
     """As ``last_charge_call``, leaving out calls that cannot have reached the provider (a 429, a withdrawn call)."""
     return conn.execute(_LAST_CHARGE_SEND, {"p_payment_id": payment_id}).first()
+
+
+def key_outlived(settings: Settings, provider: Provider, current: Mapping[str, Any], now: datetime) -> bool:
+    """True when the payment's (or refund's) idempotency key may be forgotten by its provider: never re-send it.
+
+    Only a provider that dedupes by key forgets (Stripe after about 24 hours: then the same key is a new
+    charge); one that dedupes by our number keeps it. Counted from the row's creation, which no use of its key
+    precedes, so the key is never younger at the provider than here.
+    """
+    if provider.capabilities.dedupe != Dedupe.KEY:
+        return False
+    return now >= current["created_at"] + timedelta(seconds=settings.provider_key_lifetime_seconds)
+
+
+KEY_OUTLIVED = "its idempotency key is past PROVIDER_KEY_LIFETIME_SECONDS"
+"""Why a payment (or refund) whose key the provider may have forgotten is not sent again."""
 
 
 def reach_ends(settings: Settings, call: Row) -> datetime:

@@ -24,12 +24,14 @@ from sqlalchemy import Connection, Table, and_, exists, or_, select, update
 
 from payments import breaker, outbox, provider_calls
 from payments.calls import (
+    KEY_OUTLIVED,
     Context,
     Result,
     admission,
     apply_outcome,
     count,
     give_up_ambiguous,
+    key_outlived,
     last_charge_call,
     last_charge_send,
     last_refund_call,
@@ -253,6 +255,11 @@ def _not_found(
     conn.execute(update(what.table).where(what.table.c.id == current["id"]).values(**values))
     if PaymentStatus(current["status"]) in TERMINAL or not believed:
         return Result.UNCHANGED
+    if key_outlived(ctx.settings, provider, current, now):
+        # A re-send under a key the provider may have forgotten could be a second charge, and a NotFound is not
+        # a failure: a person settles it. The queries go on meanwhile (until the deadline), once a backoff.
+        review(conn, current, "unresolved_not_resendable", f"not found, and {KEY_OUTLIVED}; not re-sent", now)
+        return Result.REVIEW
     queued = conn.execute(
         select(
             exists().where(
