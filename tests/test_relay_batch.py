@@ -539,3 +539,36 @@ def test_an_error_reaches_every_unit_of_its_group_and_no_other():
         group.submit("bad")
     assert group.submit("good") == "ok"
     assert calls_made == [["bad"], ["good"]]
+
+
+def test_a_call_recorded_as_never_sent_starts_no_not_found_grace(mariadb):
+    # Withheld by the breaker before it went out: a NotFound about the payment is the whole truth at once.
+    from payments.query import query_payment
+    from tests.outbound_support import claim_for_query
+
+    fake = keyed()
+    rt = runtime_with(mariadb, fake)
+    assert rt.settings.query_not_found_grace_seconds == 60
+    payment_id = new_payment(rt, provider="fake")
+    ctx = Context(rt.engine, rt.providers, rt.settings)
+    prepared, _ = prepare_charges(ctx, claimed(rt))
+    with rt.engine.begin() as conn:
+        conn.execute(
+            provider_breaker.insert().values(
+                provider="fake",
+                state=BreakerState.OPEN,
+                consecutive_failures=5,
+                open_count=1,
+                retry_at=utcnow() + timedelta(seconds=30),
+                updated_at=utcnow(),
+            )
+        )
+    breaker.clear_cache()
+    assert send_prepared(ctx, prepared[0], GroupCommit(lambda u: apply_charges(ctx, u)), threading.Lock) == (
+        Result.DEFERRED
+    )
+
+    lease = claim_for_query(rt.engine, payment_id)
+    assert query_payment(ctx, payment_id, "fake", lease, budget_ok=True) == Result.RESEND
+    assert row(rt, payment_id)["next_query_at"] < utcnow() + timedelta(seconds=60), "no grace to wait out"
+    assert fake.charges == [] and fake.queries == [payment_id]
