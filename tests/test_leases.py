@@ -97,15 +97,15 @@ def test_a_claimed_rows_lease_outlasts_its_wait_for_the_rate_limiter(mariadb):
     assert {row(rt, pid)["status"] for pid in ids} == {"Succeeded"}
 
 
-def test_a_prepared_charge_whose_lease_ran_out_waiting_for_a_slot_is_not_sent_by_a_second_relay(mariadb):
+def test_a_prepared_charge_whose_lease_ran_out_waiting_for_a_slot_is_not_sent_by_a_second_relay(engine):
     """Two relays and a slow provider slot: one send per idempotency key (the grouped path's fence)."""
     from compensator.relay_outbox import provider_slots
     from tests.support import wait_until
 
     fake = keyed()
     # Two compensators: each its own bound on calls to the provider (one slot here, two there) and its own pool.
-    first = runtime_with(mariadb, fake, relay_concurrency=1, relay_provider_concurrency=1, provider_rate_limit=1e5)
-    second = runtime_with(mariadb, fake, relay_concurrency=2, relay_provider_concurrency=2, provider_rate_limit=1e5)
+    first = runtime_with(engine, fake, relay_concurrency=1, relay_provider_concurrency=1, provider_rate_limit=1e5)
+    second = runtime_with(engine, fake, relay_concurrency=2, relay_provider_concurrency=2, provider_rate_limit=1e5)
     payment_id = new_payment(first, provider="fake")
     slot = provider_slots("fake", 1)
     slot.acquire()  # the first relay's only slot is held by a call that hangs
