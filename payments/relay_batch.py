@@ -216,8 +216,9 @@ def send_prepared(
 ) -> Result:
     """Send a prepared charge with the payment's fixed idempotency key and have its outcome applied.
 
-    The wait for a provider slot since the prepare is not bounded by the lease, so the charge goes out only
-    after ``_fence`` found the lease still ours and renewed it (or the breaker closed): else nothing is sent.
+    The wait for a provider slot since the prepare is not bounded by the lease: a charge whose lease no longer
+    leaves a whole call, or whose breaker opened, goes out only if ``_fence`` found the lease still ours (and
+    renewed it) and the breaker closed; else nothing is sent.
     """
     current = charge.current
     # While the lease the prepare wrote still has a whole call ahead of it (by the clock that wrote it), no
