@@ -145,9 +145,9 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None, linger_secon
 
     def work(item: PreparedCharge | tuple[int, str, datetime, str]) -> Result:
         provider = item.provider.name if isinstance(item, PreparedCharge) else item[1]
-        # A row waiting here keeps its lease. A prepared charge's lease was renewed for the wait and the call;
-        # any other row's prepare re-checks its token, so one whose lease ran out meanwhile (another compensator
-        # took it over) sends nothing.
+        # A row waiting here keeps its lease, which may run out: a prepared charge re-checks (and renews) it just
+        # before its send (relay_batch._fence), any other row's prepare re-checks its token, so one whose lease
+        # ran out meanwhile (another compensator took it over) sends nothing.
         with provider_slots(provider, settings.relay_provider_concurrency):
             throttle(provider, settings.provider_rate_limit)
             if isinstance(item, PreparedCharge):

@@ -28,11 +28,14 @@ committed*, and nothing is skipped for good:
    40 and 42) is written to ``ledger_seal_gap`` in the same transaction as the
    seals. Each run first looks for committed events inside the recorded gaps
    and seals them, later in the chain than their ids suggest; a gap is
-   dropped LATE_COMMIT_SECONDS (60 s) after it was noticed, by then a
-   rolled-back transaction (its id is burnt for good) or a straggler. Looking
-   only at the gaps costs a run a few primary-key range probes, however fast
-   events are written; the gap list lives in the database, so it survives a
-   restart and any compensator holding the lock continues it.
+   dropped once it is LATE_COMMIT_SECONDS (60 s) old, by then a rolled-back
+   transaction (its id is burnt for good) or a straggler, but only by the
+   run that has just looked into it: every recorded gap is looked into by
+   every run, however many there are (MAX_GAP_RANGES at a time) and however
+   long the sealer was not running. Looking only at the gaps costs a run a
+   few primary-key range probes per page of gaps, however fast events are
+   written; the gap list lives in the database, so it survives a restart and
+   any compensator holding the lock continues it.
 3. Stragglers: a transaction that commits more than a minute after writing
    its event (nothing in paysync holds one open that long) is past its gap.
    The first run in every process, and one run an hour after that, scan the
@@ -74,7 +77,7 @@ DIGEST_VERSION = "paysync-ledger-seal-v1"
 LATE_COMMIT_SECONDS = 60.0
 """How long a gap is watched: a transaction committing this late after its event was stepped over is still sealed."""
 MAX_GAP_RANGES = 1000
-"""Gap ranges looked into per run (oldest first; the rest the next run)."""
+"""Gap ranges looked into per query (a page of the gap list; a run goes through every page)."""
 FULL_SCAN_STEP = 50_000
 """Ids one query of the full scan covers, so none scans the whole table."""
 FULL_SCAN_SECONDS = 3600.0
@@ -165,10 +168,15 @@ def run_once(runtime: Runtime, *, max_seconds: float = 10.0, full_scan: bool | N
 def seal(engine: Engine, *, max_seconds: float = 10.0, full_scan: bool = False, batch: int = BATCH) -> int:
     """Seal late commits (recorded gaps, or the whole table), then new events, in batches; return how many."""
     started = time.monotonic()
-    with engine.begin() as conn:
-        cutoff = utcnow() - timedelta(seconds=LATE_COMMIT_SECONDS)
-        conn.execute(delete(ledger_seal_gap).where(ledger_seal_gap.c.noticed_at < cutoff))
-    late = _seal_everywhere(engine, batch) if full_scan else _seal_gaps(engine, batch)
+    # A gap is dropped only after a look into it that began after it expired: one dropped first, or one left
+    # for a later page, would lose an event that committed late inside it (until the next full scan).
+    cutoff = utcnow() - timedelta(seconds=LATE_COMMIT_SECONDS)
+    if full_scan:
+        late = _seal_everywhere(engine, batch)  # covers every gap: they all lie below the head
+        with engine.begin() as conn:
+            conn.execute(delete(ledger_seal_gap).where(ledger_seal_gap.c.noticed_at < cutoff))
+    else:
+        late = _seal_gaps(engine, batch, cutoff)
     if late:
         log.warning("sealed %s ledger events that committed after later ones had been sealed", late)
     sealed = late
@@ -228,26 +236,43 @@ def _seal_new(engine: Engine, batch: int) -> int:
     return len(events)
 
 
-def _seal_gaps(engine: Engine, batch: int) -> int:
-    """Seal the events that committed inside recorded gaps (a few primary-key ranges)."""
-    sealed = 0
-    with engine.connect() as conn:
-        ranges = conn.execute(
-            select(ledger_seal_gap.c.from_event_id, ledger_seal_gap.c.to_event_id)
-            .order_by(ledger_seal_gap.c.from_event_id)
-            .limit(MAX_GAP_RANGES)
-        ).all()
-    if not ranges:
-        return 0
-    inside = or_(*(ledger_event.c.id.between(a, b) for a, b in ranges))
+def _seal_gaps(engine: Engine, batch: int, cutoff: datetime) -> int:
+    """Seal the events that committed inside recorded gaps, every gap, a page of ranges at a time.
+
+    Each page's gaps noticed before ``cutoff`` are dropped right after that page was looked into.
+    """
+    sealed, after = 0, 0
     while True:
-        with engine.begin() as conn:
-            events = conn.execute(_UNSEALED.where(inside).order_by(ledger_event.c.id).limit(batch)).mappings().all()
-            if events:
-                _append_seals(conn, read_head(conn), events)
-        sealed += len(events)
-        if len(events) < batch:
+        with engine.connect() as conn:
+            page = conn.execute(
+                select(
+                    ledger_seal_gap.c.id,
+                    ledger_seal_gap.c.from_event_id,
+                    ledger_seal_gap.c.to_event_id,
+                    ledger_seal_gap.c.noticed_at,
+                )
+                .where(ledger_seal_gap.c.id > after)
+                .order_by(ledger_seal_gap.c.id)
+                .limit(MAX_GAP_RANGES)
+            ).all()
+        if not page:
             return sealed
+        inside = or_(*(ledger_event.c.id.between(g.from_event_id, g.to_event_id) for g in page))
+        while True:
+            with engine.begin() as conn:
+                events = conn.execute(_UNSEALED.where(inside).order_by(ledger_event.c.id).limit(batch)).mappings().all()
+                if events:
+                    _append_seals(conn, read_head(conn), events)
+            sealed += len(events)
+            if len(events) < batch:
+                break
+        expired = [g.id for g in page if g.noticed_at < cutoff]
+        if expired:
+            with engine.begin() as conn:
+                conn.execute(delete(ledger_seal_gap).where(ledger_seal_gap.c.id.in_(expired)))
+        if len(page) < MAX_GAP_RANGES:
+            return sealed
+        after = page[-1].id
 
 
 def _seal_everywhere(engine: Engine, batch: int) -> int:

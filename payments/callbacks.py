@@ -370,8 +370,9 @@ def process_locked_batch(
 ) -> list[CallbackResult] | None:
     """``process_locked`` for several rows at once, set-wise; None when this batch needs the per-row path.
 
-    ``items`` are (log id, expect) pairs, each row once, all locked by the
-    caller (``lock_rows``). The common case, every row a fresh verified report
+    ``items`` are (log id, expect) pairs, each pair once, all locked by the
+    caller (``lock_rows``); one log id may come with two expects (a lost row's
+    id reused), and each item gets its own outcome, in its own place. The common case, every row a fresh verified report
     that moves its payment or refund on or finds it already there (a NOOP: the
     provider call's answer got there first), costs the same few statements
     whatever the batch size: one multi-row INSERT into ``processed_event`` (the inbox),
@@ -389,6 +390,9 @@ def process_locked_batch(
     """
     outcomes: list[CallbackResult] = []
     fresh: list[tuple[int, Any, CallbackEvent]] = []
+    # Each fresh row's own position: one log id can come twice (a lost row's id handed out again, its
+    # broker copy beside the new row's), and the copy's MISSING must not take the other's outcome.
+    places: list[int] = []
     for log_id, expect in items:
         row = locked.get(log_id)
         if row is None or (
@@ -403,6 +407,7 @@ def process_locked_batch(
             event = _verified_event(providers, row)
         except Exception:  # noqa: BLE001 - rejected, ignored or failing: the per-row path records which
             return None
+        places.append(len(outcomes))
         outcomes.append(CallbackResult.APPLIED)  # or NOOP: _apply_batch says which
         fresh.append((log_id, row, event))
     if not fresh:
@@ -419,10 +424,9 @@ def process_locked_batch(
         conn.exec_driver_sql(f"ROLLBACK TO SAVEPOINT {BATCH_SAVEPOINT}")
         log.debug("batch of %s goes row by row: %s", len(fresh), exc)
         return None
-    positions = {log_id: n for n, (log_id, _) in enumerate(items)}
-    for log_id, row, _ in fresh:
+    for place, (log_id, row, _) in zip(places, fresh, strict=True):
         if log_id in noops:
-            outcomes[positions[log_id]] = CallbackResult.NOOP
+            outcomes[place] = CallbackResult.NOOP
         else:
             metrics.callback_applied(row.provider, row.create_time, now)
     return outcomes

@@ -29,13 +29,14 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, bindparam, or_, select, update
+from sqlalchemy import Connection, Engine, Row, and_, bindparam, or_, select, update
 
-from payments import breaker
+from payments import breaker, provider_calls
 from payments.backoff import compute_backoff
 from payments.db import utcnow
 from payments.providers.base import (
     REVIEW_PREFIX,
+    Dedupe,
     Failed,
     Mismatch,
     Pending,
@@ -141,17 +142,27 @@ def count(ctx: Context, provider: Provider, outcome: QueryOutcome, gate: breaker
 # anew each time cost as much interpreter time as executing it.
 _LOCK_PAYMENT = select(payment).where(payment.c.payment_id == bindparam("p_payment_id")).with_for_update()
 _LOCK_REFUND = select(refund).where(refund.c.refund_id == bindparam("p_refund_id")).with_for_update()
-_LAST_CALL = select(provider_call.c.id, provider_call.c.started_at, provider_call.c.outcome).order_by(
-    provider_call.c.id.desc()
-)
+_LAST_CALL = select(
+    provider_call.c.id, provider_call.c.started_at, provider_call.c.finished_at, provider_call.c.outcome
+).order_by(provider_call.c.id.desc())
 _LAST_CHARGE_CALL = _LAST_CALL.where(
     provider_call.c.payment_id == bindparam("p_payment_id"), provider_call.c.operation == "charge"
 ).limit(1)
 _LAST_REFUND_CALL = _LAST_CALL.where(
     provider_call.c.refund_id == bindparam("p_refund_id"), provider_call.c.operation == "refund"
 ).limit(1)
-# A 429 (rate limited, or Stripe's lock_timeout) is a provider turning the request away before doing anything.
-_MAY_HAVE_REACHED = or_(provider_call.c.http_status.is_(None), provider_call.c.http_status != 429)
+# A 429 (rate limited, or Stripe's lock_timeout) is a provider turning the request away before doing anything;
+# a withdrawn call (provider_calls.withdraw) never left. Spelled out for NULLs: a call in flight has no outcome.
+_MAY_HAVE_REACHED = and_(
+    or_(provider_call.c.http_status.is_(None), provider_call.c.http_status != 429),
+    or_(
+        provider_call.c.outcome.is_(None),
+        provider_call.c.outcome != "Failed",
+        provider_call.c.http_status.is_not(None),
+        provider_call.c.error_code.is_(None),
+        provider_call.c.error_code.not_like(f"{provider_calls.NOT_SENT_PREFIX}%"),
+    ),
+)
 _LAST_CHARGE_SEND = _LAST_CHARGE_CALL.where(_MAY_HAVE_REACHED)
 _LAST_REFUND_SEND = _LAST_REFUND_CALL.where(_MAY_HAVE_REACHED)
 
@@ -203,13 +214,40 @@ def last_charge_call(conn: Connection, payment_id: str) -> Row | None:
 
 
 def last_refund_send(conn: Connection, refund_id: str) -> Row | None:
-    """As ``last_refund_call``, leaving out calls the provider turned away unprocessed (HTTP 429)."""
+    """As ``last_refund_call``, leaving out calls that cannot have reached the provider (a 429, a withdrawn call)."""
     return conn.execute(_LAST_REFUND_SEND, {"p_refund_id": refund_id}).first()
 
 
 def last_charge_send(conn: Connection, payment_id: str) -> Row | None:
-    """As ``last_charge_call``, leaving out calls the provider turned away unprocessed (HTTP 429)."""
+    """As ``last_charge_call``, leaving out calls that cannot have reached the provider (a 429, a withdrawn call)."""
     return conn.execute(_LAST_CHARGE_SEND, {"p_payment_id": payment_id}).first()
+
+
+def key_outlived(settings: Settings, provider: Provider, current: Mapping[str, Any], now: datetime) -> bool:
+    """True when the payment's (or refund's) idempotency key may be forgotten by its provider: never re-send it.
+
+    Only a provider that dedupes by key forgets (Stripe after about 24 hours: then the same key is a new
+    charge); one that dedupes by our number keeps it. Counted from the row's creation, which no use of its key
+    precedes, so the key is never younger at the provider than here.
+    """
+    if provider.capabilities.dedupe != Dedupe.KEY:
+        return False
+    return now >= current["created_at"] + timedelta(seconds=settings.provider_key_lifetime_seconds)
+
+
+KEY_OUTLIVED = "its idempotency key is past PROVIDER_KEY_LIFETIME_SECONDS"
+"""Why a payment (or refund) whose key the provider may have forgotten is not sent again."""
+
+
+def reach_ends(settings: Settings, call: Row) -> datetime:
+    """The last moment a recorded send could have reached its provider: when its call ended.
+
+    A call with no recorded end (in flight, or its process died) is over by
+    its lease: the relay renews the lease for the call when it goes out.
+    """
+    if call.finished_at is not None:
+        return call.finished_at
+    return call.started_at + timedelta(seconds=settings.call_lease_seconds)
 
 
 @dataclass(frozen=True)

@@ -164,12 +164,27 @@ def finish(conn: Connection, call_id: int, outcome: QueryOutcome, now: datetime)
     _count(call_id, outcome)
 
 
+_SENT = update(provider_call).where(provider_call.c.id == bindparam("p_call_id"), provider_call.c.outcome.is_(None))
+
+
+def sent(conn: Connection, call_id: int, now: datetime) -> None:
+    """Record that a call started earlier (prepared in a group) goes out now: its ``started_at`` becomes ``now``.
+
+    So ``started_at`` is always the moment the request left, however long it waited for a provider slot.
+    """
+    conn.execute(_SENT, {"p_call_id": call_id, "started_at": now})
+
+
+NOT_SENT_PREFIX = "not_sent_"
+"""How the error code of a withdrawn call begins: such a call never reached the provider."""
+
+
 def withdraw(conn: Connection, call_id: int, reason: str, now: datetime) -> None:
     """Record that a started call never went out after all (``reason``): outcome Failed, charged nothing.
 
     A later send of the same payment is then a first send, not a re-send
     (``relay``: only a call that may have reached the provider makes one).
-    Not counted in the metrics: no request was made.
+    Not counted in the metrics: no request was made. ``reason`` begins with NOT_SENT_PREFIX.
     """
     conn.execute(
         _FINISH,

@@ -24,12 +24,14 @@ from sqlalchemy import Connection, Table, and_, exists, or_, select, update
 
 from payments import breaker, outbox, provider_calls
 from payments.calls import (
+    KEY_OUTLIVED,
     Context,
     Result,
     admission,
     apply_outcome,
     count,
     give_up_ambiguous,
+    key_outlived,
     last_charge_call,
     last_charge_send,
     last_refund_call,
@@ -37,6 +39,7 @@ from payments.calls import (
     lock_payment,
     lock_refund,
     query_delay,
+    reach_ends,
     refund_request,
     release,
     review,
@@ -235,8 +238,9 @@ def _not_found(
 
     A provider that does not dedupe is only queried again (until the
     deadline): its NotFound may be a charge not visible yet. Where a re-send
-    is allowed, a NotFound within QUERY_NOT_FOUND_GRACE_SECONDS of the last
-    send is not believed yet either: the next query comes after the grace.
+    is allowed, a NotFound within QUERY_NOT_FOUND_GRACE_SECONDS of the end of
+    the last send (``reach_ends``) is not believed yet either: the next query
+    comes after the grace.
     Nor is one about a send the provider answered Pending: it has the order,
     which it shows to a query only once the payer starts (an Alipay QR code
     nobody scanned yet); re-sending it would only make the same order again,
@@ -247,7 +251,10 @@ def _not_found(
     attempts = current["query_attempts"] + 1
     next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts))
     last = what.last_send(conn, current[what.key])
-    grace_ends = last.started_at + timedelta(seconds=ctx.settings.query_not_found_grace_seconds) if last else now
+    # Counted from the end of the last send that may have reached the provider, not from when it was prepared:
+    # a call can wait for a slot, and hang until its timeout, after its row was written.
+    grace = timedelta(seconds=ctx.settings.query_not_found_grace_seconds)
+    grace_ends = reach_ends(ctx.settings, last) + grace if last else now
     accepted = last is not None and last.outcome == Pending.__name__  # as provider_calls.outcome_name writes it
     may_resend = provider.capabilities.may_resend and not accepted
     believed = may_resend and now >= grace_ends
@@ -257,6 +264,11 @@ def _not_found(
     conn.execute(update(what.table).where(what.table.c.id == current["id"]).values(**values))
     if PaymentStatus(current["status"]) in TERMINAL or not believed:
         return Result.UNCHANGED
+    if key_outlived(ctx.settings, provider, current, now):
+        # A re-send under a key the provider may have forgotten could be a second charge, and a NotFound is not
+        # a failure: a person settles it. The queries go on meanwhile (until the deadline), once a backoff.
+        review(conn, current, "unresolved_not_resendable", f"not found, and {KEY_OUTLIVED}; not re-sent", now)
+        return Result.REVIEW
     queued = conn.execute(
         select(
             exists().where(

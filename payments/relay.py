@@ -12,10 +12,11 @@
    first answer.
 
 A charge whose outcome was lost (a previous call on file) is sent again only
-to a provider that dedupes it (``Capabilities.may_resend``). Any other
-provider never gets the same payment twice: the payment is left Unknown for
-the query job, or, if the provider cannot be queried either, goes to the
-manual queue.
+to a provider that dedupes it (``Capabilities.may_resend``), and, if it
+dedupes by key, only while it still keeps the key (``calls.key_outlived``:
+PROVIDER_KEY_LIFETIME_SECONDS). Any other provider never gets the same
+payment twice: the payment is left Unknown for the query job, or, if the
+provider cannot be queried either, goes to the manual queue.
 
 A RefundRequested goes the same way (``relay_refund``), under the refund's
 own fixed idempotency key and our refund number.
@@ -38,6 +39,7 @@ from sqlalchemy import Connection, bindparam, select, update
 from payments import breaker, failpoints, provider_calls
 from payments.backoff import compute_backoff
 from payments.calls import (
+    KEY_OUTLIVED,
     Context,
     Result,
     admission,
@@ -45,6 +47,7 @@ from payments.calls import (
     count,
     give_up_ambiguous,
     hold_for_query,
+    key_outlived,
     last_charge_call,
     last_refund_call,
     lock_payment,
@@ -198,16 +201,17 @@ def _prepare(
         # A re-send: an earlier send may have charged (its answer lost or unclear). One the provider refused
         # (Failed, e.g. our credentials) charged nothing, and the next send is as good as a first one.
         resend = previous is not None and previous.outcome != "Failed"
-        if resend and not provider.capabilities.may_resend:
-            # A charge may already be on its way or done, and this provider would take a re-send as a second one.
+        outlived = resend and key_outlived(ctx.settings, provider, current, now)
+        if resend and (not provider.capabilities.may_resend or outlived):
+            # A charge may already be on its way or done, and this provider would take a re-send as a second one
+            # (it does not dedupe, or may have forgotten the key).
+            why = KEY_OUTLIVED if outlived else "provider does not dedupe"
             if provider.capabilities.query_by_merchant_id:
                 hold_for_query(ctx, conn, current, previous.id, now)
-                _finish_outbox(
-                    conn, outbox_id, now, OutboxStatus.DONE, "not re-sent: provider does not dedupe; queried"
-                )
+                _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, f"not re-sent: {why}; queried")
                 return Result.NOT_RESENT
             give_up_ambiguous(conn, current, previous.id, now, "earlier charge call has no recorded outcome")
-            _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, "not re-sent: provider cannot dedupe or be queried")
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, f"not re-sent: {why}; cannot be queried")
             return Result.REVIEW
         if gate.admission == breaker.Admission.DENY:
             retry_at = max(gate.snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
@@ -355,15 +359,15 @@ def _prepare_refund(
             return Result.REVIEW
         previous = last_refund_call(conn, refund_id)
         resend = previous is not None and previous.outcome != "Failed"
-        if resend and not provider.capabilities.may_resend:
+        outlived = resend and key_outlived(ctx.settings, provider, current, now)
+        if resend and (not provider.capabilities.may_resend or outlived):
+            why = KEY_OUTLIVED if outlived else "provider does not dedupe"
             if provider.capabilities.query_by_merchant_id:
                 hold_for_query(ctx, conn, current, previous.id, now)
-                _finish_outbox(
-                    conn, outbox_id, now, OutboxStatus.DONE, "not re-sent: provider does not dedupe; queried"
-                )
+                _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, f"not re-sent: {why}; queried")
                 return Result.NOT_RESENT
             give_up_ambiguous(conn, current, previous.id, now, "earlier refund call has no recorded outcome")
-            _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, "not re-sent: provider cannot dedupe or be queried")
+            _finish_outbox(conn, outbox_id, now, OutboxStatus.DONE, f"not re-sent: {why}; cannot be queried")
             return Result.REVIEW
         if gate.admission == breaker.Admission.DENY:
             retry_at = max(gate.snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))

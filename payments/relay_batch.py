@@ -7,7 +7,8 @@ row is the same simple case, so ``relay_outbox`` hands its claimed rows here:
 
 - ``prepare_charges``: in one transaction for the whole claim, the rows that
   are a first send of a Created payment (no earlier charge call, deadline not
-  passed, adapter present, breaker closed) get what ``relay.relay_charge``'s
+  passed, adapter present, breaker closed, a provider that dedupes a re-send:
+  ``_plain_first_send``) get what ``relay.relay_charge``'s
   prepare gives them: the provider_call row, Created → Pending naming it, the
   lease renewed for the call and the attempt counted. A handful of statements
   whatever the count. Every other row is left to ``relay_charge``, which
@@ -79,6 +80,20 @@ _DEFER = (
     .where(outbox.c.id == bindparam("p_id"), outbox.c.status == OutboxStatus.PENDING)
     .values(next_attempt_at=bindparam("p_retry_at"), updated_at=bindparam("p_now"))
 )
+# The fence before a prepared charge goes out: only while the row still carries our lease token and that
+# lease has not run out, and then the lease is renewed for the call itself.
+_RENEW_LEASE = (
+    update(outbox)
+    .where(
+        outbox.c.id == bindparam("p_id"),
+        outbox.c.status == OutboxStatus.PENDING,
+        outbox.c.next_attempt_at == bindparam("p_token"),
+        outbox.c.next_attempt_at > bindparam("p_now"),
+    )
+    .values(next_attempt_at=bindparam("p_lease"), updated_at=bindparam("p_now"))
+)
+LEASE_LOST = "not_sent_lease_lost"
+"""The error code of a prepared call withdrawn because its lease ran out or passed to another relay before the send."""
 _FINISH_OUTBOX_ROWS = (
     update(outbox)
     .where(outbox.c.id.in_(bindparam("ids", expanding=True)))
@@ -96,6 +111,8 @@ class PreparedCharge:
     """The payment as it was locked, before it moved to Pending."""
     provider: Provider
     gate: breaker.Gate
+    lease_until: datetime
+    """The lease token the prepare wrote: the charge goes out only while the row still carries it, unexpired."""
 
 
 def prepare_charges(
@@ -164,7 +181,7 @@ def prepare_charges(
                 _LEASE_FOR_CALLS, {"ids": [outbox_id for outbox_id, _, _ in plain], "p_lease": lease, "p_now": now}
             )
             prepared = [
-                PreparedCharge(outbox_id, call_ids[c["payment_id"]], c, provider, gates[provider.name])
+                PreparedCharge(outbox_id, call_ids[c["payment_id"]], c, provider, gates[provider.name], lease)
                 for outbox_id, c, provider in plain
             ]
     except Exception:  # noqa: BLE001 - nothing was written: every row goes the per-row way, which judges it afresh
@@ -175,9 +192,16 @@ def prepare_charges(
 
 
 def _plain_first_send(current: dict[str, Any] | None, provider: Provider, now: datetime) -> bool:
-    """True for a Created payment of ``provider`` whose deadline has not passed: ``relay``'s prepare would send it."""
+    """True for a Created payment of ``provider`` whose deadline has not passed: ``relay``'s prepare would send it.
+
+    Only for a provider that dedupes a re-send. A grouped prepare puts its calls on file before their wait for a
+    provider slot, and a crash in that wait leaves them without an outcome: a provider that dedupes gets them
+    again under the same key, but one that does not could only hand each to a person. Its charges are prepared
+    one by one, right before each send, where that window is a few milliseconds wide.
+    """
     return (
-        current is not None
+        provider.capabilities.may_resend
+        and current is not None
         and current["status"] == PaymentStatus.CREATED
         and current["provider"] == provider.name
         and (current["deadline_at"] is None or now < current["deadline_at"])
@@ -190,12 +214,21 @@ def send_prepared(
     group: GroupCommit[tuple[PreparedCharge, QueryOutcome], Result | None],
     db_turn: Turn,
 ) -> Result:
-    """Send a prepared charge with the payment's fixed idempotency key and have its outcome applied."""
+    """Send a prepared charge with the payment's fixed idempotency key and have its outcome applied.
+
+    The wait for a provider slot since the prepare is not bounded by the lease: a charge whose lease no longer
+    leaves a whole call, or whose breaker opened, goes out only if ``_fence`` found the lease still ours (and
+    renewed it) and the breaker closed; else nothing is sent.
+    """
     current = charge.current
-    snapshot = breaker.read(ctx.engine, charge.provider.name)
-    if snapshot.state != BreakerState.CLOSED:
+    # While the lease the prepare wrote still has a whole call ahead of it (by the clock that wrote it), no
+    # other relay can have claimed the row, which needs the lease run out: no statement, no database turn.
+    room = utcnow() + timedelta(seconds=ctx.settings.call_seconds) <= charge.lease_until
+    if not room or breaker.read(ctx.engine, charge.provider.name).state != BreakerState.CLOSED:
         with db_turn():
-            return _withhold(ctx, charge, snapshot)
+            withheld = _fence(ctx, charge, breaker.read(ctx.engine, charge.provider.name))
+        if withheld is not None:
+            return withheld
     outcome = send_charge(ctx, charge.provider, current)
     result = group.submit((charge, outcome))
     if result is None:
@@ -206,18 +239,33 @@ def send_prepared(
     return result
 
 
-def _withhold(ctx: Context, charge: PreparedCharge, snapshot: breaker.Snapshot) -> Result:
-    """The breaker opened while this charge waited for its turn: send nothing; the row comes back at retry_at.
+def _fence(ctx: Context, charge: PreparedCharge, snapshot: breaker.Snapshot) -> Result | None:
+    """For a charge whose lease may not cover its call (or whose breaker opened): None if it may go out now.
 
-    As ``relay``'s prepare defers a row when the breaker denies it, except
-    that this one's call was already on file: it is recorded as never sent.
+    One transaction checks that the row still carries our unexpired lease
+    and renews it for the call; the call's ``started_at`` becomes the moment
+    the request leaves. So a call's request is always over by its
+    ``started_at`` plus ``Settings.call_lease_seconds`` (``query`` counts a
+    NotFound's grace from its end). A charge held back (lease lost, or
+    breaker open) is recorded as never sent (``withdraw``), so the next send
+    of the payment is a first send, not a re-send.
     """
     now = utcnow()
-    retry_at = max(snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
+    lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
+    params = {"p_id": charge.outbox_id, "p_token": charge.lease_until, "p_now": now, "p_lease": lease}
     with ctx.engine.begin() as conn:
-        provider_calls.withdraw(conn, charge.call_id, "not_sent_circuit_open", now)
-        conn.execute(_DEFER, {"p_id": charge.outbox_id, "p_retry_at": retry_at, "p_now": now})
-    return Result.DEFERRED
+        if conn.execute(_RENEW_LEASE, params).rowcount != 1:
+            # Our lease ran out while we waited (another relay may hold the row now): send nothing.
+            provider_calls.withdraw(conn, charge.call_id, LEASE_LOST, now)
+            return Result.SKIPPED
+        if snapshot.state != BreakerState.CLOSED:
+            # The breaker opened while this charge waited for its turn: the row comes back at retry_at.
+            retry_at = max(snapshot.retry_at or now, now) + timedelta(seconds=random.uniform(0, 1))
+            provider_calls.withdraw(conn, charge.call_id, "not_sent_circuit_open", now)
+            conn.execute(_DEFER, {"p_id": charge.outbox_id, "p_retry_at": retry_at, "p_now": now})
+            return Result.DEFERRED
+        provider_calls.sent(conn, charge.call_id, now)
+    return None
 
 
 def apply_charges(ctx: Context, finished: Sequence[tuple[PreparedCharge, QueryOutcome]]) -> list[Result | None]:

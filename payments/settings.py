@@ -295,6 +295,9 @@ class Settings:
     """Cap on one query delay."""
     query_not_found_grace_seconds: float = 60.0
     """A NotFound this soon after the last send is not believed yet (the charge may not be visible): no re-send."""
+    provider_key_lifetime_seconds: float = 82800.0
+    """How long a provider that dedupes by idempotency key (Stripe, the sandbox) is taken to remember one, from
+    the payment's (or refund's) creation: past it the key is never sent again (Stripe keeps one about 24 h)."""
     hint_query_interval_seconds: float = 60.0
     """An unverified notification brings its payment's query forward at most once this often (per payment)."""
     hint_queries_per_minute: int = 60
@@ -413,7 +416,12 @@ class Settings:
         a claimed row. The prepare step renews the lease for the call itself.
         """
         wait = 2 * self.relay_concurrency / self.provider_rate_limit
-        return wait + self.provider_timeout_seconds * 2 + 3.0
+        return wait + self.call_seconds
+
+    @property
+    def call_seconds(self) -> float:
+        """How much of a lease one provider call needs once it goes out (two timeouts, slack): the rest is the wait."""
+        return self.provider_timeout_seconds * 2 + 3.0
 
     @property
     def effective_interval_seconds(self) -> float:
@@ -520,6 +528,7 @@ _PARSERS = {
     "query_base_seconds": lambda n, v: _float(n, v, 0.001, 86400),
     "query_max_seconds": lambda n, v: _float(n, v, 0.001, 7 * 86400),
     "query_not_found_grace_seconds": lambda n, v: _float(n, v, 0, 86400),
+    "provider_key_lifetime_seconds": lambda n, v: _float(n, v, 60, 86400),
     "hint_query_interval_seconds": lambda n, v: _float(n, v, 0, 86400),
     "hint_queries_per_minute": lambda n, v: _int(n, v, 0, 1_000_000),
     "trusted_proxies": lambda n, v: _cidrs(n, v),

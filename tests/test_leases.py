@@ -95,3 +95,35 @@ def test_a_claimed_rows_lease_outlasts_its_wait_for_the_rate_limiter(mariadb):
     sent = Counter(request.payment_id for request, _ in fake.charges)
     assert sent == Counter(dict.fromkeys(ids, 1)), "every payment sent once, by the worker that claimed it"
     assert {row(rt, pid)["status"] for pid in ids} == {"Succeeded"}
+
+
+def test_a_prepared_charge_whose_lease_ran_out_waiting_for_a_slot_is_not_sent_by_a_second_relay(engine):
+    """Two relays and a slow provider slot: one send per idempotency key (the grouped path's fence)."""
+    from compensator.relay_outbox import provider_slots
+    from tests.support import wait_until
+
+    fake = keyed()
+    # Two compensators: each its own bound on calls to the provider (one slot here, two there) and its own pool.
+    first = runtime_with(engine, fake, relay_concurrency=1, relay_provider_concurrency=1, provider_rate_limit=1e5)
+    second = runtime_with(engine, fake, relay_concurrency=2, relay_provider_concurrency=2, provider_rate_limit=1e5)
+    payment_id = new_payment(first, provider="fake")
+    slot = provider_slots("fake", 1)
+    slot.acquire()  # the first relay's only slot is held by a call that hangs
+    try:
+        relay = threading.Thread(target=relay_outbox.run_once, args=(first,))
+        relay.start()
+        wait_until(lambda: len(calls(first, payment_id)) == 1, message="the first relay prepared the charge")
+        with first.engine.begin() as conn:  # … and waits for the slot until its lease runs out
+            conn.execute(update(outbox).where(outbox.c.aggregate_id == payment_id).values(next_attempt_at=utcnow()))
+        assert relay_outbox.run_once(second) == 1, "the second relay claims the row and sends it"
+        assert row(first, payment_id)["status"] == "Succeeded"
+    finally:
+        slot.release()
+    relay.join(10)
+    assert not relay.is_alive()
+
+    keys = Counter(key for _, key in fake.charges)
+    assert list(keys.values()) == [1], f"one send per idempotency key, got {keys}"
+    first_call, second_call = calls(first, payment_id)
+    assert (first_call["outcome"], first_call["error_code"]) == ("Failed", "not_sent_lease_lost"), "never sent"
+    assert second_call["outcome"] == "Succeeded"

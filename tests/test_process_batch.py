@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from datetime import timedelta
+
 from sqlalchemy import func, select, update
 
 from payments.backoff import RetryPolicy
@@ -354,3 +357,52 @@ def test_two_reports_for_one_payment_in_a_batch_are_applied_in_their_order(engin
 def _rows(engine) -> list:
     with engine.connect() as conn:
         return list(conn.execute(select(payment_callback_log)))
+
+
+def test_a_lost_rows_copy_beside_a_noop_on_its_reused_id_is_restored_and_applied(engine, monkeypatch):
+    """Invariant 12 in the set-wise path: the MISSING delivery keeps its own outcome, so it is restored."""
+    from payments.delivery import Delivery, body_digest
+
+    providers = build_providers(make_settings())
+    lost_payment, settled = create_payment(engine, amount=400), create_payment(engine, amount=500)
+    charge = "ch_settled_reused_id_0001"
+    first = _stored(engine, sandbox_event(settled, amount=500, provider_transaction_id=charge))
+    assert process_callback(engine, providers, first, RetryPolicy()) == CallbackResult.APPLIED
+    # A second report of the same success: a fresh event, nothing left to change (a NOOP).
+    reused = _stored(engine, sandbox_event(settled, amount=500, provider_transaction_id=charge))
+    with engine.connect() as conn:
+        row = conn.execute(select(payment_callback_log).where(payment_callback_log.c.id == reused)).one()
+    here = Delivery(
+        reused,
+        "sandbox",
+        row.create_time,
+        bytes(row.callback_data),
+        json.loads(row.headers),
+        None,
+        body_digest(bytes(row.callback_data)),
+    )
+    # The delivery acknowledged under this id before a failover lost its row and the id was handed out again.
+    lost_body, lost_headers = signed(sandbox_event(lost_payment, amount=400))
+    lost = Delivery(
+        reused,
+        "sandbox",
+        row.create_time.replace(microsecond=0) - timedelta(seconds=5),
+        lost_body,
+        lost_headers,
+        None,
+        body_digest(lost_body),
+    )
+    calls = _row_by_row_calls(monkeypatch)
+
+    outcomes = process_batch(engine, providers, [here, lost], RetryPolicy())
+
+    assert calls == [], "the batch took the set-wise path"
+    assert outcomes[0] == (reused, CallbackResult.NOOP)
+    restored, outcome = outcomes[1]
+    assert restored != reused and outcome == CallbackResult.APPLIED, outcomes
+    with engine.connect() as conn:
+        back = conn.execute(select(payment_callback_log).where(payment_callback_log.c.id == restored)).one()
+        status = conn.execute(select(payment.c.status).where(payment.c.payment_id == lost_payment)).scalar_one()
+    assert bytes(back.callback_data) == lost_body and back.create_time == lost.received_at
+    assert status == "Succeeded"
+    assert _count(engine, ledger_event, ledger_event.c.event_type == "PaymentConfirmed") == 2

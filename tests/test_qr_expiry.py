@@ -84,7 +84,7 @@ def test_an_unscanned_alipay_trade_the_precreate_was_answered_for_is_never_sent_
             conn.execute(
                 update(provider_call)
                 .where(provider_call.c.payment_id == payment_id, provider_call.c.operation == "charge")
-                .values(started_at=utcnow() - grace * 2)
+                .values(started_at=utcnow() - grace * 2, finished_at=utcnow() - grace * 2)
             )
         due_now(alipay_rt, payment_id)
         query_unresolved.run_once(alipay_rt)

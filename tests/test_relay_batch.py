@@ -39,16 +39,16 @@ from payments.runtime import build_runtime
 from payments.schema import ledger_entry, ledger_event, manual_review, outbox, payment, provider_breaker, provider_call
 from payments.states import BreakerState, OutboxStatus
 from tests.fake_provider import FakeProvider
-from tests.outbound_support import calls, new_payment, row
+from tests.outbound_support import calls, expire_leases, new_payment, row
 from tests.support import make_settings
 
 
 def runtime_with(engine, provider, **overrides):
+    overrides.setdefault("provider_rate_limit", 1e5)
     settings = make_settings(
         database_url=engine.url.render_as_string(hide_password=False),
         provider_timeout_seconds=5,
         relay_max_seconds=20,
-        provider_rate_limit=1e5,
         **overrides,
     )
     rt = build_runtime(settings, engine)
@@ -199,7 +199,8 @@ def test_a_group_leaves_each_payment_exactly_what_relaying_it_alone_leaves(maria
 def test_outcomes_that_arrive_together_are_written_in_one_transaction(mariadb):
     gate = threading.Event()
     fake = keyed(on_charge=lambda request, key: gate.wait(5))
-    rt = runtime_with(mariadb, fake)
+    # The default rate: the leases leave the sends a wait of seconds, so none needs a statement to go out.
+    rt = runtime_with(mariadb, fake, provider_rate_limit=50)
     ids = [new_payment(rt, provider="fake", amount=1000 + n) for n in range(30)]
     ctx = Context(rt.engine, rt.providers, rt.settings)
 
@@ -297,9 +298,10 @@ def test_a_row_whose_lease_another_worker_holds_is_neither_prepared_nor_sent(mar
 
 
 def test_a_prepared_charge_whose_breaker_opened_meanwhile_is_not_sent_and_comes_back_as_a_first_send(mariadb):
-    # A provider that neither dedupes nor can be queried: a send after a call that may have gone out would be
-    # handed to a person. The withheld call went nowhere, so the later send is a plain first send.
-    fake = FakeProvider(Capabilities(dedupe=Dedupe.NONE, query_by_merchant_id=False))
+    # A refusal answers the later send: Failed on a first send, Unknown on a re-send (reported_status). The
+    # withheld call went nowhere, so the later send is a plain first send and its refusal is final.
+    refused = Failed("invalid_request", definitive=True, refusal=True)
+    fake = FakeProvider(Capabilities(dedupe=Dedupe.MERCHANT_ID, query_by_merchant_id=True), charges=[refused])
     rt = runtime_with(mariadb, fake)
     payment_id = new_payment(rt, provider="fake")
     ctx = Context(rt.engine, rt.providers, rt.settings)
@@ -334,7 +336,26 @@ def test_a_prepared_charge_whose_breaker_opened_meanwhile_is_not_sent_and_comes_
     breaker.clear_cache()
     relay_outbox.run_once(rt)
     assert len(fake.charges) == 1
-    assert row(rt, payment_id)["status"] == "Succeeded"
+    assert row(rt, payment_id)["status"] == "Failed"
+    with rt.engine.connect() as conn:
+        assert conn.execute(select(manual_review.c.kind)).scalars().all() == []
+
+
+def test_a_crash_between_the_grouped_prepare_and_the_send_sends_nothing_of_a_non_deduping_provider_to_review(mariadb):
+    # Neither dedupes nor can be queried: a charge whose call is on file without an outcome can only go to a
+    # person. A grouped prepare puts many on file long before they go out (they wait for provider slots), so
+    # such charges are never prepared in groups: each is prepared right before its own send.
+    fake = FakeProvider(Capabilities(dedupe=Dedupe.NONE, query_by_merchant_id=False))
+    rt = runtime_with(mariadb, fake)
+    ids = [new_payment(rt, provider="fake", amount=1000 + n) for n in range(3)]
+    ctx = Context(rt.engine, rt.providers, rt.settings)
+    prepare_charges(ctx, claimed(rt))  # the relay claims and prepares, and is killed before any send
+
+    expire_leases(rt)
+    relay_outbox.run_once(rt)  # another relay takes the rows over once the leases ran out
+
+    assert len(fake.charges) == 3
+    assert {row(rt, pid)["status"] for pid in ids} == {"Succeeded"}
     with rt.engine.connect() as conn:
         assert conn.execute(select(manual_review.c.kind)).scalars().all() == []
 
@@ -518,3 +539,36 @@ def test_an_error_reaches_every_unit_of_its_group_and_no_other():
         group.submit("bad")
     assert group.submit("good") == "ok"
     assert calls_made == [["bad"], ["good"]]
+
+
+def test_a_call_recorded_as_never_sent_starts_no_not_found_grace(mariadb):
+    # Withheld by the breaker before it went out: a NotFound about the payment is the whole truth at once.
+    from payments.query import query_payment
+    from tests.outbound_support import claim_for_query
+
+    fake = keyed()
+    rt = runtime_with(mariadb, fake)
+    assert rt.settings.query_not_found_grace_seconds == 60
+    payment_id = new_payment(rt, provider="fake")
+    ctx = Context(rt.engine, rt.providers, rt.settings)
+    prepared, _ = prepare_charges(ctx, claimed(rt))
+    with rt.engine.begin() as conn:
+        conn.execute(
+            provider_breaker.insert().values(
+                provider="fake",
+                state=BreakerState.OPEN,
+                consecutive_failures=5,
+                open_count=1,
+                retry_at=utcnow() + timedelta(seconds=30),
+                updated_at=utcnow(),
+            )
+        )
+    breaker.clear_cache()
+    assert send_prepared(ctx, prepared[0], GroupCommit(lambda u: apply_charges(ctx, u)), threading.Lock) == (
+        Result.DEFERRED
+    )
+
+    lease = claim_for_query(rt.engine, payment_id)
+    assert query_payment(ctx, payment_id, "fake", lease, budget_ok=True) == Result.RESEND
+    assert row(rt, payment_id)["next_query_at"] < utcnow() + timedelta(seconds=60), "no grace to wait out"
+    assert fake.charges == [] and fake.queries == [payment_id]

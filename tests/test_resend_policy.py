@@ -139,7 +139,9 @@ def test_a_not_found_right_after_the_last_send_is_not_believed_until_the_grace_h
 
     with rt.engine.begin() as conn:  # the grace has passed since the last send
         conn.execute(
-            update(provider_call).where(provider_call.c.id == charge["id"]).values(started_at=utcnow() - grace * 2)
+            update(provider_call)
+            .where(provider_call.c.id == charge["id"])
+            .values(started_at=utcnow() - grace * 2, finished_at=utcnow() - grace * 2)
         )
     make_due(rt, payment_id)
     query_unresolved.run_once(rt)
@@ -147,6 +149,43 @@ def test_a_not_found_right_after_the_last_send_is_not_believed_until_the_grace_h
     relay_outbox.run_once(rt)
     assert row(rt, payment_id)["status"] == "Succeeded"
     assert sandbox.charge_count(payment_id) == 1
+
+
+def test_a_not_found_right_after_a_long_call_ended_is_not_believed_until_the_grace_from_its_end(mariadb):
+    # The request went out two grace periods ago and hung until its timeout just now: it may have reached the
+    # provider at any moment of that, so the grace counts from the call's end, not from when it was prepared.
+    fake = FakeProvider(Capabilities(dedupe=Dedupe.KEY, query_by_merchant_id=True), charges=[Unknown("timeout")])
+    rt = with_provider(runtime_for(mariadb), fake)
+    grace = timedelta(seconds=rt.settings.query_not_found_grace_seconds)
+
+    def hang(request, key):
+        with rt.engine.begin() as conn:
+            conn.execute(
+                update(provider_call)
+                .where(provider_call.c.payment_id == request.payment_id)
+                .values(started_at=utcnow() - grace * 2)
+            )
+
+    fake.on_charge = hang
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)
+    (charge,) = calls(rt, payment_id, "charge")
+    assert row(rt, payment_id)["status"] == "Unknown"
+    assert charge["started_at"] + grace < utcnow() < charge["finished_at"] + grace
+
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)  # NotFound
+    assert pending_charge_requests(rt, payment_id) == 0, "the request may have reached the provider moments ago"
+    assert row(rt, payment_id)["next_query_at"] >= charge["finished_at"] + grace
+
+    with rt.engine.begin() as conn:  # the grace has passed since the call ended
+        conn.execute(
+            update(provider_call).where(provider_call.c.id == charge["id"]).values(finished_at=utcnow() - grace)
+        )
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)
+    assert pending_charge_requests(rt, payment_id) == 1, "now it is believed: sent again with the same key"
+    assert len(fake.queries) == 2
 
 
 def _as_rate_limited(rt, call_id):
@@ -245,3 +284,74 @@ def test_a_charge_refused_for_our_credentials_is_sent_again_even_where_the_provi
     relay_outbox.run_once(rt)
     assert len(fake.charges) == 2
     assert row(rt, payment_id)["status"] == "Succeeded"
+
+
+def _outlive_key(rt, payment_id):
+    """The payment was created longer ago than its provider keeps an idempotency key (its deadline still ahead)."""
+    lifetime = timedelta(seconds=rt.settings.provider_key_lifetime_seconds)
+    grace = timedelta(seconds=rt.settings.query_not_found_grace_seconds)
+    now = utcnow()
+    with rt.engine.begin() as conn:
+        conn.execute(
+            update(payment)
+            .where(payment.c.payment_id == payment_id)
+            .values(created_at=now - lifetime - timedelta(minutes=1), deadline_at=now + timedelta(hours=1))
+        )
+        conn.execute(  # and its last send ended well before this query
+            update(provider_call)
+            .where(provider_call.c.payment_id == payment_id)
+            .values(started_at=now - 2 * grace, finished_at=now - 2 * grace)
+        )
+
+
+def keyed_fake(**scripts) -> FakeProvider:
+    """Dedupes by idempotency key (as Stripe does, for about 24 hours) and can be looked up by our number."""
+    return FakeProvider(Capabilities(dedupe=Dedupe.KEY, query_by_merchant_id=True), **scripts)
+
+
+def test_past_the_keys_lifetime_a_not_found_goes_to_review_and_is_never_sent_again(mariadb):
+    fake = keyed_fake(charges=[Unknown("timeout")])
+    rt = with_provider(runtime_for(mariadb), fake)
+    assert rt.settings.provider_key_lifetime_seconds == 23 * 3600
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)
+    assert row(rt, payment_id)["status"] == "Unknown"
+    _outlive_key(rt, payment_id)
+
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)  # NotFound, past the grace: a re-send would be believed, were the key alive
+    assert pending_charge_requests(rt, payment_id) == 0, "the provider may have forgotten the key: no re-send"
+    assert reviews(rt, payment_id) == ["unresolved_not_resendable"]
+    p = row(rt, payment_id)
+    assert p["status"] == "Unknown" and p["next_query_at"] is not None, "still queried until its deadline"
+    expire_leases(rt)
+    relay_outbox.run_once(rt)
+    assert len(fake.charges) == 1
+
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)  # NotFound again: the one review stays the one review
+    assert reviews(rt, payment_id) == ["unresolved_not_resendable"]
+    fake.query_script = [Succeeded("ch_1")]
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)  # a query that finds it settles it
+    assert row(rt, payment_id)["status"] == "Succeeded" and len(fake.charges) == 1
+
+
+def test_a_resend_queued_before_the_keys_lifetime_ran_out_is_queried_after_it_not_sent(mariadb):
+    fake = keyed_fake(charges=[Unknown("timeout")])
+    rt = with_provider(runtime_for(mariadb, query_not_found_grace_seconds=0), fake)
+    payment_id = new_payment(rt, provider="fake")
+    relay_outbox.run_once(rt)
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)  # NotFound, believed: a re-send under the same key is queued …
+    assert pending_charge_requests(rt, payment_id) == 1
+    _outlive_key(rt, payment_id)  # … and relayed only once the key may be forgotten
+
+    relay_outbox.run_once(rt)
+    assert len(fake.charges) == 1, "not re-sent: the same key could be a second charge now"
+    p = row(rt, payment_id)
+    assert p["status"] == "Unknown" and p["next_query_at"] is not None, "queried instead"
+    assert pending_charge_requests(rt, payment_id) == 0 and reviews(rt, payment_id) == []
+    make_due(rt, payment_id)
+    query_unresolved.run_once(rt)  # the query cannot settle it: a person does
+    assert reviews(rt, payment_id) == ["unresolved_not_resendable"] and len(fake.charges) == 1

@@ -9,7 +9,7 @@ import uuid
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import func, insert, select, text
 
 from compensator import seal_ledger
 from payments import ledger
@@ -178,6 +178,8 @@ def test_a_straggler_past_its_gap_is_reported_until_a_full_scan_seals_it(mariadb
     straggler = append_event(slow, created_at=utcnow() - timedelta(minutes=5))
     write_events(mariadb, 2)
     assert seal_ledger.run_once(runtime, full_scan=False) == 2
+    assert seal_ledger.run_once(runtime, full_scan=False) == 0  # its gap looked into one last time, then dropped
+    assert count_gaps(mariadb) == 0
     transaction.commit()
     slow.close()
     assert seal_ledger.run_once(runtime, full_scan=False) == 0
@@ -216,6 +218,60 @@ def test_a_rolled_back_id_is_watched_for_a_minute_then_dropped(mariadb, monkeypa
 def count_gaps(engine) -> int:
     with engine.connect() as conn:
         return conn.execute(select(func.count()).select_from(ledger_seal_gap)).scalar_one()
+
+
+def _late_commit_in_a_gap(mariadb):  # noqa: ANN001, ANN202
+    """An event that committed after a later one was sealed: its gap recorded, the event unsealed; return its id."""
+    runtime = runtime_for(mariadb)
+    slow = mariadb.connect()
+    transaction = slow.begin()
+    early = append_event(slow)
+    write_events(mariadb, 1)
+    assert seal_ledger.run_once(runtime, full_scan=False) == 1
+    transaction.commit()
+    slow.close()
+    return early
+
+
+@pytest.mark.mariadb
+def test_a_gap_past_its_watch_is_looked_into_once_more_before_it_is_dropped(mariadb):
+    early = _late_commit_in_a_gap(mariadb)
+    # The sealer did not run for two minutes (every compensator restarting): the gap is past its minute.
+    with mariadb.begin() as conn:
+        conn.execute(ledger_seal_gap.update().values(noticed_at=utcnow() - timedelta(minutes=2)))
+
+    assert seal_ledger.run_once(runtime_for(mariadb), full_scan=False) == 1
+    assert seals(mariadb)[-1][1] == early and count_gaps(mariadb) == 0
+    assert seal_ledger.verify(mariadb).ok
+
+
+@pytest.mark.mariadb
+def test_every_gap_is_looked_into_in_one_run_however_many_there_are(mariadb):
+    # Thousands of ids burnt by rolled-back transactions, recorded before the one that matters.
+    burnt = 2 * seal_ledger.MAX_GAP_RANGES + 500
+    with mariadb.begin() as conn:
+        conn.execute(text(f"ALTER TABLE ledger_event AUTO_INCREMENT = {burnt + 1}"))
+    write_events(mariadb, 1)
+    assert seal_ledger.run_once(runtime_for(mariadb), full_scan=False) == 1
+    with mariadb.begin() as conn:
+        conn.execute(ledger_seal_gap.delete())  # the one gap below it, replaced by as many as there were ids
+        conn.execute(
+            insert(ledger_seal_gap),
+            [{"from_event_id": i, "to_event_id": i, "noticed_at": utcnow()} for i in range(1, burnt + 1)],
+        )
+    early = _late_commit_in_a_gap(mariadb)
+    assert early > burnt and count_gaps(mariadb) == burnt + 1
+
+    assert seal_ledger.run_once(runtime_for(mariadb), full_scan=False) == 1
+    assert seals(mariadb)[-1][1] == early
+    assert count_gaps(mariadb) == burnt + 1, "none is dropped before its minute is up"
+    assert seal_ledger.verify(mariadb).ok
+
+    # Once past their minute, each is looked into and dropped: all of them, in one run.
+    with mariadb.begin() as conn:
+        conn.execute(ledger_seal_gap.update().values(noticed_at=utcnow() - timedelta(minutes=2)))
+    assert seal_ledger.run_once(runtime_for(mariadb), full_scan=False) == 0
+    assert count_gaps(mariadb) == 0
 
 
 def test_a_fresh_unsealed_event_is_not_yet_a_problem_but_an_old_one_is(runtime):
