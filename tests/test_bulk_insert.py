@@ -30,6 +30,9 @@ ROWS = st.lists(
             "occurred_at": st.none()
             | st.datetimes(min_value=datetime(1971, 1, 1), max_value=datetime(2100, 1, 1), timezones=st.none()),
             "parse_error": st.none() | TEXT,
+            "settlement_amount_minor": st.none() | st.integers(-(2**62), 2**62),
+            "settlement_currency": st.none() | st.text("ABCDEFXYZ", min_size=3, max_size=3),
+            "exchange_rate": st.none() | st.from_regex(r"\A[0-9]{1,12}(\.[0-9]{1,12})?\Z"),
             "raw": TEXT,
         }
     ),
