@@ -36,6 +36,7 @@ from payments.delivery import encode_message
 from payments.errors import BodyTooLarge, CallbackRejected, EventIgnored, SourceNotAllowed
 from payments.hints import HintLimits
 from payments.logs import REQUEST_ID, new_request_id, sane_request_id
+from payments.settings import PROVIDERS, env_name, source_cidrs
 from payments.sources import client_address, source_allowed
 
 bp = Blueprint("callbacks", __name__)
@@ -222,10 +223,12 @@ def _source(
     """
     forwarded = ",".join(request_headers.getlist("X-Forwarded-For"))
     client = client_address(peer, forwarded, settings.trusted_proxies)
-    allowed = getattr(settings, f"{provider_name}_source_cidrs", ())
-    if source_allowed(client, allowed):
+    spec = PROVIDERS.get(provider_name)
+    if spec is None:  # an adapter registered without a PROVIDERS line: refused, not waved through
+        return client, SourceNotAllowed(f"provider {provider_name[:32]!r} declares no source allow-list")
+    if source_allowed(client, source_cidrs(settings, provider_name)):
         return client, None
-    return client, SourceNotAllowed(f"source {client!s:.64} is outside {provider_name.upper()}_SOURCE_CIDRS")
+    return client, SourceNotAllowed(f"source {client!s:.64} is outside {env_name(spec.sources)}")
 
 
 def _hint_quietly(engine: Any, providers: Mapping[str, Any], log_id: int, hints: HintLimits) -> None:

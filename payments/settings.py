@@ -768,6 +768,8 @@ OPTIONAL_SECRETS = ("ops_readonly_token", "metrics_token")
 class ProviderSettings:
     """How one provider is enabled by configuration."""
 
+    sources: str
+    """The setting of the networks its notifications may come from (required: a provider cannot skip the check)."""
     secrets: tuple[str, ...] = ()
     """Its secret strings (field names): in production each must be strong (see ``_weakness``)."""
     required: tuple[str, ...] = ()
@@ -784,15 +786,20 @@ class ProviderSettings:
 
 
 PROVIDERS: dict[str, ProviderSettings] = {
-    "sandbox": ProviderSettings(secrets=("sandbox_webhook_secret", "sandbox_api_key")),
+    "sandbox": ProviderSettings(sources="sandbox_source_cidrs", secrets=("sandbox_webhook_secret", "sandbox_api_key")),
+    # The same platform reached another way: the same notifications, from the same networks.
     "sandbox_legacy": ProviderSettings(
-        secrets=("sandbox_webhook_secret", "sandbox_api_key"), switch="sandbox_legacy_enabled"
+        sources="sandbox_source_cidrs",
+        secrets=("sandbox_webhook_secret", "sandbox_api_key"),
+        switch="sandbox_legacy_enabled",
     ),
     "alipay": ProviderSettings(
+        sources="alipay_source_cidrs",
         required=("alipay_app_id", "alipay_app_private_key_file", "alipay_public_key_files"),
         check=lambda s: check_alipay_settings(s),
     ),
     "wechatpay": ProviderSettings(
+        sources="wechatpay_source_cidrs",
         secrets=("wechatpay_apiv3_key",),
         required=(
             "wechatpay_mchid",
@@ -806,11 +813,22 @@ PROVIDERS: dict[str, ProviderSettings] = {
         check=lambda s: _check_wechatpay(s),
     ),
     "stripe": ProviderSettings(
+        sources="stripe_source_cidrs",
         secrets=("stripe_api_key", "stripe_webhook_secrets"),
         check=lambda s: validate_stripe(s, production=s.paysync_env == "production"),
     ),
 }
 """Every provider paysync knows, and the settings that enable it. A new adapter adds its line here."""
+
+
+def source_cidrs(settings: Settings, provider: str) -> tuple[str, ...]:
+    """The networks ``provider``'s notifications may come from (empty: any); KeyError for a provider not in PROVIDERS.
+
+    Looked up in PROVIDERS, never guessed from the provider's name: a guess
+    with a default would let a provider whose setting is named otherwise skip
+    the check unseen (``sandbox_legacy`` did).
+    """
+    return getattr(settings, PROVIDERS[provider].sources)
 
 
 def enabled_providers(settings: Settings) -> list[str]:
