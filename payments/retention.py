@@ -126,10 +126,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+ARCHIVE_FILE_MODE = 0o600
+"""Archives hold raw callbacks (payers' names, accounts, amounts): readable by the compensator's user only."""
+ARCHIVE_DIR_MODE = 0o700
+"""… in a directory only that user may list or enter."""
+
+
+def _private_dir(directory: Path) -> None:
+    """Make ``directory`` (and its parents) exist, and ``directory`` itself mode 0700 whatever umask or mode it had."""
+    directory.mkdir(mode=ARCHIVE_DIR_MODE, parents=True, exist_ok=True)
+    # mkdir's mode passes through the umask, and an existing directory keeps its own: set it, every time.
+    if directory.stat().st_mode & 0o777 != ARCHIVE_DIR_MODE:
+        os.chmod(directory, ARCHIVE_DIR_MODE)
+
+
 def _write_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file: fsynced, then renamed into place."""
+    """Write ``data`` to ``path`` (mode 0600) through a temporary file: fsynced, then renamed into place."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, ARCHIVE_FILE_MODE)
+    with open(fd, "wb") as f:
+        # A .tmp left by a crash keeps its old mode through O_CREAT, and the umask may narrow ours: set it.
+        os.fchmod(f.fileno(), ARCHIVE_FILE_MODE)
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -137,8 +154,8 @@ def _write_durably(path: Path, data: bytes) -> None:
 
 
 def write_archive(directory: Path, name: str, rows: Iterable[Mapping[str, Any]]) -> Path:
-    """Write ``rows`` as ``directory/name`` plus its ``.sha256``, both on disk when this returns."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write ``rows`` as ``directory/name`` plus its ``.sha256`` (0600, in a 0700 directory), both on disk on return."""
+    _private_dir(directory)
     # mtime=0: the same rows make the same bytes (and digest), whenever they are archived.
     data = gzip.compress(b"".join(encode_row(r) for r in rows), mtime=0)
     path = directory / name
