@@ -44,6 +44,12 @@ CALLBACKS_RECEIVED = Counter(
     "(accepted, rejected, too_large, unavailable, error)",
     ["provider", "outcome"],
 )
+CALLBACKS_REFUSED = Counter(
+    "paysync_callbacks_refused",
+    "callback deliveries refused before verification, by provider and reason "
+    "(source_not_allowed: stored small; rate_limited: answered 429, not stored)",
+    ["provider", "reason"],
+)
 CALLBACK_ACK_SECONDS = Histogram(
     "paysync_callback_ack_seconds",
     "time from a callback request's arrival to its answer (store, verify, publish, inline)",
@@ -120,6 +126,11 @@ def callback_answered(provider: str, status: int, seconds: float) -> None:
         outcome = "error"
     _child(CALLBACKS_RECEIVED, provider, outcome).inc()
     _child(CALLBACK_ACK_SECONDS, provider).observe(seconds)
+
+
+def callback_refused(provider: str, reason: str) -> None:
+    """Count one delivery refused for where it came from (``source_not_allowed``) or how often (``rate_limited``)."""
+    _child(CALLBACKS_REFUSED, provider, reason).inc()
 
 
 def callback_processed(outcome: str) -> None:

@@ -43,9 +43,10 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, delete, exists, func, select
+from sqlalchemy import Connection, Engine, delete, exists, func, or_, select
 
 from payments import failpoints
+from payments.errors import SourceNotAllowed
 from payments.schema import manual_review, payment_callback_log
 from payments.states import CallbackStatus
 
@@ -61,22 +62,40 @@ class Kind:
     status: CallbackStatus
     days: int
     """Retention in days; 0 keeps the rows forever."""
+    refused: bool | None = None
+    """Only rows refused for their source (True), only the others (False), or either (None)."""
 
 
 RETAINED = (CallbackStatus.PROCESSED, CallbackStatus.REJECTED)
 """The only statuses cleanup ever deletes."""
 
 
-def kinds(callback_days: int, rejected_days: int) -> list[Kind]:
-    """The kinds to clean for these settings (a kind with 0 days is left alone)."""
+REFUSED_RESULT_PREFIX = f"rejected: {SourceNotAllowed.code}"
+"""How the ``result`` of a delivery refused for its source begins (``store_callback``)."""
+
+
+def kinds(callback_days: int, rejected_days: int, refused_days: int = 0) -> list[Kind]:
+    """The kinds to clean for these settings (a kind with 0 days is left alone).
+
+    Deliveries refused for their source are rejected rows (status 3) of their
+    own kind: evidence of who knocked, never re-verifiable, so they go sooner
+    (REFUSED_RETENTION_DAYS) than rejected deliveries of the provider's own
+    networks, which a key fix may yet take back (REJECTED_RETENTION_DAYS).
+    """
     return [
         k
         for k in (
             Kind("processed", CallbackStatus.PROCESSED, callback_days),
-            Kind("rejected", CallbackStatus.REJECTED, rejected_days),
+            Kind("rejected", CallbackStatus.REJECTED, rejected_days, refused=False),
+            Kind("refused", CallbackStatus.REJECTED, refused_days, refused=True),
         )
         if k.days > 0
     ]
+
+
+def refused_clause() -> Any:
+    """True for a row stored as refused for its source (its ``result`` says so)."""
+    return payment_callback_log.c.result.startswith(REFUSED_RESULT_PREFIX, autoescape=True)
 
 
 def cutoff(now: datetime, days: int) -> datetime:
@@ -199,7 +218,11 @@ def _due(kind: Kind, now: datetime) -> Any:
     t = payment_callback_log
     # A row a manual review names is that review's evidence (the ops console shows it): kept.
     reviewed = exists().where(manual_review.c.callback_log_id == t.c.id)
-    return (t.c.status == kind.status, t.c.create_time < cutoff(now, kind.days), ~reviewed)
+    clauses = [t.c.status == kind.status, t.c.create_time < cutoff(now, kind.days), ~reviewed]
+    if kind.refused is not None:
+        not_refused = or_(t.c.result.is_(None), ~refused_clause())  # NOT LIKE of a NULL would be NULL: not false
+        clauses.append(refused_clause() if kind.refused else not_refused)
+    return tuple(clauses)
 
 
 def count_due(conn: Connection, kind: Kind, now: datetime) -> int:

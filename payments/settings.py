@@ -131,6 +131,20 @@ class Settings:
     key; comma-separated, the first is presented (the sandbox accepts every listed one: rotation)."""
     callback_max_body_bytes: int = 256 * 1024
     """Callback bodies larger than this are refused with 413 and not stored."""
+    callback_source_rate: float = 100.0
+    """Callback POSTs a second one source address (IPv6: its /64) may make, per gateway worker; past the burst: 429,
+    nothing stored (a provider retries it). 0: no limit."""
+    callback_source_burst: int = 400
+    """How many callback POSTs one source may make at once before CALLBACK_SOURCE_RATE holds it back."""
+    refused_source_rate: float = 1.0
+    """Deliveries refused for their source (outside the provider's *_SOURCE_CIDRS) one address may have stored a second,
+    per gateway worker; past the burst: 429 and nothing stored. 0: no limit."""
+    refused_source_burst: int = 20
+    """How many refused deliveries of one source are stored at once before REFUSED_SOURCE_RATE holds it back."""
+    refused_body_bytes: int = 4096
+    """Of a delivery refused for its source, the first this many bytes of the body are kept (with its headers)."""
+    refused_retention_days: int = 7
+    """cleanup archives, then deletes, deliveries refused for their source older than this; 0: keep them."""
     callback_tolerance_seconds: int = 300
     """How old a signed callback timestamp may be (replay protection)."""
     callback_process_inline: bool | None = None
@@ -421,6 +435,12 @@ _PARSERS = {
     "sandbox_source_cidrs": lambda n, v: _cidrs(n, v),
     "sandbox_api_key": lambda n, v: _secrets(n, v),
     "callback_max_body_bytes": lambda n, v: _int(n, v, 1024, 16 * 1024 * 1024),
+    "callback_source_rate": lambda n, v: _float(n, v, 0, 1_000_000),
+    "callback_source_burst": lambda n, v: _int(n, v, 1, 1_000_000),
+    "refused_source_rate": lambda n, v: _float(n, v, 0, 1_000_000),
+    "refused_source_burst": lambda n, v: _int(n, v, 1, 1_000_000),
+    "refused_body_bytes": lambda n, v: _int(n, v, 0, 256 * 1024),
+    "refused_retention_days": lambda n, v: _int(n, v, 0, 36500),
     "callback_tolerance_seconds": lambda n, v: _int(n, v, 1, 86400),
     "callback_process_inline": lambda n, v: _bool(n, v) if v.strip() else None,
     "callback_inline_budget_seconds": lambda n, v: _float(n, v, 0.01, 25),
