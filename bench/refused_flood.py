@@ -11,9 +11,10 @@ and the per-source limits at their defaults. Then, at once:
 - a flood: ``--posts`` POSTs of ``--body-kib`` KiB each to /callbacks/sandbox
   from 198.51.100.7 (an address outside the allow-list, named by the proxy's
   X-Forwarded-For), over 8 keep-alive connections;
-- verified traffic: ``--verified`` signed ``charge.succeeded`` callbacks for
-  Pending payments from 203.0.113.9 (inside the allow-list), spread over the
-  flood; each must be answered 200 and its payment end Succeeded.
+- verified traffic: signed ``charge.succeeded`` callbacks from 203.0.113.9
+  (inside the allow-list) for ``--verified`` Pending payments, about 30 a
+  second for as long as the flood lasts (at least one per payment); each must
+  be answered 200 and every payment end Succeeded.
 
 Printed: the flood's answers by status, the verified callbacks' outcome and
 latency, and the growth of the database (``payment_callback_log`` after
@@ -88,33 +89,46 @@ def table_bytes(engine) -> tuple[int, int]:  # noqa: ANN001
     return int(allocated), int(held)
 
 
-def flood(port: int, posts: int, body: bytes, statuses: dict[int, int], lock: threading.Lock) -> None:
+def flood(port: int, posts: int, body: bytes, statuses: dict, lock: threading.Lock) -> None:
     """Send ``posts`` POSTs from FLOODER over CONNECTIONS keep-alive connections, counting the answers."""
     counter = iter(range(posts))
     counter_lock = threading.Lock()
     headers = {"Content-Type": "application/json", "X-Forwarded-For": FLOODER, "Sandbox-Signature": "t=1,v1=00"}
 
+    def send(conn: http.client.HTTPConnection) -> int:
+        conn.request("POST", "/callbacks/sandbox", body=body, headers=headers)
+        response = conn.getresponse()
+        response.read()
+        return response.status
+
+    def post(state: dict) -> int:
+        """One POST; on a kept-alive connection the gateway closed, sent again on a new one (as urllib3 does)."""
+        for _ in range(2):
+            reused = state["uses"] > 0
+            try:
+                status = send(state["conn"])
+                state["uses"] += 1
+                return status
+            except (OSError, http.client.HTTPException):
+                state["conn"].close()
+                state["conn"], state["uses"] = http.client.HTTPConnection("127.0.0.1", port, timeout=30), 0
+                if not reused:
+                    return 0  # failed on a new connection: a real socket error
+                # The gateway closes a connection whose body it did not read all of (a refusal).
+                with lock:
+                    statuses["reconnects"] = statuses.get("reconnects", 0) + 1
+        return 0
+
     def worker() -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        state = {"conn": http.client.HTTPConnection("127.0.0.1", port, timeout=30), "uses": 0}
         while True:
             with counter_lock:
                 if next(counter, None) is None:
                     break
-            try:
-                conn.request("POST", "/callbacks/sandbox", body=body, headers=headers)
-                response = conn.getresponse()
-                response.read()
-                status = response.status
-                if response.getheader("Connection", "").lower() == "close":
-                    conn.close()
-                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-            except (OSError, http.client.HTTPException):
-                status = 0  # a socket error: counted, and a new connection
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            status = post(state)
             with lock:
                 statuses[status] = statuses.get(status, 0) + 1
-        conn.close()
+        state["conn"].close()
 
     threads = [threading.Thread(target=worker) for _ in range(CONNECTIONS)]
     for t in threads:
@@ -123,11 +137,16 @@ def flood(port: int, posts: int, body: bytes, statuses: dict[int, int], lock: th
         t.join()
 
 
-def verified(port: int, payment_ids: list[str], stop: threading.Event, out: list[tuple[int, float]]) -> None:
-    """One signed callback per payment from PROVIDER_HOST, spread over the flood (about 20 a second)."""
+def verified(port: int, payment_ids: list[str], flood_done: threading.Event, out: list[tuple[int, float]]) -> None:
+    """Signed callbacks from PROVIDER_HOST, about 30 a second, until every payment had one and the flood is over.
+
+    Past the first round a payment's callback comes again (a new event for a settled payment: answered
+    200, applied as a no-op), so verified traffic runs for the whole flood however long it takes.
+    """
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    for payment_id in payment_ids:
-        body, signature = signed_body(sandbox_event(payment_id))
+    sent = 0
+    while sent < len(payment_ids) or not flood_done.is_set():
+        body, signature = signed_body(sandbox_event(payment_ids[sent % len(payment_ids)]))
         headers = {"Content-Type": "application/json", "X-Forwarded-For": PROVIDER_HOST, "Sandbox-Signature": signature}
         started = time.perf_counter()
         try:
@@ -139,7 +158,8 @@ def verified(port: int, payment_ids: list[str], stop: threading.Event, out: list
             out.append((0, time.perf_counter() - started))
             conn.close()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        stop.wait(0.05)
+        sent += 1
+        time.sleep(0.03)
     conn.close()
 
 
@@ -196,15 +216,16 @@ def main() -> int:
         wait_for_http(port)
         body = json.dumps({"id": "evt_flood", "type": "charge.succeeded", "pad": "x" * (args.body_kib * 1024)}).encode()
         body = body[: args.body_kib * 1024]
-        statuses: dict[int, int] = {}
+        statuses: dict = {}
         lock = threading.Lock()
         results: list[tuple[int, float]] = []
-        stop = threading.Event()
-        good = threading.Thread(target=verified, args=(port, payment_ids, stop, results))
+        flood_done = threading.Event()
+        good = threading.Thread(target=verified, args=(port, payment_ids, flood_done, results))
         started = time.monotonic()
         good.start()
         flood(port, args.posts, body, statuses, lock)
         flood_seconds = time.monotonic() - started
+        flood_done.set()
         good.join()
         if not web.alive():
             print(web.tail(), file=sys.stderr)
@@ -220,16 +241,20 @@ def main() -> int:
         ).scalar_one()
     growth = max(after[0] - before[0], after[1] - before[1])
     accepted = sum(1 for status, _ in results if status == 200)
+    sent = len(results)
     latencies = sorted(seconds for _, seconds in results)
     p99 = latencies[int(len(latencies) * 0.99) - 1] if latencies else 0.0
-    ok = growth < TARGET_BYTES and accepted == args.verified and succeeded == args.verified
+    ok = growth < TARGET_BYTES and accepted == sent and succeeded == args.verified
 
     print(f"refused flood: {args.posts} POSTs of {args.body_kib} KiB from {FLOODER} in {flood_seconds:.1f} s")
+    reconnects = statuses.pop("reconnects", 0)
     answers = ", ".join(f"{status or 'socket error'}: {n}" for status, n in sorted(statuses.items()))
+    answers += f" (the gateway closed {reconnects} connections after a refusal: the POST was sent again)"
     print(f"  answers: {answers}")
-    print(f"  rows stored: {stored} (of which verified: {args.verified})")
+    print(f"  rows stored: {stored} (of which verified callbacks: {sent})")
     print(
-        f"verified from {PROVIDER_HOST}: {accepted}/{args.verified} answered 200, {succeeded} payments Succeeded; "
+        f"verified from {PROVIDER_HOST} during the flood: {accepted}/{sent} answered 200, "
+        f"{succeeded}/{args.verified} payments Succeeded; "
         f"latency median {statistics.median(latencies) * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms"
     )
     print(
@@ -247,6 +272,7 @@ def main() -> int:
                 "answers": {str(k): v for k, v in statuses.items()},
                 "flood_seconds": round(flood_seconds, 2),
                 "rows_stored": stored,
+                "verified_sent": sent,
                 "verified_accepted": accepted,
                 "verified_succeeded": succeeded,
                 "growth_bytes": growth,
