@@ -1,5 +1,9 @@
 """``POST /callbacks/<provider>``: store first, verify second, publish third, acknowledge last.
 
+Before any of it, the source: a client past its per-source rate (``payments.ratelimit``) is
+answered 429 with nothing read or stored, and one outside the provider's allow-list is stored
+small (headers and the first REFUSED_BODY_BYTES) and refused.
+
 Between publishing and acknowledging, with CALLBACK_PROCESS_INLINE, the
 callback is processed here within CALLBACK_INLINE_BUDGET_SECONDS
 (``gateway.inline``); the answer never depends on how that went.
