@@ -32,7 +32,9 @@ def run_once(runtime: Runtime, *, budget: float = BUDGET_SECONDS) -> int:
     now = utcnow()
     started = time.monotonic()
     total = 0
-    for kind in retention.kinds(settings.callback_retention_days, settings.rejected_retention_days):
+    for kind in retention.kinds(
+        settings.callback_retention_days, settings.rejected_retention_days, settings.refused_retention_days
+    ):
         done = 0
         while time.monotonic() - started < budget:
             n = retention.archive_batch(
@@ -57,7 +59,9 @@ def dry_run(runtime: Runtime) -> dict[str, int]:
     with runtime.engine.connect() as conn:
         return {
             kind.name: retention.count_due(conn, kind, now)
-            for kind in retention.kinds(settings.callback_retention_days, settings.rejected_retention_days)
+            for kind in retention.kinds(
+                settings.callback_retention_days, settings.rejected_retention_days, settings.refused_retention_days
+            )
         }
 
 

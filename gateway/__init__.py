@@ -44,6 +44,7 @@ def create_app(
 ) -> Flask:
     """Build the gateway. ``gateway.wsgi`` passes the runtime; tests pass settings and their own engine or publisher."""
     from broker.publisher import PACKING_BYTES, CallbackPublisher
+    from gateway.callbacks import CallbackLimits
     from gateway.inline import InlineProcessor
     from payments.delivery import encode_batch, max_message_bytes
     from payments.metrics import publish_failed  # not `metrics`: gateway.metrics (the blueprint) takes that name
@@ -72,6 +73,7 @@ def create_app(
             batch_bytes=max_message_bytes(settings.callback_max_body_bytes) - PACKING_BYTES,
         ),
         "inline": InlineProcessor(runtime) if settings.process_inline else None,
+        "limits": CallbackLimits.from_settings(settings),
     }
 
     from gateway.callbacks import CallbackFastPath

@@ -1,4 +1,4 @@
-"""Bearer tokens and source addresses: who may call what."""
+"""Bearer tokens: who may call what (source addresses: ``payments.sources``)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import hmac
 from collections.abc import Iterable
 
 from flask import request
-
-from payments.sources import in_networks
 
 
 def bearer_ok(tokens: Iterable[str]) -> bool:
@@ -20,8 +18,3 @@ def bearer_ok(tokens: Iterable[str]) -> bool:
     # Constant-time, and every token compared, so neither a character nor a list position can be guessed.
     matches = [hmac.compare_digest(given.encode(), token.encode()) for token in tokens if token]
     return any(matches)
-
-
-def source_allowed(cidrs: tuple[str, ...]) -> bool:
-    """True when the peer address (not a forwarded header, which anyone can write) is inside one of ``cidrs``."""
-    return in_networks(request.remote_addr, cidrs)

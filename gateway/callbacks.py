@@ -1,5 +1,9 @@
 """``POST /callbacks/<provider>``: store first, verify second, publish third, acknowledge last.
 
+Before any of it, the source: a client past its per-source rate (``payments.ratelimit``) is
+answered 429 with nothing read or stored, and one outside the provider's allow-list is stored
+small (headers and the first REFUSED_BODY_BYTES) and refused.
+
 Between publishing and acknowledging, with CALLBACK_PROCESS_INLINE, the
 callback is processed here within CALLBACK_INLINE_BUDGET_SECONDS
 (``gateway.inline``); the answer never depends on how that went.
@@ -36,11 +40,30 @@ from payments.delivery import encode_message
 from payments.errors import BodyTooLarge, CallbackRejected, EventIgnored, SourceNotAllowed
 from payments.hints import HintLimits
 from payments.logs import REQUEST_ID, new_request_id, sane_request_id
+from payments.ratelimit import SourceLimiter
+from payments.settings import PROVIDERS, env_name, source_cidrs
 from payments.sources import client_address, source_allowed
 
 bp = Blueprint("callbacks", __name__)
 log = logging.getLogger("paysync.gateway.callbacks")
 PREFIX = "/callbacks/"
+
+
+class CallbackLimits(NamedTuple):
+    """The per-source limits of the callback routes (``payments.ratelimit``), one pair per gateway worker."""
+
+    every: SourceLimiter
+    """Every POST to a callback route (CALLBACK_SOURCE_RATE, CALLBACK_SOURCE_BURST)."""
+    refused: SourceLimiter
+    """Of those, the ones refused for their source, stored (REFUSED_SOURCE_RATE, REFUSED_SOURCE_BURST)."""
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> CallbackLimits:
+        """The limits the settings ask for."""
+        return cls(
+            SourceLimiter(settings.callback_source_rate, settings.callback_source_burst),
+            SourceLimiter(settings.refused_source_rate, settings.refused_source_burst),
+        )
 
 
 class Answer(NamedTuple):
@@ -69,13 +92,30 @@ def receive_delivery(
     provider = providers.get(provider_name)
     if provider is None:
         return error_answer("unknown_provider", f"no provider named {provider_name[:32]!r}", 404)
-    body, too_large = _read_body(environ, settings.callback_max_body_bytes)
     request_headers = EnvironHeaders(environ)
     headers = {name: request_headers[name] for name in provider.callback_headers if name in request_headers}
     remote_addr, refused = _source(settings, provider_name, environ.get("REMOTE_ADDR"), request_headers)
 
+    # 0. A source past its rate is answered before its body is read: nothing stored, nothing acknowledged, so a
+    #    provider retries it later; a flood costs neither a row nor a body's worth of reading.
+    limits: CallbackLimits = paysync["limits"]
+    held = None if limits.every.allow(remote_addr) else limits.every
+    if held is None and refused is not None and not limits.refused.allow(remote_addr):
+        held = limits.refused
+    if held is not None:
+        metrics.callback_refused(provider_name, "rate_limited")
+        retry = {"Retry-After": str(held.retry_after())}
+        return error_answer("rate_limited", "too many callbacks from this source; retry later", 429, retry)
+    # One from elsewhere is evidence, not a delivery: its headers and its first bytes are enough to tell what it was.
+    limit = settings.refused_body_bytes if refused is not None else settings.callback_max_body_bytes
+    body, too_large = _read_body(environ, limit)
+
     # 1. The raw delivery is committed before anything else may fail (one from elsewhere: committed as refused).
     received_at = utcnow()
+    reason = None
+    if refused is not None:
+        reason = f"{refused.code}: {refused}" + (f"; body cut to its first {limit} bytes" if too_large else "")
+        metrics.callback_refused(provider_name, refused.code)
     try:
         log_id = store_callback(
             engine,
@@ -85,7 +125,7 @@ def receive_delivery(
             remote_addr=remote_addr,
             index={} if too_large else provider.peek_callback(body),
             now=received_at,
-            rejected=f"{refused.code}: {refused}" if refused else None,
+            rejected=reason,
             request_id=request_id,
         )
     except SQLAlchemyError as exc:
@@ -231,10 +271,12 @@ def _source(
     """
     forwarded = ",".join(request_headers.getlist("X-Forwarded-For"))
     client = client_address(peer, forwarded, settings.trusted_proxies)
-    allowed = getattr(settings, f"{provider_name}_source_cidrs", ())
-    if source_allowed(client, allowed):
+    spec = PROVIDERS.get(provider_name)
+    if spec is None:  # an adapter registered without a PROVIDERS line: refused, not waved through
+        return client, SourceNotAllowed(f"provider {provider_name[:32]!r} declares no source allow-list")
+    if source_allowed(client, source_cidrs(settings, provider_name)):
         return client, None
-    return client, SourceNotAllowed(f"source {client!s:.64} is outside {provider_name.upper()}_SOURCE_CIDRS")
+    return client, SourceNotAllowed(f"source {client!s:.64} is outside {env_name(spec.sources)}")
 
 
 def _hint_quietly(engine: Any, providers: Mapping[str, Any], log_id: int, hints: HintLimits) -> None:

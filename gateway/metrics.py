@@ -13,9 +13,12 @@ pile up is read on every scrape (``payments.monitoring.live_counts``, index
 ranges over few rows); the counts of settled rows, millions in a busy system,
 are cached per worker for METRICS_SETTLED_CACHE_SECONDS.
 
-Only sources inside METRICS_ALLOW_CIDRS (the peer address; a forwarded
-header anyone can write is not believed) or a request bearing an OPS_TOKEN
-get an answer; everyone else gets 403.
+Only clients inside METRICS_ALLOW_CIDRS (loopback by default) or a request
+bearing a METRICS_TOKEN (scrape only) or an OPS_TOKEN get an answer; everyone
+else gets 403. The client is the peer, or, when the peer is one of
+TRUSTED_PROXIES, the address those proxies forwarded (the rule of
+``payments.metrics.allowed``, which the consumer's and compensator's ports
+share); X-Forwarded-For from anyone else is not believed.
 """
 
 from __future__ import annotations
@@ -25,15 +28,15 @@ import threading
 import time
 from typing import Any
 
-from flask import Blueprint, Response
+from flask import Blueprint, Response, request
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway import error_response, ext
-from gateway.auth import bearer_ok, source_allowed
 from payments.db import utcnow
+from payments.metrics import allowed, scrape_tokens
 from payments.monitoring import UNKNOWN_AGE_BUCKETS, Settled, Snapshot, combine, live_counts, settled_counts
 from payments.states import AlertStatus, CallbackStatus, PaymentStatus
 
@@ -154,8 +157,12 @@ def _settled_cache() -> _SettledCache:
 def metrics() -> Any:
     """Prometheus exposition of the database snapshot; answers 200 even when the database is down."""
     settings = ext("settings")
-    if not (source_allowed(settings.metrics_allow_cidrs) or bearer_ok(settings.ops_token)):
-        return error_response("forbidden", "metrics are for allowed sources or the ops token", 403)
+    forwarded = ",".join(request.headers.getlist("X-Forwarded-For"))
+    authorization = request.headers.get("Authorization", "")
+    cidrs, tokens = settings.metrics_allow_cidrs, scrape_tokens(settings)
+    proxies = settings.trusted_proxies
+    if not allowed(request.remote_addr, authorization, cidrs, tokens, forwarded_for=forwarded, trusted_proxies=proxies):
+        return error_response("forbidden", "metrics are for allowed sources or a metrics token", 403)
     snap = None
     try:
         with ext("engine").connect() as conn:

@@ -37,6 +37,7 @@ from payments import alerts
 from payments.alert_rules import Rule, RuleSet
 from payments.errors import ConfigError
 from payments.reconcile import UNEXPLAINED
+from payments.retention import refused_clause
 from payments.schema import (
     RECON_UNREADABLE,
     alert,
@@ -185,9 +186,11 @@ def signature_failures(conn: Connection, rule: Rule, now: datetime) -> list[Find
     """More than ``threshold`` rejected callbacks (status 3) from one provider in the window: attack or key mistake."""
     t = payment_callback_log
     since = now - timedelta(seconds=rule.window_seconds)
+    # Deliveries refused for their source never reached verification: refused_sources counts them.
+    not_refused = or_(t.c.result.is_(None), ~refused_clause())
     rows = conn.execute(
         select(t.c.provider, func.count())
-        .where(t.c.create_time >= since, t.c.status == CallbackStatus.REJECTED)
+        .where(t.c.create_time >= since, t.c.status == CallbackStatus.REJECTED, not_refused)
         .group_by(t.c.provider)
         .having(func.count() > rule.threshold)
         .order_by(t.c.provider)
@@ -199,6 +202,34 @@ def signature_failures(conn: Connection, rule: Rule, now: datetime) -> list[Find
             {"provider": provider, "rejected": count},
         )
         for provider, count in rows
+    ]
+
+
+def refused_sources(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
+    """More than ``threshold`` deliveries to one provider's route refused for their source in the window.
+
+    Counts the stored ones; past REFUSED_SOURCE_RATE a source is answered 429
+    and nothing is stored (``paysync_callbacks_refused_total`` counts those),
+    so the count here is at most that rate a worker: a threshold well under it
+    still fires during any sustained flood.
+    """
+    t = payment_callback_log
+    since = now - timedelta(seconds=rule.window_seconds)
+    rows = conn.execute(
+        select(t.c.provider, func.count(), func.count(func.distinct(t.c.remote_addr)))
+        .where(t.c.create_time >= since, t.c.status == CallbackStatus.REJECTED, refused_clause())
+        .group_by(t.c.provider)
+        .having(func.count() > rule.threshold)
+        .order_by(t.c.provider)
+    ).all()
+    return [
+        Finding(
+            f"{rule.name}:{provider}",
+            f"{count} deliveries to /callbacks/{provider} from {sources} source(s) outside its allow-list "
+            f"in the last {rule.window_seconds} s",
+            {"provider": provider, "refused": count, "sources": sources},
+        )
+        for provider, count, sources in rows
     ]
 
 
@@ -330,6 +361,7 @@ EVALUATORS: dict[str, Evaluator] = {
     "compensation_success_rate": Evaluator(compensation_success_rate, needs=("threshold", "window_seconds")),
     "past_deadline": Evaluator(past_deadline, needs=("threshold",)),
     "signature_failures": Evaluator(signature_failures, needs=("threshold", "window_seconds")),
+    "refused_sources": Evaluator(refused_sources, needs=("threshold", "window_seconds")),
     "provider_circuit_open": Evaluator(provider_circuit_open),
     "reconciliation_unexplained": Evaluator(reconciliation_unexplained, needs=("threshold",)),
     "ledger_chain_stale": Evaluator(ledger_chain_stale, needs=("window_seconds",)),

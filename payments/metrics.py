@@ -29,7 +29,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, make_wsgi_app
 
-from payments.sources import in_networks
+from payments.sources import client_address, in_networks
 
 log = logging.getLogger("paysync.metrics")
 
@@ -43,6 +43,12 @@ CALLBACKS_RECEIVED = Counter(
     "callback deliveries answered by the gateway, by provider and outcome "
     "(accepted, rejected, too_large, unavailable, error)",
     ["provider", "outcome"],
+)
+CALLBACKS_REFUSED = Counter(
+    "paysync_callbacks_refused",
+    "callback deliveries refused before verification, by provider and reason "
+    "(source_not_allowed: stored small; rate_limited: answered 429, not stored)",
+    ["provider", "reason"],
 )
 CALLBACK_ACK_SECONDS = Histogram(
     "paysync_callback_ack_seconds",
@@ -122,6 +128,11 @@ def callback_answered(provider: str, status: int, seconds: float) -> None:
     _child(CALLBACK_ACK_SECONDS, provider).observe(seconds)
 
 
+def callback_refused(provider: str, reason: str) -> None:
+    """Count one delivery refused for where it came from (``source_not_allowed``) or how often (``rate_limited``)."""
+    _child(CALLBACKS_REFUSED, provider, reason).inc()
+
+
 def callback_processed(outcome: str) -> None:
     """Count one ``process_callback`` outcome."""
     _child(CALLBACKS_PROCESSED, outcome).inc()
@@ -154,9 +165,23 @@ def notification(channel: str, outcome: str) -> None:
     ALERT_NOTIFICATIONS.labels(channel, outcome).inc()
 
 
-def allowed(remote_addr: str | None, authorization: str, cidrs: Iterable[str], tokens: Iterable[str]) -> bool:
-    """The /metrics rule: the peer inside ``cidrs``, or ``Authorization: Bearer`` one of ``tokens``."""
-    if in_networks(remote_addr, tuple(cidrs)):
+def allowed(
+    remote_addr: str | None,
+    authorization: str,
+    cidrs: Iterable[str],
+    tokens: Iterable[str],
+    *,
+    forwarded_for: str | None = None,
+    trusted_proxies: Iterable[str] = (),
+) -> bool:
+    """The /metrics rule: the client inside ``cidrs``, or ``Authorization: Bearer`` one of ``tokens``.
+
+    The client is the peer, or the one a peer in ``trusted_proxies`` names in
+    X-Forwarded-For (``payments.sources.client_address``): behind a proxy the
+    peer is the proxy, and an allow-list of it would let every client in.
+    """
+    client = client_address(remote_addr, forwarded_for, tuple(trusted_proxies))
+    if in_networks(client, tuple(cidrs)):
         return True
     scheme, _, given = authorization.partition(" ")
     if scheme.lower() != "bearer" or not given:
@@ -165,14 +190,25 @@ def allowed(remote_addr: str | None, authorization: str, cidrs: Iterable[str], t
     return any(matches)
 
 
-def guarded_app(app: Callable, cidrs: Iterable[str], tokens: Iterable[str]) -> Callable:
-    """Wrap a WSGI app so only allowed sources or the ops token reach it (403 JSON otherwise)."""
-    cidrs, tokens = tuple(cidrs), tuple(tokens)
+def scrape_tokens(settings: Any) -> tuple[str, ...]:
+    """The bearer tokens that may scrape: METRICS_TOKEN (scrape only) and OPS_TOKEN (which may do anything anyway)."""
+    return tuple(settings.metrics_token) + tuple(settings.ops_token)
+
+
+def guarded_app(
+    app: Callable, cidrs: Iterable[str], tokens: Iterable[str], trusted_proxies: Iterable[str] = ()
+) -> Callable:
+    """Wrap a WSGI app so only allowed sources or a scrape token reach it (403 JSON otherwise)."""
+    cidrs, tokens, trusted = tuple(cidrs), tuple(tokens), tuple(trusted_proxies)
 
     def guarded(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
-        if allowed(environ.get("REMOTE_ADDR"), environ.get("HTTP_AUTHORIZATION", ""), cidrs, tokens):
+        authorization = environ.get("HTTP_AUTHORIZATION", "")
+        forwarded = environ.get("HTTP_X_FORWARDED_FOR")
+        if allowed(
+            environ.get("REMOTE_ADDR"), authorization, cidrs, tokens, forwarded_for=forwarded, trusted_proxies=trusted
+        ):
             return app(environ, start_response)
-        body = b'{"error": {"code": "forbidden", "message": "metrics are for allowed sources or the ops token"}}'
+        body = b'{"error": {"code": "forbidden", "message": "metrics are for allowed sources or a metrics token"}}'
         start_response("403 Forbidden", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
         return [body]
 
@@ -203,13 +239,14 @@ def serve(
     cidrs: Iterable[str],
     tokens: Iterable[str],
     registry: CollectorRegistry = REGISTRY,
+    trusted_proxies: Iterable[str] = (),
 ) -> MetricsServer:
     """Serve ``registry`` on ``bind:port`` (raises OSError when the port is taken)."""
     from wsgiref.simple_server import make_server
 
     from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 
-    app = guarded_app(make_wsgi_app(registry), cidrs, tokens)
+    app = guarded_app(make_wsgi_app(registry), cidrs, tokens, trusted_proxies)
     server = make_server(bind, port, app, ThreadingWSGIServer, handler_class=_SilentHandler)
     thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
     thread.start()
@@ -221,7 +258,13 @@ def serve_for(settings: Any, port: int, process: str) -> MetricsServer | None:
     if not port:
         return None
     try:
-        server = serve(settings.metrics_bind_address, port, settings.metrics_allow_cidrs, settings.ops_token)
+        server = serve(
+            settings.metrics_bind_address,
+            port,
+            settings.metrics_allow_cidrs,
+            scrape_tokens(settings),
+            trusted_proxies=settings.trusted_proxies,
+        )
     except OSError as exc:
         # Metrics are for watching: a clash (two compensators on one host) must not stop the work itself.
         log.error("%s: metrics not served on %s:%s (%s)", process, settings.metrics_bind_address, port, exc)

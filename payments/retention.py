@@ -43,9 +43,10 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, delete, exists, func, select
+from sqlalchemy import Connection, Engine, delete, exists, func, or_, select
 
 from payments import failpoints
+from payments.errors import SourceNotAllowed
 from payments.schema import manual_review, payment_callback_log
 from payments.states import CallbackStatus
 
@@ -61,22 +62,40 @@ class Kind:
     status: CallbackStatus
     days: int
     """Retention in days; 0 keeps the rows forever."""
+    refused: bool | None = None
+    """Only rows refused for their source (True), only the others (False), or either (None)."""
 
 
 RETAINED = (CallbackStatus.PROCESSED, CallbackStatus.REJECTED)
 """The only statuses cleanup ever deletes."""
 
 
-def kinds(callback_days: int, rejected_days: int) -> list[Kind]:
-    """The kinds to clean for these settings (a kind with 0 days is left alone)."""
+REFUSED_RESULT_PREFIX = f"rejected: {SourceNotAllowed.code}"
+"""How the ``result`` of a delivery refused for its source begins (``store_callback``)."""
+
+
+def kinds(callback_days: int, rejected_days: int, refused_days: int = 0) -> list[Kind]:
+    """The kinds to clean for these settings (a kind with 0 days is left alone).
+
+    Deliveries refused for their source are rejected rows (status 3) of their
+    own kind: evidence of who knocked, never re-verifiable, so they go sooner
+    (REFUSED_RETENTION_DAYS) than rejected deliveries of the provider's own
+    networks, which a key fix may yet take back (REJECTED_RETENTION_DAYS).
+    """
     return [
         k
         for k in (
             Kind("processed", CallbackStatus.PROCESSED, callback_days),
-            Kind("rejected", CallbackStatus.REJECTED, rejected_days),
+            Kind("rejected", CallbackStatus.REJECTED, rejected_days, refused=False),
+            Kind("refused", CallbackStatus.REJECTED, refused_days, refused=True),
         )
         if k.days > 0
     ]
+
+
+def refused_clause() -> Any:
+    """True for a row stored as refused for its source (its ``result`` says so)."""
+    return payment_callback_log.c.result.startswith(REFUSED_RESULT_PREFIX, autoescape=True)
 
 
 def cutoff(now: datetime, days: int) -> datetime:
@@ -126,10 +145,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+ARCHIVE_FILE_MODE = 0o600
+"""Archives hold raw callbacks (payers' names, accounts, amounts): readable by the compensator's user only."""
+ARCHIVE_DIR_MODE = 0o700
+"""… in a directory only that user may list or enter."""
+
+
+def _private_dir(directory: Path) -> None:
+    """Make ``directory`` (and its parents) exist, and ``directory`` itself mode 0700 whatever umask or mode it had."""
+    directory.mkdir(mode=ARCHIVE_DIR_MODE, parents=True, exist_ok=True)
+    # mkdir's mode passes through the umask, and an existing directory keeps its own: set it, every time.
+    if directory.stat().st_mode & 0o777 != ARCHIVE_DIR_MODE:
+        os.chmod(directory, ARCHIVE_DIR_MODE)
+
+
 def _write_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file: fsynced, then renamed into place."""
+    """Write ``data`` to ``path`` (mode 0600) through a temporary file: fsynced, then renamed into place."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, ARCHIVE_FILE_MODE)
+    with open(fd, "wb") as f:
+        # A .tmp left by a crash keeps its old mode through O_CREAT, and the umask may narrow ours: set it.
+        os.fchmod(f.fileno(), ARCHIVE_FILE_MODE)
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -137,8 +173,8 @@ def _write_durably(path: Path, data: bytes) -> None:
 
 
 def write_archive(directory: Path, name: str, rows: Iterable[Mapping[str, Any]]) -> Path:
-    """Write ``rows`` as ``directory/name`` plus its ``.sha256``, both on disk when this returns."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write ``rows`` as ``directory/name`` plus its ``.sha256`` (0600, in a 0700 directory), both on disk on return."""
+    _private_dir(directory)
     # mtime=0: the same rows make the same bytes (and digest), whenever they are archived.
     data = gzip.compress(b"".join(encode_row(r) for r in rows), mtime=0)
     path = directory / name
@@ -182,7 +218,11 @@ def _due(kind: Kind, now: datetime) -> Any:
     t = payment_callback_log
     # A row a manual review names is that review's evidence (the ops console shows it): kept.
     reviewed = exists().where(manual_review.c.callback_log_id == t.c.id)
-    return (t.c.status == kind.status, t.c.create_time < cutoff(now, kind.days), ~reviewed)
+    clauses = [t.c.status == kind.status, t.c.create_time < cutoff(now, kind.days), ~reviewed]
+    if kind.refused is not None:
+        not_refused = or_(t.c.result.is_(None), ~refused_clause())  # NOT LIKE of a NULL would be NULL: not false
+        clauses.append(refused_clause() if kind.refused else not_refused)
+    return tuple(clauses)
 
 
 def count_due(conn: Connection, kind: Kind, now: datetime) -> int:

@@ -111,18 +111,14 @@ class Settings:
     merchant_api_token: tuple[str, ...] = ()
     """Bearer token(s) of the merchant API, comma-separated for rotation: every one is accepted."""
     ops_token: tuple[str, ...] = ()
-    """Bearer token(s) for /ops/… and /metrics from outside METRICS_ALLOW_CIDRS."""
+    """Bearer token(s) for /ops/… (and /metrics from outside METRICS_ALLOW_CIDRS)."""
     ops_readonly_token: tuple[str, ...] = ()
     """Token(s) that log in to the ops console to read only (no replay, no review actions); empty: no such role."""
-    metrics_allow_cidrs: tuple[str, ...] = (
-        "127.0.0.0/8",
-        "::1/128",
-        "10.0.0.0/8",
-        "172.16.0.0/12",
-        "192.168.0.0/16",
-        "fc00::/7",
-    )
-    """Sources that may scrape /metrics without the ops token (comma-separated CIDRs; empty: token only)."""
+    metrics_token: tuple[str, ...] = ()
+    """Bearer token(s) that may scrape /metrics and nothing else (give Prometheus this, not OPS_TOKEN); empty: none."""
+    metrics_allow_cidrs: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
+    """Sources that may scrape /metrics without a token (comma-separated CIDRs; the client as TRUSTED_PROXIES
+    names it; empty: token only). Loopback by default: a private range holds every other tenant of the network."""
     metrics_settled_cache_seconds: float = 60.0
     """/metrics reads the counts of settled rows (millions) at most this often per gateway worker."""
     consumer_metrics_port: int = 0
@@ -155,6 +151,20 @@ class Settings:
     key; comma-separated, the first is presented (the sandbox accepts every listed one: rotation)."""
     callback_max_body_bytes: int = 256 * 1024
     """Callback bodies larger than this are refused with 413 and not stored."""
+    callback_source_rate: float = 100.0
+    """Callback POSTs a second one source address (IPv6: its /64) may make, per gateway worker; past the burst: 429,
+    nothing stored (a provider retries it). 0: no limit."""
+    callback_source_burst: int = 400
+    """How many callback POSTs one source may make at once before CALLBACK_SOURCE_RATE holds it back."""
+    refused_source_rate: float = 1.0
+    """Deliveries refused for their source (outside the provider's *_SOURCE_CIDRS) one address may have stored a second,
+    per gateway worker; past the burst: 429 and nothing stored. 0: no limit."""
+    refused_source_burst: int = 20
+    """How many refused deliveries of one source are stored at once before REFUSED_SOURCE_RATE holds it back."""
+    refused_body_bytes: int = 4096
+    """Of a delivery refused for its source, the first this many bytes of the body are kept (with its headers)."""
+    refused_retention_days: int = 7
+    """cleanup archives, then deletes, deliveries refused for their source older than this; 0: keep them."""
     callback_tolerance_seconds: int = 300
     """How old a signed callback timestamp may be (replay protection)."""
     callback_process_inline: bool | None = None
@@ -445,6 +455,7 @@ _PARSERS = {
     "merchant_api_token": lambda n, v: _secrets(n, v),
     "ops_token": lambda n, v: _secrets(n, v),
     "ops_readonly_token": lambda n, v: _secrets(n, v),
+    "metrics_token": lambda n, v: _secrets(n, v),
     "metrics_allow_cidrs": lambda n, v: _cidrs(n, v),
     "metrics_settled_cache_seconds": lambda n, v: _float(n, v, 0, 3600),
     "consumer_metrics_port": lambda n, v: _int(n, v.strip() or "0", 0, 65535),
@@ -461,6 +472,12 @@ _PARSERS = {
     "sandbox_source_cidrs": lambda n, v: _cidrs(n, v),
     "sandbox_api_key": lambda n, v: _secrets(n, v),
     "callback_max_body_bytes": lambda n, v: _int(n, v, 1024, 16 * 1024 * 1024),
+    "callback_source_rate": lambda n, v: _float(n, v, 0, 1_000_000),
+    "callback_source_burst": lambda n, v: _int(n, v, 1, 1_000_000),
+    "refused_source_rate": lambda n, v: _float(n, v, 0, 1_000_000),
+    "refused_source_burst": lambda n, v: _int(n, v, 1, 1_000_000),
+    "refused_body_bytes": lambda n, v: _int(n, v, 0, 256 * 1024),
+    "refused_retention_days": lambda n, v: _int(n, v, 0, 36500),
     "callback_tolerance_seconds": lambda n, v: _int(n, v, 1, 86400),
     "callback_process_inline": lambda n, v: _bool(n, v) if v.strip() else None,
     "callback_inline_budget_seconds": lambda n, v: _float(n, v, 0.01, 25),
@@ -805,10 +822,13 @@ DEV_DEFAULTS: dict[str, tuple[str, ...]] = {
 MIN_SECRET_LENGTH = 24
 """Shortest secret production accepts (characters)."""
 
+MIN_SECRET_DISTINCT = 8
+"""Fewest distinct characters a secret production accepts may have (``aaaa…`` is long, not strong)."""
+
 ALWAYS_REQUIRED_SECRETS = ("merchant_api_token", "ops_token")
 """Secrets every deployment needs, whatever providers it enables."""
 
-OPTIONAL_SECRETS = ("ops_readonly_token",)
+OPTIONAL_SECRETS = ("ops_readonly_token", "metrics_token")
 """Secrets a deployment may leave empty; once set, production holds them to the same rules."""
 
 
@@ -816,6 +836,8 @@ OPTIONAL_SECRETS = ("ops_readonly_token",)
 class ProviderSettings:
     """How one provider is enabled by configuration."""
 
+    sources: str
+    """The setting of the networks its notifications may come from (required: a provider cannot skip the check)."""
     secrets: tuple[str, ...] = ()
     """Its secret strings (field names): in production each must be strong (see ``_weakness``)."""
     required: tuple[str, ...] = ()
@@ -832,15 +854,20 @@ class ProviderSettings:
 
 
 PROVIDERS: dict[str, ProviderSettings] = {
-    "sandbox": ProviderSettings(secrets=("sandbox_webhook_secret", "sandbox_api_key")),
+    "sandbox": ProviderSettings(sources="sandbox_source_cidrs", secrets=("sandbox_webhook_secret", "sandbox_api_key")),
+    # The same platform reached another way: the same notifications, from the same networks.
     "sandbox_legacy": ProviderSettings(
-        secrets=("sandbox_webhook_secret", "sandbox_api_key"), switch="sandbox_legacy_enabled"
+        sources="sandbox_source_cidrs",
+        secrets=("sandbox_webhook_secret", "sandbox_api_key"),
+        switch="sandbox_legacy_enabled",
     ),
     "alipay": ProviderSettings(
+        sources="alipay_source_cidrs",
         required=("alipay_app_id", "alipay_app_private_key_file", "alipay_public_key_files"),
         check=lambda s: check_alipay_settings(s),
     ),
     "wechatpay": ProviderSettings(
+        sources="wechatpay_source_cidrs",
         secrets=("wechatpay_apiv3_key",),
         required=(
             "wechatpay_mchid",
@@ -854,11 +881,22 @@ PROVIDERS: dict[str, ProviderSettings] = {
         check=lambda s: _check_wechatpay(s),
     ),
     "stripe": ProviderSettings(
+        sources="stripe_source_cidrs",
         secrets=("stripe_api_key", "stripe_webhook_secrets"),
         check=lambda s: validate_stripe(s, production=s.paysync_env == "production"),
     ),
 }
 """Every provider paysync knows, and the settings that enable it. A new adapter adds its line here."""
+
+
+def source_cidrs(settings: Settings, provider: str) -> tuple[str, ...]:
+    """The networks ``provider``'s notifications may come from (empty: any); KeyError for a provider not in PROVIDERS.
+
+    Looked up in PROVIDERS, never guessed from the provider's name: a guess
+    with a default would let a provider whose setting is named otherwise skip
+    the check unseen (``sandbox_legacy`` did).
+    """
+    return getattr(settings, PROVIDERS[provider].sources)
 
 
 def enabled_providers(settings: Settings) -> list[str]:
@@ -885,27 +923,55 @@ def _check_complete(settings: Settings) -> None:
             )
 
 
+_ISSUED_PREFIX = re.compile(r"^(whsec_|[sr]k_(live|test)_)")
+
+
+def _values(settings: Settings, field_name: str) -> tuple[str, ...]:
+    """A secret setting's values: a rotation list as it is, a single-value secret as a list of one."""
+    value = getattr(settings, field_name)
+    # A str is iterable too: looping over it would judge each character as a secret of its own.
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 def _weakness(settings: Settings, field_name: str) -> str | None:
     """Why a secret setting would not do in production, or None."""
-    values = getattr(settings, field_name)
+    values = tuple(v for v in _values(settings, field_name) if v)
     if not values:
         return "is empty"
     if any(v in DEV_DEFAULTS.get(field_name, ()) for v in values):
         return "is a development default"
     if any(len(v) < MIN_SECRET_LENGTH for v in values):
         return f"is shorter than {MIN_SECRET_LENGTH} characters"
+    # Judged after a platform's own prefix (whsec_, sk_live_…): its letters are the same in every key.
+    if any(len(set(_ISSUED_PREFIX.sub("", v))) < MIN_SECRET_DISTINCT for v in values):
+        return f"has fewer than {MIN_SECRET_DISTINCT} distinct characters"
     return None
+
+
+def _shared(settings: Settings, names: list[str]) -> list[tuple[str, str]]:
+    """(setting, why) for each secret setting that holds a value another one holds too (names only, never values)."""
+    owners: dict[str, str] = {}
+    problems = []
+    for name in names:
+        for value in dict.fromkeys(v for v in _values(settings, name) if v):
+            first = owners.setdefault(value, name)
+            if first != name:
+                problems.append((env_name(name), f"repeats a value of {env_name(first)}"))
+                break
+    return problems
 
 
 def check_deployment(settings: Settings) -> str | None:
     """Refuse (ConfigError) what must not run in production; in development return the one warning, if any.
 
-    Checked: MERCHANT_API_TOKEN, OPS_TOKEN, OPS_READONLY_TOKEN (when set),
-    BROKER_MESSAGE_SECRET (with a broker) and the secrets of every enabled
-    provider are set, not a development default, and at least
-    MIN_SECRET_LENGTH characters long (every value of a rotation list). A
-    provider with some of its secrets set and others empty is refused in
-    either environment.
+    Checked: MERCHANT_API_TOKEN, OPS_TOKEN, OPS_READONLY_TOKEN and METRICS_TOKEN
+    (the last two when set), BROKER_MESSAGE_SECRET (with a broker) and the
+    secrets of every enabled provider are set, not a development default, at
+    least MIN_SECRET_LENGTH characters long with at least MIN_SECRET_DISTINCT
+    distinct characters (every value of a rotation list), and no value is
+    shared by two of them (one secret for two roles makes either holder the
+    other). A provider with some of its secrets set and others empty is refused
+    in either environment.
     """
     enabled = enabled_providers(settings)
     _check_complete(settings)
@@ -923,13 +989,15 @@ def check_deployment(settings: Settings) -> str | None:
     for name in enabled:
         names += [f for f in PROVIDERS[name].secrets if f not in names]
     problems = [(env_name(f), why) for f in names if (why := _weakness(settings, f))]
+    problems += _shared(settings, names)
     if not problems:
         return None
     listed = ", ".join(f"{name} {why}" for name, why in problems)
     if settings.paysync_env == "production":
         raise ConfigError(
             f"{problems[0][0]} {problems[0][1]}: PAYSYNC_ENV=production needs secrets of at least "
-            f"{MIN_SECRET_LENGTH} characters that are not development defaults"
+            f"{MIN_SECRET_LENGTH} characters ({MIN_SECRET_DISTINCT} distinct), not development defaults, "
+            "one for each setting"
             + (f" (also: {', '.join(n + ' ' + w for n, w in problems[1:])})" if len(problems) > 1 else "")
         )
     return f"PAYSYNC_ENV=development, not for real money: {listed}"

@@ -187,3 +187,53 @@ _value = st.one_of(st.none(), st.integers(-(2**62), 2**62), st.text(max_size=30)
 def test_an_archive_line_reads_back_as_the_row_it_was(body, extras, when):
     row = {"id": 7, "callback_data": body, "create_time": when, "update_time": when, "last_retry_time": None, **extras}
     assert retention.decode_row(retention.encode_row(row)) == row
+
+
+def test_archives_are_private_to_their_owner_whatever_the_umask_or_directory_had(engine, tmp_path):
+    import os
+    import stat
+
+    _stored(engine, OLD, CallbackStatus.REJECTED)
+    archive_dir = tmp_path / "archive"
+    archive_dir.mkdir(mode=0o755)
+    os.chmod(archive_dir, 0o755)  # made by hand, world-listable
+    previous = os.umask(0o000)  # the loosest umask a service manager could start us with
+    try:
+        assert cleanup.run_once(_runtime(engine, tmp_path)) == 1
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(archive_dir.stat().st_mode) == 0o700
+    written = sorted(archive_dir.iterdir())
+    assert len(written) == 2  # the archive and its .sha256
+    for path in written:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path.name
+
+
+def test_deliveries_refused_for_their_source_have_their_own_shorter_retention(engine, tmp_path):
+    received = utcnow() - timedelta(days=10)
+
+    def refused() -> int:
+        reason = "source_not_allowed: source 198.51.100.7 is outside SANDBOX_SOURCE_CIDRS"
+        return store_callback(
+            engine,
+            provider="sandbox",
+            body=b"{}",
+            headers={},
+            remote_addr="198.51.100.7",
+            now=received,
+            rejected=reason,
+        )
+
+    first = refused()
+    rejected = store_callback(engine, provider="sandbox", body=b"{}", headers={}, remote_addr=None, now=received)
+    assert reject_callback(engine, rejected, "invalid_signature: test")
+
+    runtime = _runtime(engine, tmp_path, rejected_retention_days=30, refused_retention_days=7)
+    assert cleanup.dry_run(runtime) == {"processed": 0, "rejected": 0, "refused": 1}
+    assert cleanup.run_once(runtime) == 1
+    assert set(_rows(engine)) == {rejected}  # a signature rejection may yet be re-verified: kept 30 days
+    assert retention.find_archived(tmp_path / "archive", first)["remote_addr"] == "198.51.100.7"
+    # And the other way round: refused rows kept longer than rejected ones are not swept with them.
+    second = refused()
+    assert cleanup.run_once(_runtime(engine, tmp_path, rejected_retention_days=5, refused_retention_days=0)) == 1
+    assert set(_rows(engine)) == {second}

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import create_app
 from payments.backoff import RetryPolicy
 from payments.callbacks import process_callback, store_callback
 from payments.providers import build_providers
+from payments.settings import load_settings
 from tests.support import TcpProxy, create_payment, make_settings, sandbox_event, signed
 
 
@@ -66,7 +68,6 @@ def test_only_allowed_sources_or_the_ops_token_may_scrape(engine, settings):
     client = create_app(settings, engine=engine).test_client()
     ops = settings.ops_token[0]
     assert client.get("/metrics").status_code == 200  # loopback is allowed by default
-    assert client.get("/metrics", environ_base={"REMOTE_ADDR": "10.1.2.3"}).status_code == 200
     refused = client.get("/metrics", environ_base=OUTSIDE)
     assert refused.status_code == 403 and refused.get_json()["error"]["code"] == "forbidden"
     # A header anyone can write is not believed; a wrong token or the merchant's token is not the ops token.
@@ -103,3 +104,54 @@ def test_settled_counts_are_cached_and_what_can_pile_up_is_not(engine, settings)
     fresh = create_app(replace(settings, metrics_settled_cache_seconds=0), engine=engine).test_client()
     got = samples(fresh.get("/metrics").get_data(as_text=True))
     assert got[("paysync_callbacks", (("status", "processed"),))] == 1
+
+
+@pytest.mark.parametrize("peer", ["10.1.2.3", "172.16.0.9", "192.168.1.20", "fd00::7"])
+def test_by_default_only_loopback_scrapes_without_a_token_not_every_private_network(engine, peer):
+    settings = load_settings(
+        {"PAYSYNC_ENV": "development", "DATABASE_URL": engine.url.render_as_string(hide_password=False)}
+    )
+    client = create_app(settings, engine=engine).test_client()
+    assert client.get("/metrics", environ_base={"REMOTE_ADDR": "127.0.0.1"}).status_code == 200
+    assert client.get("/metrics", environ_base={"REMOTE_ADDR": "::1"}).status_code == 200
+    assert client.get("/metrics", environ_base={"REMOTE_ADDR": peer}).status_code == 403
+
+
+PROXY = {"REMOTE_ADDR": "10.0.0.2"}
+
+
+def test_behind_a_trusted_proxy_the_forwarded_client_is_checked_not_the_proxy(engine, settings):
+    settings = replace(settings, trusted_proxies=("10.0.0.0/24",), metrics_allow_cidrs=("192.0.2.0/24", "10.0.0.0/8"))
+    client = create_app(settings, engine=engine).test_client()
+    via_proxy = {"environ_base": PROXY}
+    # The proxy's own address is allowed, but it speaks for an outside client: refused.
+    assert client.get("/metrics", headers={"X-Forwarded-For": "203.0.113.7"}, **via_proxy).status_code == 403
+    # The Prometheus host behind the proxy is allowed.
+    assert client.get("/metrics", headers={"X-Forwarded-For": "192.0.2.5"}, **via_proxy).status_code == 200
+    # A client that writes its own header before the proxy's is judged by the hop the proxy saw.
+    spoofed = {"X-Forwarded-For": "192.0.2.5, 203.0.113.7"}
+    assert client.get("/metrics", headers=spoofed, **via_proxy).status_code == 403
+    # A peer that is not a trusted proxy is the client, whatever it forwards.
+    outside = {"REMOTE_ADDR": "203.0.113.8"}
+    assert client.get("/metrics", headers={"X-Forwarded-For": "192.0.2.5"}, environ_base=outside).status_code == 403
+
+
+METRICS_TOKEN = "mtr_Zt4pK8wQm2xR7vLn9cBs3hJd6fGy"
+
+
+def test_a_metrics_token_scrapes_and_does_nothing_else(engine, settings):
+    settings = replace(settings, metrics_token=(METRICS_TOKEN,), metrics_allow_cidrs=())
+    client = create_app(settings, engine=engine).test_client()
+    bearer = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    assert client.get("/metrics", environ_base=OUTSIDE).status_code == 403
+    assert client.get("/metrics", environ_base=OUTSIDE, headers=bearer).status_code == 200
+    # Not an ops login, not the merchant API.
+    page = client.get("/ops/login")
+    csrf = page.get_data(as_text=True).split('name="csrf" value="', 1)[1].split('"', 1)[0]
+    login = client.post("/ops/login", data={"csrf": csrf, "name": "prometheus", "token": METRICS_TOKEN})
+    assert login.status_code != 302 and client.get("/ops/").status_code == 302
+    assert client.get("/payments/pay_nope", headers=bearer).status_code == 401
+
+
+def test_the_metrics_token_is_read_from_the_environment():
+    assert load_settings({"METRICS_TOKEN": f"{METRICS_TOKEN}, mtr_old"}).metrics_token == (METRICS_TOKEN, "mtr_old")

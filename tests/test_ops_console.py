@@ -204,8 +204,9 @@ def test_a_readonly_session_ends_when_its_token_is_removed(sqlite):
 
 
 def test_a_readonly_token_is_held_to_production_rules_and_must_differ_from_ops_token():
-    strong = "x" * 30
-    base = make_settings(paysync_env="production", merchant_api_token=("m" * 30,), ops_token=(strong,))
+    strong = "ops_Hc5tW8qNz2mRx7kVb4sLp9dFj3gY"
+    merchant = "mt_Qm7rT2xK9vLw4pZs8nBc3hJd6fGy"
+    base = make_settings(paysync_env="production", merchant_api_token=(merchant,), ops_token=(strong,))
     base = replace(base, sandbox_webhook_secret=(), sandbox_api_key=())
     assert check_deployment(base) is None
     with pytest.raises(ConfigError, match="OPS_READONLY_TOKEN is shorter"):

@@ -162,3 +162,22 @@ def test_a_taken_port_is_logged_not_fatal(caplog):
         assert metrics.serve_for(make_settings(), 0, "compensator") is None  # 0: off
     finally:
         first.close()
+
+
+def test_the_processes_metrics_ports_take_the_metrics_token_and_honour_trusted_proxies():
+    from tests.support import make_settings
+
+    token = "mtr_Zt4pK8wQm2xR7vLn9cBs3hJd6fGy"
+    settings = make_settings(
+        metrics_token=(token,), metrics_allow_cidrs=("192.0.2.0/24",), trusted_proxies=("127.0.0.0/8",)
+    )
+    server = metrics.serve_for(settings, free_port(), "compensator")
+    assert server is not None
+    try:
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        assert requests.get(url, timeout=5).status_code == 403  # loopback is a proxy here, and names nobody
+        assert requests.get(url, headers={"X-Forwarded-For": "203.0.113.7"}, timeout=5).status_code == 403
+        assert requests.get(url, headers={"X-Forwarded-For": "192.0.2.5"}, timeout=5).status_code == 200
+        assert requests.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=5).status_code == 200
+    finally:
+        server.close()

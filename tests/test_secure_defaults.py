@@ -17,16 +17,17 @@ from tests.stack import callback_rows, db_url
 from tests.support import ROOT, env_for, free_port, procfile_command, sandbox_event, signed
 
 STRONG = {
-    "MERCHANT_API_TOKEN": "mt_" + "a" * 30,
-    "OPS_TOKEN": "ops_" + "b" * 30,
-    "SANDBOX_WEBHOOK_SECRET": "whsec_" + "c" * 30,
-    "SANDBOX_API_KEY": "sk_" + "d" * 30,
+    "MERCHANT_API_TOKEN": "mt_Qm7rT2xK9vLw4pZs8nBc3hJd6fGy",
+    "OPS_TOKEN": "ops_Hc5tW8qNz2mRx7kVb4sLp9dFj3gY",
+    "SANDBOX_WEBHOOK_SECRET": "whsec_Zt4pK8wQm2xR7vLn9cBs3hJd6fGy",
+    "SANDBOX_API_KEY": "sk_Rb6nW3qTz8mKx2vLp7sHc4dFj9gY",
 }
 WEAK = {
     "empty": "",
     "development default": None,  # filled in per variable below
     "short": "x" * 23,
-    "short entry in a rotation list": "z" * 30 + ",q7x9k",
+    "short entry in a rotation list": "zW4k8QmT2xR7vLn9cBs3hJd6fGy" + ",q7x9k",
+    "too little variety": "ab" * 15,
 }
 DEV_DEFAULT = {
     "MERCHANT_API_TOKEN": "dev-merchant-token",
@@ -73,9 +74,10 @@ def test_production_refuses_each_weak_secret_naming_it(variable, kind):
 
 
 def test_production_accepts_strong_secrets_and_rotation_lists_of_them():
-    settings = load_settings(production(MERCHANT_API_TOKEN="n" * 24 + "," + "o" * 24))
+    new, old = "n_" + "Qm7rT2xK9vLw4pZs8nBc3h", "o_" + "Jd6fGyHc5tW8qNz2mRx7kV"
+    settings = load_settings(production(MERCHANT_API_TOKEN=f"{new},{old}"))
     assert check_deployment(settings) is None
-    assert settings.merchant_api_token == ("n" * 24, "o" * 24)
+    assert settings.merchant_api_token == (new, old)
 
 
 def test_development_fills_in_defaults_and_warns_once_listing_them():
