@@ -35,8 +35,8 @@ TOLERANCE = 300
 
 PRODUCTION = {
     "PAYSYNC_ENV": "production",
-    "MERCHANT_API_TOKEN": "mt_" + "a" * 30,
-    "OPS_TOKEN": "ops_" + "b" * 30,
+    "MERCHANT_API_TOKEN": "mt_Q7vK2pX9rT4wZ8nB3cF6hJ1m",
+    "OPS_TOKEN": "ops_L5sD8gY2kW7qE4tR9uA3zV6x",
     "AMQP_URL": "amqp://paysync:pw@mq:5672/%2F",
 }
 
@@ -62,8 +62,9 @@ def test_a_broker_without_a_message_key_is_refused_in_either_environment(env):
 
 
 def test_a_strong_message_key_and_a_rotation_list_of_them_are_accepted():
-    settings = load_settings({**PRODUCTION, "BROKER_MESSAGE_SECRET": "n" * 32 + "," + "o" * 32})
-    assert check_deployment(settings) is None and settings.broker_message_secret == ("n" * 32, "o" * 32)
+    new, old = "bm_N4fH8jK2lP6qS9tV3wX7yZ1c", "bm_O5gJ9kL3mQ7rT1uW4xY8zA2d"
+    settings = load_settings({**PRODUCTION, "BROKER_MESSAGE_SECRET": f"{new},{old}"})
+    assert check_deployment(settings) is None and settings.broker_message_secret == (new, old)
     assert load_settings({**PRODUCTION, "AMQP_URL": ""}).broker_message_secret == ()  # no broker: not needed
 
 
