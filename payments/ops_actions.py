@@ -43,7 +43,8 @@ from sqlalchemy import Connection, Engine, and_, case, func, insert, literal, or
 
 from payments import ledger, monitoring, provider_calls, review
 from payments.alert_evaluators import callback_failure_counts
-from payments.callbacks import refused_for_source
+from payments.backoff import RetryPolicy
+from payments.callbacks import CallbackResult, process_callback, refused_for_source
 from payments.db import utcnow
 from payments.errors import PaysyncError
 from payments.logs import scrub, scrub_value
@@ -152,6 +153,8 @@ class Outcome:
     outcome: str
     ops_action_id: int | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    ok: bool = True
+    """False when the action was skipped or its effect failed (a replay whose processing did not succeed)."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready."""
@@ -159,6 +162,7 @@ class Outcome:
             "action": self.action,
             "subject": self.subject,
             "outcome": self.outcome,
+            "ok": self.ok,
             "ops_action_id": self.ops_action_id,
             "details": self.details,
         }
@@ -451,14 +455,18 @@ def _replay_one(engine: Engine, log_id: int, actor: Actor, note: str, now: datet
             select(t.c.status, t.c.result, t.c.retry_count, t.c.order_no).where(t.c.id == log_id).with_for_update()
         ).first()
         if row is None:
-            return Outcome("replay", subject, "skipped: no such callback row")
+            return Outcome("replay", subject, "skipped: no such callback row", ok=False)
         status = CallbackStatus(row.status)
         if status not in REPLAYABLE:
-            return Outcome("replay", subject, f"skipped: status {int(status)} ({status.name.lower()}) is not replayed")
+            skipped = f"skipped: status {int(status)} ({status.name.lower()}) is not replayed"
+            return Outcome("replay", subject, skipped, ok=False)
         if refused_for_source(row.result):
             # Processing re-checks the signature, not the source: a replay would let a leaked key in from anywhere.
             return Outcome(
-                "replay", subject, "skipped: refused for its source; a replay would re-check only its signature"
+                "replay",
+                subject,
+                "skipped: refused for its source; a replay would re-check only its signature",
+                ok=False,
             )
         was = f"was {int(status)} {status.name.lower()} after {row.retry_count} attempts: {row.result or ''}"
         moved = conn.execute(
@@ -473,7 +481,7 @@ def _replay_one(engine: Engine, log_id: int, actor: Actor, note: str, now: datet
             )
         ).rowcount
         if moved != 1:  # cannot happen under the row lock; the guard is the rule, not the lock
-            return Outcome("replay", subject, "skipped: the row changed under us")
+            return Outcome("replay", subject, "skipped: the row changed under us", ok=False)
         resolved = _resolve_open(conn, f"callback_gave_up:{subject}", f"replayed: {note}", actor, now)
         outcome = f"replayed: status {int(status)} -> 0" + (f"; review {resolved} resolved" if resolved else "")
         details = {"previous_status": int(status), "previous_result": row.result, "manual_review_id": resolved}
@@ -492,6 +500,77 @@ def _replay_one(engine: Engine, log_id: int, actor: Actor, note: str, now: datet
         )
     log.info("callback %s replayed by %s", log_id, actor.name, extra={"ops_action_id": action_id, "via": actor.via})
     return Outcome("replay", subject, outcome, action_id, details)
+
+
+PROCESSED_OK = frozenset({CallbackResult.APPLIED, CallbackResult.NOOP, CallbackResult.DUPLICATE})
+"""What processing a replayed row may do for the replay to count as done (anything else is shown as a failure)."""
+
+
+def replay_and_process(
+    engine: Engine,
+    providers: Mapping[str, Provider],
+    policy: RetryPolicy,
+    ids: Iterable[int],
+    *,
+    actor: Actor,
+    note: str,
+) -> list[Outcome]:
+    """``replay_callbacks``, then process each replayed row at once, as the console and ``review replay`` do.
+
+    The reset is recorded in its own transaction (``replay_callbacks``), so a
+    second ``ops_action`` row records what processing then did: the
+    CallbackResult, the row's status and result after it. Its Outcome is
+    ``ok`` only when processing applied the callback (or found it a
+    duplicate or nothing to apply); a row that failed again, gave up, was
+    rejected or opened a conflict review is reported as a failure.
+    """
+    out = []
+    for replayed in replay_callbacks(engine, ids, actor=actor, note=note):
+        if replayed.ops_action_id is None:
+            out.append(replayed)
+            continue
+        log_id = int(replayed.subject.split(":")[1])
+        # The row is status 0 now, committed: processing it here only saves waiting for the consumer or the sweep.
+        done = process_callback(engine, dict(providers), log_id, policy)
+        out.append(_record_processing(engine, log_id, replayed, done, actor, note))
+    return out
+
+
+def _record_processing(
+    engine: Engine, log_id: int, replayed: Outcome, done: CallbackResult, actor: Actor, note: str
+) -> Outcome:
+    t = payment_callback_log
+    now = utcnow()
+    with engine.begin() as conn:
+        row = conn.execute(select(t.c.status, t.c.result, t.c.order_no).where(t.c.id == log_id)).first()
+        status = CallbackStatus(row.status) if row is not None else None
+        # SKIPPED: the consumer or the sweep processed it first; the row says how that went.
+        ok = done in PROCESSED_OK or (done == CallbackResult.SKIPPED and status == CallbackStatus.PROCESSED)
+        now_is = f"status {int(status)} {status.name.lower()}" if status is not None else "row gone"
+        said = scrub(row.result or "")[:200] if row is not None else ""
+        verdict = "processed" if ok else "processing FAILED"
+        outcome = f"{verdict} after replay (ops_action {replayed.ops_action_id}): {done.value}; {now_is}: {said}"
+        if not ok and status in (CallbackStatus.PENDING, CallbackStatus.FAILED):
+            outcome += "; retried on the usual backoff"
+        details = {
+            "replay_ops_action_id": replayed.ops_action_id,
+            "processing": done.value,
+            "status": int(status) if status is not None else None,
+            "result": said,
+        }
+        action_id = record(
+            conn,
+            action="replay",
+            actor=actor,
+            subject=replayed.subject,
+            reason=note,
+            outcome=outcome,
+            now=now,
+            callback_log_id=log_id,
+            payment_id=row.order_no if row is not None and (row.order_no or "").startswith("pay_") else None,
+            details=details,
+        )
+    return Outcome("replay", replayed.subject, f"{replayed.outcome}; {outcome}", action_id, details, ok=ok)
 
 
 def _resolve_open(conn: Connection, open_key: str, resolution: str, actor: Actor, now: datetime) -> int | None:

@@ -13,7 +13,6 @@ from sqlalchemy.exc import IntegrityError
 from gateway import ext
 from gateway.ops import SESSION_SECONDS, bp, client_addr, match_token, safe_next, throttle
 from payments import aging, ops_actions, ops_sessions
-from payments.callbacks import process_callback
 from payments.db import utcnow
 from payments.ops_actions import Actor, CallbackSearch, OpsRefused
 from payments.schema import RECON_CATEGORIES
@@ -190,20 +189,22 @@ def replay() -> Any:
         except ValueError:
             abort(400, description=f"callback id must be a whole number, got {raw[:32]!r}")
     back = safe_next(request.form.get("back"))
+    runtime = ext("runtime")
     try:
-        results = ops_actions.replay_callbacks(_engine(), ids, actor=_actor(), note=request.form.get("note", ""))
+        results = ops_actions.replay_and_process(
+            runtime.engine,
+            runtime.providers,
+            runtime.callback_policy,
+            ids,
+            actor=_actor(),
+            note=request.form.get("note", ""),
+        )
     except OpsRefused as exc:
         flash(str(exc), "error")
         return redirect(back)
-    runtime = ext("runtime")
     for result in results:
-        message = f"{result.subject}: {result.outcome}"
-        if result.ops_action_id is not None:
-            # The row is status 0 now, committed; processing it here only saves waiting for the sweep.
-            log_id = int(result.subject.split(":")[1])
-            done = process_callback(runtime.engine, runtime.providers, log_id, runtime.callback_policy)
-            message += f"; processed: {done.value}"
-        flash(message, "ok" if result.ops_action_id is not None else "error")
+        # Green only when processing succeeded: a replay that failed again must not look done.
+        flash(f"{result.subject}: {result.outcome}", "ok" if result.ok else "error")
     return redirect(back)
 
 
