@@ -158,14 +158,15 @@ def test_replay_and_close_through_the_console_record_the_logged_in_name(sqlite):
     review_id, _ = settled_review(sqlite, other)
     page = client.get(f"/ops/reviews/{review_id}")
     assert "abc123secret" not in page.text and "settlement line" in page.text
-    client.post(f"/ops/reviews/{review_id}/resolve", data={"csrf": _csrf(page.text), "action": "apply", "note": "n"})
+    confirmed = {"csrf": _csrf(page.text), "confirmed": "yes"}  # what the confirmation page posts
+    client.post(f"/ops/reviews/{review_id}/resolve", data={**confirmed, "action": "apply", "note": "n"})
     assert "state machine refuses" in client.get(f"/ops/reviews/{review_id}").text
     bad = client.post(
         f"/ops/reviews/{review_id}/resolve",
-        data={"csrf": _csrf(page.text), "action": "adjust", "amount_minor": "1.5", "note": "n"},
+        data={**confirmed, "action": "adjust", "amount_minor": "1.5", "note": "n"},
     )
     assert bad.status_code == 400
-    client.post(f"/ops/reviews/{review_id}/resolve", data={"csrf": _csrf(page.text), "action": "close", "note": "ok"})
+    client.post(f"/ops/reviews/{review_id}/resolve", data={**confirmed, "action": "close", "note": "ok"})
     assert "resolved" in client.get(f"/ops/reviews/{review_id}").text
 
 

@@ -61,6 +61,24 @@ def _text_arg(name: str, limit: int = 128) -> str | None:
     return value[:limit] or None
 
 
+def _confirmed() -> bool:
+    """The person saw the confirmation page for this action and confirmed it."""
+    return request.form.get("confirmed") == ops_actions.CONFIRMED
+
+
+def _confirm(title: str, lines: list[str], action_url: str, back: str) -> Any:
+    """A page saying what the action will do, with a form that posts the same fields again, confirmed.
+
+    A misclick or a stray Enter on adjust, apply, close or a bulk replay shows
+    this page instead of acting: what it guards against is a slip, not an
+    attacker (every POST needs the session and its CSRF token already).
+    """
+    fields = [(k, v) for k, v in request.form.items(multi=True) if k not in ("csrf", "confirmed")]
+    return render_template(
+        "ops/confirm.html", title=title, lines=lines, fields=fields, action_url=action_url, back=back
+    )
+
+
 # ------------------------------------------------------------------------------------------- login
 
 
@@ -190,6 +208,15 @@ def replay() -> Any:
             abort(400, description=f"callback id must be a whole number, got {raw[:32]!r}")
     back = safe_next(request.form.get("back"))
     runtime = ext("runtime")
+    if len(set(ids)) > 1 and not _confirmed():
+        try:
+            ops_actions.clean_note(request.form.get("note", ""))
+            with _engine().connect() as conn:
+                lines = ops_actions.preview_replay(conn, ids)
+        except OpsRefused as exc:
+            flash(str(exc), "error")
+            return redirect(back)
+        return _confirm(f"replay {len(set(ids))} callbacks", lines, url_for("ops.replay"), back)
     try:
         results = ops_actions.replay_and_process(
             runtime.engine,
@@ -244,7 +271,18 @@ def resolve_review(review_id: int) -> Any:
     if action not in ops_actions.REVIEW_ACTIONS:
         abort(400, description=f"action must be one of {', '.join(ops_actions.REVIEW_ACTIONS)}")
     amount = _int_arg("amount_minor", minimum=-ops_actions.MAX_ADJUSTMENT, maximum=ops_actions.MAX_ADJUSTMENT)
+    currency = request.form.get("currency") or None
     runtime = ext("runtime")
+    page = url_for("ops.review", review_id=review_id)
+    if not _confirmed():
+        try:
+            ops_actions.clean_note(request.form.get("note", ""))
+            with _engine().connect() as conn:
+                lines = ops_actions.preview(conn, review_id, action, amount_minor=amount, currency=currency)
+        except OpsRefused as exc:
+            flash(f"review {review_id}: {exc}", "error")
+            return redirect(page)
+        return _confirm(f"{action} review {review_id}", lines, url_for("ops.resolve_review", review_id=review_id), page)
     try:
         result = ops_actions.resolve(
             runtime.engine,
@@ -254,7 +292,7 @@ def resolve_review(review_id: int) -> Any:
             actor=_actor(),
             note=request.form.get("note", ""),
             amount_minor=amount,
-            currency=request.form.get("currency") or None,
+            currency=currency,
             timeout=runtime.settings.provider_timeout_seconds,
         )
     except OpsRefused as exc:
