@@ -7,7 +7,10 @@ publish_events (domain events to RabbitMQ and the merchant's webhook), catch_up
 its interval setting, cleanup (retention: archive, then delete, old processed and
 rejected callback rows; ``cleanup --dry-run`` counts them), and reconcile (daily at RECONCILE_TIME). Each is registered
 with ``max_instances=1`` and coalescing, so a slow sweep is never run twice at
-once in one process and missed runs collapse into one.
+once in one process and missed runs collapse into one. relay_outbox is the
+exception: it runs back to back in a thread of its own
+(``relay_outbox.run_forever``), polling continuously, so it never meets its
+own previous run at a scheduler tick.
 
 Commands for operators (each exits 0 when all is well, 1 when not, 2 on bad usage):
 
@@ -30,6 +33,7 @@ import logging
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from datetime import UTC, date, datetime
 
@@ -59,7 +63,7 @@ def _jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime], flo
         "evaluate_alerts": (evaluate_alerts.run_once, lambda rt: rt.settings.evaluate_alerts_interval_seconds),
         "notify_alerts": (notify_alerts.run_once, lambda rt: notify_alerts.INTERVAL_SECONDS),
         "publish_events": (publish_events.run_once, lambda rt: rt.settings.publish_events_interval_seconds),
-        "relay_outbox": (relay_outbox.run_scheduled, lambda rt: rt.settings.relay_interval_seconds),
+        "relay_outbox": (relay_outbox.run_once, lambda rt: rt.settings.relay_interval_seconds),
         "query_unresolved": (query_unresolved.run_once, lambda rt: rt.settings.query_interval_seconds),
         "catch_up": (catch_up.run_once, lambda rt: catch_up.INTERVAL_SECONDS),
         "seal_ledger": (seal_ledger.run_once, lambda rt: rt.settings.seal_interval_seconds),
@@ -87,14 +91,22 @@ def run_job(runtime: Runtime, name: str) -> int:
         return -1
 
 
+LOOPS = ("relay_outbox",)
+"""Jobs that run back to back in a thread of their own rather than on the scheduler (relay_outbox.run_forever)."""
+
+
 def serve(runtime: Runtime) -> None:
-    """Run every job on its interval until SIGTERM/SIGINT."""
+    """Run every job on its interval, and the relay back to back, until SIGTERM/SIGINT."""
     from apscheduler.schedulers.blocking import BlockingScheduler
+
+    from compensator import relay_outbox
 
     scheduler = BlockingScheduler(
         job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": 30}, timezone="UTC"
     )
     for name, (_, interval) in _jobs().items():
+        if name in LOOPS:
+            continue
         scheduler.add_job(
             run_job,
             "interval",
@@ -105,8 +117,12 @@ def serve(runtime: Runtime) -> None:
             next_run_time=datetime.now(UTC),  # first run at start, not one interval later
         )
 
+    stopping = threading.Event()
+    relay = threading.Thread(target=relay_outbox.run_forever, args=(runtime, stopping), name="relay_outbox")
+
     def stop(signum: int, _frame: object) -> None:
         log.info("signal %s: stopping after running jobs finish", signum)
+        stopping.set()
         scheduler.shutdown(wait=False)
 
     for name, (_, time_of_day) in _daily_jobs().items():
@@ -131,7 +147,12 @@ def serve(runtime: Runtime) -> None:
 
     notify_alerts.log_routing(runtime.settings)
     metrics.serve_for(runtime.settings, runtime.settings.compensator_metrics_port, "compensator")
-    scheduler.start()
+    relay.start()
+    try:
+        scheduler.start()
+    finally:
+        stopping.set()
+        relay.join()  # the run in progress finishes its calls and applies their outcomes
 
 
 COMMANDS = ("reconcile", "verify-ledger", "aging")

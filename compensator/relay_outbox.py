@@ -17,11 +17,12 @@ so 256 threads never crowd the pool and the interpreter lock with 256 open
 transactions (which stretched every one of them, ran the pool dry and failed
 units on its timeout, to wait out their lease). Each provider
 is held to PROVIDER_RATE_LIMIT calls per second per process and guarded by
-its breaker (``payments.breaker``, inside the relay). The scheduler runs the
-job every RELAY_INTERVAL_SECONDS (200 ms by default); a run polls for due
-rows every POLL_SECONDS while it has calls in flight, and an idle run polls
-on until just before the next one (``run_scheduled``), which is what keeps
-creation-to-provider latency low. Claims are batched (``workpool.drain``).
+its breaker (``payments.breaker``, inside the relay). The compensator runs
+the job in a thread of its own, one run after another (``run_forever``), not
+on the scheduler; a run polls for due rows every POLL_SECONDS while it has
+calls in flight, and an idle run polls on for RELAY_INTERVAL_SECONDS (200 ms
+by default) before the next begins, which is what keeps creation-to-provider
+latency low. Claims are batched (``workpool.drain``).
 """
 
 from __future__ import annotations
@@ -113,14 +114,24 @@ POLL_SECONDS = 0.05
 """While a run is on, due rows are looked for at least this often (``compensator.workpool.drain``)."""
 
 
-def run_scheduled(runtime: Runtime) -> int:
-    """The scheduler's run: ``run_once``, polling on for most of RELAY_INTERVAL_SECONDS when there is nothing to do.
+def run_forever(runtime: Runtime, stop: threading.Event) -> None:
+    """The compensator's relay: ``run_once`` back to back until ``stop`` is set, each run polling for due rows.
 
-    So a row committed just after a poll is claimed by the next poll, POLL_SECONDS
-    later, rather than by the scheduler's next run; the run still ends before
-    that next run is due.
+    Not an APScheduler job: a run that polls on for most of its interval (so a
+    row committed between runs waits for a poll, POLL_SECONDS, not for the next
+    run) ends just after that interval, so the scheduler found the last run
+    still going at every other tick and logged "maximum number of running
+    instances reached" for it twice a second, burying the warnings that
+    matter. Back to back, there is no tick to miss and no gap between runs. A
+    run that raises is logged and the next starts RELAY_INTERVAL_SECONDS later.
     """
-    return run_once(runtime, linger_seconds=runtime.settings.relay_interval_seconds * 0.9)
+    interval = runtime.settings.relay_interval_seconds
+    while not stop.is_set():
+        try:
+            run_once(runtime, linger_seconds=interval)
+        except Exception:  # noqa: BLE001 - the relay must live on, like a scheduled job
+            log.exception("job relay_outbox failed")
+            stop.wait(interval)
 
 
 APPLY_GROUP_MAX = 100

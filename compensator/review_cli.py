@@ -3,10 +3,16 @@
 - ``review list [--status open|resolved|all] [--kind KIND] [--limit N] [--format text|json]``
 - ``review show ID [--format text|json]``: the item and its evidence
 - ``review resolve ID --action apply|adjust|close --note TEXT --actor NAME [--amount MINOR] [--currency CUR]``
+- ``review apply ID --note TEXT --actor NAME`` and ``review close ID --note TEXT --actor NAME``: the same
+  as ``resolve --action apply|close``
+- ``review replay LOG_ID [LOG_ID …] --note TEXT --actor NAME``: callback rows (status 2, 3, 4) back to 0,
+  then each processed at once, as the console's replay button does
 
 The actions are ``payments.ops_actions``'s, the console's own, recorded in
-``ops_action`` with ``via = cli``. Exit status: 0 done, 1 refused (nothing
-changed; the reason on stderr), 2 bad usage.
+``ops_action`` with ``via = cli`` and, as the identity, the operating-system
+user running the command (``ops_actions.process_identity``). Exit status: 0
+done, 1 refused or failed (for a replay: any row skipped or whose processing
+did not succeed; the reason on stderr), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -43,6 +49,17 @@ def _parser() -> argparse.ArgumentParser:
     resolve.add_argument("--amount", type=int, help="adjust: signed minor units (positive: the provider holds more)")
     resolve.add_argument("--currency", help="adjust: the currency (default: the payment's)")
     resolve.add_argument("--format", choices=("text", "json"), default="text")
+    for action in ("apply", "close"):
+        short = sub.add_parser(action, help=f"the same as resolve ID --action {action}")
+        short.add_argument("id", type=int)
+        short.add_argument("--note", required=True, help="why (recorded)")
+        short.add_argument("--actor", required=True, help="who (recorded)")
+        short.add_argument("--format", choices=("text", "json"), default="text")
+    replay = sub.add_parser("replay", help="callback rows back to status 0, each processed at once (as the console)")
+    replay.add_argument("ids", type=int, nargs="+", metavar="LOG_ID")
+    replay.add_argument("--note", required=True, help="why (recorded)")
+    replay.add_argument("--actor", required=True, help="who (recorded)")
+    replay.add_argument("--format", choices=("text", "json"), default="text")
     return parser
 
 
@@ -52,11 +69,16 @@ def main(argv: list[str], runtime: Runtime | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "list" and not 1 <= args.limit <= 500:
         parser.error("--limit must be between 1 and 500")
+    if args.command in ("apply", "close"):
+        args.action, args.amount, args.currency, args.command = args.command, None, None, "resolve"
+    if args.command == "replay" and len(args.ids) > ops_actions.MAX_REPLAY:
+        parser.error(f"{len(args.ids)} rows given; replay at most {ops_actions.MAX_REPLAY} at a time")
     if args.command == "resolve":
         if args.action == "adjust" and args.amount is None:
             parser.error("--action adjust needs --amount (signed minor units)")
         if args.action != "adjust" and (args.amount is not None or args.currency):
             parser.error("--amount and --currency go with --action adjust only")
+    if args.command in ("resolve", "replay"):
         try:
             actor = Actor(args.actor, ops_actions.VIA_CLI)
             ops_actions.clean_note(args.note)
@@ -69,6 +91,8 @@ def main(argv: list[str], runtime: Runtime | None = None) -> int:
             return _list(runtime, args)
         if args.command == "show":
             return _show(runtime, args)
+        if args.command == "replay":
+            return _replay(runtime, args, actor)
         return _resolve(runtime, args, actor)
     finally:
         if own:
@@ -172,3 +196,19 @@ def _resolve(runtime: Runtime, args: argparse.Namespace, actor: Actor) -> int:
     else:
         print(f"review {args.id}: {result.action}: {result.outcome} (ops_action {result.ops_action_id})")
     return 0
+
+
+def _replay(runtime: Runtime, args: argparse.Namespace, actor: Actor) -> int:
+    try:
+        results = ops_actions.replay_and_process(
+            runtime.engine, runtime.providers, runtime.callback_policy, args.ids, actor=actor, note=args.note
+        )
+    except OpsRefused as exc:
+        print(f"replay: refused: {exc}", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        print(json.dumps([r.as_dict() for r in results], indent=2, sort_keys=True, default=str))
+    for r in results:
+        if args.format == "text" or not r.ok:
+            print(f"{r.subject}: {r.outcome}", file=sys.stdout if r.ok else sys.stderr)
+    return 0 if all(r.ok for r in results) else 1

@@ -43,12 +43,14 @@ from sqlalchemy import Connection, Engine, and_, case, func, insert, literal, or
 
 from payments import ledger, monitoring, provider_calls, review
 from payments.alert_evaluators import callback_failure_counts
-from payments.callbacks import refused_for_source
+from payments.backoff import RetryPolicy
+from payments.callbacks import CallbackResult, process_callback, refused_for_source
 from payments.calls import last_charge_send
 from payments.db import utcnow
 from payments.errors import PaysyncError
 from payments.logs import scrub, scrub_value
 from payments.providers.base import ChargeRequest, Mismatch, Provider, reported_status
+from payments.providers.stripe_money import iso_exponent
 from payments.schema import (
     alert,
     ledger_entry,
@@ -84,6 +86,9 @@ MAX_REPLAY = 200
 BUCKETS = ("<1h", "<1d", "<3d", "older")
 """Age buckets, as in the aging report (payments/aging.py)."""
 MAX_ADJUSTMENT = 2**62
+"""What the form's number may be at all (BIGINT); the real bound is the payment's amount (``adjustment_bound``)."""
+CONFIRMED = "yes"
+"""The console's ``confirmed`` field after a person saw what an action will do (``preview``)."""
 MAX_BODY_DEPTH = 64
 """A callback body nested deeper than this is shown as text, not parsed (``show_body``)."""
 
@@ -153,6 +158,8 @@ class Outcome:
     outcome: str
     ops_action_id: int | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    ok: bool = True
+    """False when the action was skipped or its effect failed (a replay whose processing did not succeed)."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready."""
@@ -160,6 +167,7 @@ class Outcome:
             "action": self.action,
             "subject": self.subject,
             "outcome": self.outcome,
+            "ok": self.ok,
             "ops_action_id": self.ops_action_id,
             "details": self.details,
         }
@@ -452,14 +460,18 @@ def _replay_one(engine: Engine, log_id: int, actor: Actor, note: str, now: datet
             select(t.c.status, t.c.result, t.c.retry_count, t.c.order_no).where(t.c.id == log_id).with_for_update()
         ).first()
         if row is None:
-            return Outcome("replay", subject, "skipped: no such callback row")
+            return Outcome("replay", subject, "skipped: no such callback row", ok=False)
         status = CallbackStatus(row.status)
         if status not in REPLAYABLE:
-            return Outcome("replay", subject, f"skipped: status {int(status)} ({status.name.lower()}) is not replayed")
+            skipped = f"skipped: status {int(status)} ({status.name.lower()}) is not replayed"
+            return Outcome("replay", subject, skipped, ok=False)
         if refused_for_source(row.result):
             # Processing re-checks the signature, not the source: a replay would let a leaked key in from anywhere.
             return Outcome(
-                "replay", subject, "skipped: refused for its source; a replay would re-check only its signature"
+                "replay",
+                subject,
+                "skipped: refused for its source; a replay would re-check only its signature",
+                ok=False,
             )
         was = f"was {int(status)} {status.name.lower()} after {row.retry_count} attempts: {row.result or ''}"
         moved = conn.execute(
@@ -474,7 +486,7 @@ def _replay_one(engine: Engine, log_id: int, actor: Actor, note: str, now: datet
             )
         ).rowcount
         if moved != 1:  # cannot happen under the row lock; the guard is the rule, not the lock
-            return Outcome("replay", subject, "skipped: the row changed under us")
+            return Outcome("replay", subject, "skipped: the row changed under us", ok=False)
         resolved = _resolve_open(conn, f"callback_gave_up:{subject}", f"replayed: {note}", actor, now)
         outcome = f"replayed: status {int(status)} -> 0" + (f"; review {resolved} resolved" if resolved else "")
         details = {"previous_status": int(status), "previous_result": row.result, "manual_review_id": resolved}
@@ -493,6 +505,77 @@ def _replay_one(engine: Engine, log_id: int, actor: Actor, note: str, now: datet
         )
     log.info("callback %s replayed by %s", log_id, actor.name, extra={"ops_action_id": action_id, "via": actor.via})
     return Outcome("replay", subject, outcome, action_id, details)
+
+
+PROCESSED_OK = frozenset({CallbackResult.APPLIED, CallbackResult.NOOP, CallbackResult.DUPLICATE})
+"""What processing a replayed row may do for the replay to count as done (anything else is shown as a failure)."""
+
+
+def replay_and_process(
+    engine: Engine,
+    providers: Mapping[str, Provider],
+    policy: RetryPolicy,
+    ids: Iterable[int],
+    *,
+    actor: Actor,
+    note: str,
+) -> list[Outcome]:
+    """``replay_callbacks``, then process each replayed row at once, as the console and ``review replay`` do.
+
+    The reset is recorded in its own transaction (``replay_callbacks``), so a
+    second ``ops_action`` row records what processing then did: the
+    CallbackResult, the row's status and result after it. Its Outcome is
+    ``ok`` only when processing applied the callback (or found it a
+    duplicate or nothing to apply); a row that failed again, gave up, was
+    rejected or opened a conflict review is reported as a failure.
+    """
+    out = []
+    for replayed in replay_callbacks(engine, ids, actor=actor, note=note):
+        if replayed.ops_action_id is None:
+            out.append(replayed)
+            continue
+        log_id = int(replayed.subject.split(":")[1])
+        # The row is status 0 now, committed: processing it here only saves waiting for the consumer or the sweep.
+        done = process_callback(engine, dict(providers), log_id, policy)
+        out.append(_record_processing(engine, log_id, replayed, done, actor, note))
+    return out
+
+
+def _record_processing(
+    engine: Engine, log_id: int, replayed: Outcome, done: CallbackResult, actor: Actor, note: str
+) -> Outcome:
+    t = payment_callback_log
+    now = utcnow()
+    with engine.begin() as conn:
+        row = conn.execute(select(t.c.status, t.c.result, t.c.order_no).where(t.c.id == log_id)).first()
+        status = CallbackStatus(row.status) if row is not None else None
+        # SKIPPED: the consumer or the sweep processed it first; the row says how that went.
+        ok = done in PROCESSED_OK or (done == CallbackResult.SKIPPED and status == CallbackStatus.PROCESSED)
+        now_is = f"status {int(status)} {status.name.lower()}" if status is not None else "row gone"
+        said = scrub(row.result or "")[:200] if row is not None else ""
+        verdict = "processed" if ok else "processing FAILED"
+        outcome = f"{verdict} after replay (ops_action {replayed.ops_action_id}): {done.value}; {now_is}: {said}"
+        if not ok and status in (CallbackStatus.PENDING, CallbackStatus.FAILED):
+            outcome += "; retried on the usual backoff"
+        details = {
+            "replay_ops_action_id": replayed.ops_action_id,
+            "processing": done.value,
+            "status": int(status) if status is not None else None,
+            "result": said,
+        }
+        action_id = record(
+            conn,
+            action="replay",
+            actor=actor,
+            subject=replayed.subject,
+            reason=note,
+            outcome=outcome,
+            now=now,
+            callback_log_id=log_id,
+            payment_id=row.order_no if row is not None and (row.order_no or "").startswith("pay_") else None,
+            details=details,
+        )
+    return Outcome("replay", replayed.subject, f"{replayed.outcome}; {outcome}", action_id, details, ok=ok)
 
 
 def _resolve_open(conn: Connection, open_key: str, resolution: str, actor: Actor, now: datetime) -> int | None:
@@ -700,6 +783,7 @@ def book_adjustment(
         currency = (currency or target["currency"]).strip().upper()
         if len(currency) != 3 or not currency.isalpha() or not currency.isascii():
             raise OpsRefused("the currency must be a three-letter code such as CNY")
+        check_adjustment(conn, target, amount_minor, currency)
         event_id = ledger.append(
             conn,
             event_type=ledger.RECONCILIATION_ADJUSTED,
@@ -721,6 +805,127 @@ def book_adjustment(
         )
         details = {"ledger_event_id": event_id, "delta": amount_minor, "currency": currency}
         return _finish_review(conn, row, "adjust", actor, note, outcome, now, details=details)
+
+
+def _payment_of(conn: Connection, target: Mapping[str, Any]) -> dict[str, Any]:
+    """The payment a payment or refund target belongs to."""
+    return _target(conn, "payment", target["payment_id"]) or dict(target)
+
+
+def money(amount_minor: int, currency: str) -> str:
+    """``amount_minor`` as people read it: ``-5,000.00 CNY (-500000 minor units)``."""
+    exponent = iso_exponent(currency) if len(currency) == 3 and currency.isalpha() else 2
+    sign = "-" if amount_minor < 0 else ""
+    whole, part = divmod(abs(amount_minor), 10**exponent)
+    major = f"{whole:,}" + (f".{part:0{exponent}d}" if exponent else "")
+    return f"{sign}{major} {currency} ({amount_minor} minor units)"
+
+
+def check_adjustment(conn: Connection, target: Mapping[str, Any], amount_minor: int, currency: str) -> None:
+    """Refuse an adjustment larger than its payment, or in another currency (OpsRefused).
+
+    A difference with the provider about one payment cannot exceed what that
+    payment moved; a bigger number is a typo (a unit slip, an extra zero) or
+    something that is not this payment's, which a one-click ledger entry must
+    not absorb into suspense.
+    """
+    pay = _payment_of(conn, target)
+    if currency != pay["currency"]:
+        raise OpsRefused(
+            f"the adjustment is in {currency} but payment {pay['payment_id']} is in {pay['currency']}: "
+            "an adjustment is bounded by its payment, so it is booked in the payment's currency"
+        )
+    if abs(amount_minor) > int(pay["amount_minor"]):
+        raise OpsRefused(
+            f"an adjustment of {money(amount_minor, currency)} is more than payment {pay['payment_id']}'s "
+            f"{money(int(pay['amount_minor']), currency)}; at most the payment's amount either way"
+        )
+
+
+def preview(
+    conn: Connection,
+    review_id: int,
+    action: str,
+    *,
+    amount_minor: int | None = None,
+    currency: str | None = None,
+) -> list[str]:
+    """What ``resolve`` would do, in lines for a person to confirm; OpsRefused for what it would refuse anyway.
+
+    Reads only: the action itself checks everything again under its locks.
+    """
+    row = _lock_open_review(conn, review_id, lock=False)
+    subject = _subject_of(conn, row)
+    target = _target(conn, *subject) if subject else None
+    about = f"{subject[0]} {subject[1]}" if subject else "no payment or refund"
+    lines = [f"Review {review_id} ({row['kind']}) about {about} will be resolved."]
+    if target is not None:
+        lines.append(
+            f"{subject[0].capitalize()} {subject[1]} is {target['status']}, "
+            f"{money(int(target['amount_minor']), target['currency'])} at {target['provider']}."
+        )
+    if action == "close":
+        lines.append("Nothing else changes: no status, no ledger entry.")
+    elif action == "apply":
+        if target is None:
+            raise OpsRefused(f"review {review_id} names no payment or refund: there is no verdict to apply")
+        verdict = _verdict_from_evidence(conn, row, *subject)
+        if verdict is not None:
+            lines.append(
+                f"The verdict: {verdict.says}; {subject[0]} -> {verdict.report.value} if the state machine allows."
+            )
+        else:
+            lines.append(
+                f"The provider {target['provider']} is queried now; its final answer is applied "
+                "if the state machine allows."
+            )
+    elif action == "adjust":
+        if target is None:
+            raise OpsRefused(f"review {review_id} names no payment or refund to adjust; close it with a note")
+        if isinstance(amount_minor, bool) or not isinstance(amount_minor, int) or amount_minor == 0:
+            raise OpsRefused("an adjustment needs a non-zero whole number of minor units")
+        code = (currency or target["currency"]).strip().upper()
+        check_adjustment(conn, target, amount_minor, code)
+        provider = ledger.provider_account(target["provider"])
+        lines.append(
+            f"A ReconciliationAdjusted ledger event is booked: {money(amount_minor, code)} on {provider}, "
+            f"{money(-amount_minor, code)} on {ledger.SUSPENSE_RECONCILIATION}. The ledger is append-only: "
+            "undoing it is another adjustment."
+        )
+    else:
+        raise OpsRefused(f"unknown action {action[:16]!r}: one of {', '.join(REVIEW_ACTIONS)}")
+    return lines
+
+
+def preview_replay(conn: Connection, ids: Iterable[int]) -> list[str]:
+    """What replaying ``ids`` would do, one line a row, for a person to confirm; OpsRefused past MAX_REPLAY."""
+    ids = list(dict.fromkeys(int(i) for i in ids))
+    if not ids:
+        raise OpsRefused("no callback rows selected")
+    if len(ids) > MAX_REPLAY:
+        raise OpsRefused(f"{len(ids)} rows selected; replay at most {MAX_REPLAY} at a time")
+    t = payment_callback_log
+    rows = {
+        r.id: r
+        for r in conn.execute(
+            select(t.c.id, t.c.status, t.c.provider, t.c.order_no, t.c.event_type, t.c.result).where(t.c.id.in_(ids))
+        )
+    }
+    lines = []
+    for log_id in ids:
+        r = rows.get(log_id)
+        if r is None:
+            lines.append(f"callback {log_id}: no such row; skipped")
+            continue
+        status = CallbackStatus(r.status)
+        if status not in REPLAYABLE or refused_for_source(r.result):
+            lines.append(f"callback {log_id}: status {int(status)} {status.name.lower()}; skipped, not replayed")
+            continue
+        lines.append(
+            f"callback {log_id}: {r.provider} {r.event_type or ''} for {r.order_no or '?'}, status {int(status)} "
+            f"{status.name.lower()} -> 0, then processed now (its payment may change state and the ledger move)"
+        )
+    return lines
 
 
 @dataclass(frozen=True)

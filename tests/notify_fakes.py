@@ -82,10 +82,12 @@ class FakeService:
         "aliyun": "/",
     }
 
-    def __init__(self, kind: str, secret: str = "", token: str = "") -> None:
+    def __init__(self, kind: str, secret: str = "", token: str = "", keywords: tuple[str, ...] = ()) -> None:
         self.kind = kind
         self.secret = secret
         self.token = token
+        self.keywords = keywords
+        """DingTalk and Feishu keyword security: a message must contain one of these (none set: no check)."""
         self.received: list[Received] = []
         self.refused: list[str] = []
         self.attempts = 0
@@ -184,6 +186,10 @@ class FakeService:
             raise no("msgtype not markdown", 40035)
         if not (isinstance(md.get("title"), str) and md["title"] and isinstance(md.get("text"), str) and md["text"]):
             raise no("markdown needs title and text", 40035)
+        # Keyword security: "a message must contain at least one of these keywords" (the robot's content; the
+        # title is accepted too, the docs not saying whether the markdown title counts).
+        if self.keywords and not any(k in md["title"] or k in md["text"] for k in self.keywords):
+            raise no("keywords not in content")
         return {"errcode": 0, "errmsg": "ok"}
 
     # --- Feishu: sign = base64(HMAC-SHA256(key="timestamp\nsecret", msg="")) in the body --------------------
@@ -212,6 +218,10 @@ class FakeService:
             assert all(e["tag"] == "div" and e["text"]["tag"] == "lark_md" for e in card["elements"])
         except (AssertionError, KeyError, TypeError):
             raise no("Bad Request", 9499) from None
+        # Keyword security: one of the bot's keywords somewhere in the card's text (header or elements).
+        texts = [card["header"]["title"]["content"], *(e["text"]["content"] for e in card["elements"])]
+        if self.keywords and not any(k in t for k in self.keywords for t in texts):
+            raise no("Key Words Not Found", 19024)
         return {"code": 0, "msg": "success", "data": {}}
 
     # --- WeCom: markdown content at most 4096 bytes, key in the URL -----------------------------------------

@@ -104,7 +104,7 @@ def test_an_operator_replays_a_given_up_callback_resolves_an_item_and_sees_the_o
     page.fill("#replay-note", "payment row arrived late; replaying")
     page.click("#replay")
     page.wait_for_selector(".flash.ok")
-    assert "processed: applied" in page.inner_text(".flash.ok")
+    assert "processed after replay" in page.inner_text(".flash.ok")
     assert "processed" in page.inner_text("#callback-status")
     shot("3-replayed")
 
@@ -114,6 +114,10 @@ def test_an_operator_replays_a_given_up_callback_resolves_an_item_and_sees_the_o
     review_rows.first.locator("a").click()
     page.fill("#apply-form input[name=note]", "settlement file says it settled")
     page.click("#apply")
+    page.wait_for_selector("#confirm-lines")  # apply shows what it will do and waits for a confirmation
+    assert "settlement line" in page.inner_text("#confirm-lines")
+    shot("4a-confirm-apply")
+    page.click("#confirm")
     page.wait_for_selector(".flash.ok")
     assert "Unknown -> Succeeded" in page.inner_text(".flash.ok")
     assert page.inner_text("#review-status").strip() == "resolved"

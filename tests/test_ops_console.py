@@ -147,24 +147,26 @@ def test_replay_and_close_through_the_console_record_the_logged_in_name(sqlite):
         data={"csrf": _csrf(page.text), "id": str(log_id), "note": "payment restored", "back": "https://evil.example/"},
     )
     assert response.status_code == 302 and response.headers["Location"] == "/ops/"  # never off-site
-    assert "processed: applied" in client.get("/ops/").text
+    assert "processed after replay" in client.get("/ops/").text
     with sqlite.connect() as conn:
         assert conn.execute(select(payment_callback_log.c.status)).scalar() == CallbackStatus.PROCESSED
-        [action] = conn.execute(select(ops_action)).mappings().all()
-    assert (action["actor"], action["via"], action["action"]) == ("carol", "console", "replay")
+        actions = conn.execute(select(ops_action)).mappings().all()  # the reset, then what processing did
+    assert {(a["actor"], a["via"], a["action"]) for a in actions} == {("carol", "console", "replay")}
+    assert len(actions) == 2
 
     other = create_payment(sqlite, status="Failed")
     review_id, _ = settled_review(sqlite, other)
     page = client.get(f"/ops/reviews/{review_id}")
     assert "abc123secret" not in page.text and "settlement line" in page.text
-    client.post(f"/ops/reviews/{review_id}/resolve", data={"csrf": _csrf(page.text), "action": "apply", "note": "n"})
+    confirmed = {"csrf": _csrf(page.text), "confirmed": "yes"}  # what the confirmation page posts
+    client.post(f"/ops/reviews/{review_id}/resolve", data={**confirmed, "action": "apply", "note": "n"})
     assert "state machine refuses" in client.get(f"/ops/reviews/{review_id}").text
     bad = client.post(
         f"/ops/reviews/{review_id}/resolve",
-        data={"csrf": _csrf(page.text), "action": "adjust", "amount_minor": "1.5", "note": "n"},
+        data={**confirmed, "action": "adjust", "amount_minor": "1.5", "note": "n"},
     )
     assert bad.status_code == 400
-    client.post(f"/ops/reviews/{review_id}/resolve", data={"csrf": _csrf(page.text), "action": "close", "note": "ok"})
+    client.post(f"/ops/reviews/{review_id}/resolve", data={**confirmed, "action": "close", "note": "ok"})
     assert "resolved" in client.get(f"/ops/reviews/{review_id}").text
 
 
@@ -361,11 +363,13 @@ def test_an_action_records_the_session_and_token_that_vouch_for_the_typed_name(e
                 ops_action.c.id
             )
         ).all()
-    assert [r.actor for r in rows] == ["alice", "alice", "alice"]  # what was typed, kept beside
-    assert [(r.identity or "").split(" ")[0] for r in rows] == ["console", "console", "os"]
+    assert [r.actor for r in rows] == ["alice"] * 5  # what was typed, kept beside
+    # Each replay is two rows: the reset, then what processing did; both vouched for by the session.
+    assert [(r.identity or "").split(" ")[0] for r in rows] == ["console"] * 4 + ["os"]
     assert [s.token_fingerprint for s in sessions] == [fingerprint(OPS)] * 2
-    for row, session_row in zip(rows[:2], sessions, strict=True):
-        assert row.ops_session_id == session_row.id
-        assert row.identity == f"console session {session_row.id} (operator, token {fingerprint(OPS)[:12]})"
-    assert rows[2].via == "cli" and rows[2].ops_session_id is None
-    assert rows[2].identity.startswith("os user ") and f"(uid {os.getuid()})" in rows[2].identity
+    for pair, session_row in zip((rows[0:2], rows[2:4]), sessions, strict=True):
+        for row in pair:
+            assert row.ops_session_id == session_row.id
+            assert row.identity == f"console session {session_row.id} (operator, token {fingerprint(OPS)[:12]})"
+    assert rows[4].via == "cli" and rows[4].ops_session_id is None
+    assert rows[4].identity.startswith("os user ") and f"(uid {os.getuid()})" in rows[4].identity

@@ -13,7 +13,6 @@ from sqlalchemy.exc import IntegrityError
 from gateway import ext
 from gateway.ops import SESSION_SECONDS, bp, client_addr, match_token, safe_next, throttle
 from payments import aging, ops_actions, ops_sessions
-from payments.callbacks import process_callback
 from payments.db import utcnow
 from payments.logs import scrub
 from payments.ops_actions import Actor, CallbackSearch, OpsRefused
@@ -61,6 +60,24 @@ def _time_arg(name: str) -> datetime | None:
 def _text_arg(name: str, limit: int = 128) -> str | None:
     value = request.args.get(name, "").strip()
     return value[:limit] or None
+
+
+def _confirmed() -> bool:
+    """The person saw the confirmation page for this action and confirmed it."""
+    return request.form.get("confirmed") == ops_actions.CONFIRMED
+
+
+def _confirm(title: str, lines: list[str], action_url: str, back: str) -> Any:
+    """A page saying what the action will do, with a form that posts the same fields again, confirmed.
+
+    A misclick or a stray Enter on adjust, apply, close or a bulk replay shows
+    this page instead of acting: what it guards against is a slip, not an
+    attacker (every POST needs the session and its CSRF token already).
+    """
+    fields = [(k, v) for k, v in request.form.items(multi=True) if k not in ("csrf", "confirmed")]
+    return render_template(
+        "ops/confirm.html", title=title, lines=lines, fields=fields, action_url=action_url, back=back
+    )
 
 
 # ------------------------------------------------------------------------------------------- login
@@ -202,20 +219,31 @@ def replay() -> Any:
         except ValueError:
             abort(400, description=f"callback id must be a whole number, got {raw[:32]!r}")
     back = safe_next(request.form.get("back"))
+    runtime = ext("runtime")
+    if len(set(ids)) > 1 and not _confirmed():
+        try:
+            ops_actions.clean_note(request.form.get("note", ""))
+            with _engine().connect() as conn:
+                lines = ops_actions.preview_replay(conn, ids)
+        except OpsRefused as exc:
+            flash(str(exc), "error")
+            return redirect(back)
+        return _confirm(f"replay {len(set(ids))} callbacks", lines, url_for("ops.replay"), back)
     try:
-        results = ops_actions.replay_callbacks(_engine(), ids, actor=_actor(), note=request.form.get("note", ""))
+        results = ops_actions.replay_and_process(
+            runtime.engine,
+            runtime.providers,
+            runtime.callback_policy,
+            ids,
+            actor=_actor(),
+            note=request.form.get("note", ""),
+        )
     except OpsRefused as exc:
         flash(str(exc), "error")
         return redirect(back)
-    runtime = ext("runtime")
     for result in results:
-        message = f"{result.subject}: {result.outcome}"
-        if result.ops_action_id is not None:
-            # The row is status 0 now, committed; processing it here only saves waiting for the sweep.
-            log_id = int(result.subject.split(":")[1])
-            done = process_callback(runtime.engine, runtime.providers, log_id, runtime.callback_policy)
-            message += f"; processed: {done.value}"
-        flash(message, "ok" if result.ops_action_id is not None else "error")
+        # Green only when processing succeeded: a replay that failed again must not look done.
+        flash(f"{result.subject}: {result.outcome}", "ok" if result.ok else "error")
     return redirect(back)
 
 
@@ -255,7 +283,18 @@ def resolve_review(review_id: int) -> Any:
     if action not in ops_actions.REVIEW_ACTIONS:
         abort(400, description=f"action must be one of {', '.join(ops_actions.REVIEW_ACTIONS)}")
     amount = _int_arg("amount_minor", minimum=-ops_actions.MAX_ADJUSTMENT, maximum=ops_actions.MAX_ADJUSTMENT)
+    currency = request.form.get("currency") or None
     runtime = ext("runtime")
+    page = url_for("ops.review", review_id=review_id)
+    if not _confirmed():
+        try:
+            ops_actions.clean_note(request.form.get("note", ""))
+            with _engine().connect() as conn:
+                lines = ops_actions.preview(conn, review_id, action, amount_minor=amount, currency=currency)
+        except OpsRefused as exc:
+            flash(f"review {review_id}: {exc}", "error")
+            return redirect(page)
+        return _confirm(f"{action} review {review_id}", lines, url_for("ops.resolve_review", review_id=review_id), page)
     try:
         result = ops_actions.resolve(
             runtime.engine,
@@ -265,7 +304,7 @@ def resolve_review(review_id: int) -> Any:
             actor=_actor(),
             note=request.form.get("note", ""),
             amount_minor=amount,
-            currency=request.form.get("currency") or None,
+            currency=currency,
             timeout=runtime.settings.provider_timeout_seconds,
         )
     except OpsRefused as exc:

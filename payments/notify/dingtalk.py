@@ -11,8 +11,17 @@ base64(HMAC-SHA256(key=secret, msg="{timestamp}\\n{secret}")), URL-encoded.
 DingTalk refuses a timestamp more than an hour away from its clock.
 
 The answer is HTTP 200 with ``{"errcode": 0, "errmsg": "ok"}``; any other
-errcode is a refusal. 310000 is the robot's security settings refusing the
-message (signature, keyword or IP allow-list): permanent until reconfigured.
+errcode is a refusal. Permanent until someone reconfigures (PERMANENT_CODES):
+300001 and 300005 (``token is not exist``: the robot was removed or its
+access_token revoked), 310000 (the robot's security settings refuse the
+message: signature, keyword or IP allow-list), 400013 (the group was
+dissolved), 40035 (a malformed message), 430101-430104 (content refused as
+unsafe) and 460101 (message too long). Retried: 410100 (more than 20 messages a
+minute; the robot blocks it for 10 minutes), -1 (system busy) and any code not
+listed, so an unknown answer is retried until alert_channel_failing fires.
+
+Every message's text carries ``render.KEYWORD`` (``paysync``), the keyword
+the README tells teams to give a robot with keyword security.
 """
 
 from __future__ import annotations
@@ -30,6 +39,11 @@ from payments.notify.http import JSON_HEADERS, HttpAnswer, HttpRequest, check_st
 NAME = "dingtalk"
 SECURITY_REFUSED = 310000
 """errcode for a message the robot's security settings (sign, keywords, IP) refuse."""
+PERMANENT_CODES = frozenset({300001, 300005, SECURITY_REFUSED, 400013, 40035, 430101, 430102, 430103, 430104, 460101})
+"""errcodes a retry cannot fix (module docstring): the channel fails at once and alert_channel_failing fires."""
+THROTTLED = 410100
+RETRY_AFTER_THROTTLED = 60.0
+"""DingTalk holds a robot that sent more than 20 messages in a minute for a while: no point retrying sooner."""
 
 
 def sign(secret: str, timestamp_ms: int) -> str:
@@ -67,6 +81,7 @@ def check(answer: HttpAnswer) -> str:
     if data["errcode"] != 0:
         raise NotificationFailed(
             f"{NAME} errcode {data['errcode']}: {service_text(data.get('errmsg', ''))}",
-            permanent=data["errcode"] == SECURITY_REFUSED,
+            permanent=data["errcode"] in PERMANENT_CODES,
+            retry_after=RETRY_AFTER_THROTTLED if data["errcode"] == THROTTLED else None,
         )
     return "posted to the group robot"

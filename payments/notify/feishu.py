@@ -11,9 +11,15 @@ Signature: ``timestamp`` (unix seconds, within an hour of Feishu's clock) and
 "{timestamp}\\n{secret}", message = empty)); note the key, not the message,
 carries the string to sign (unlike DingTalk).
 
-The answer is ``{"code": 0, "msg": "success"}``; another code is a refusal:
+The answer is ``{"code": 0, "msg": "success"}``; another code is a refusal.
+Permanent until someone reconfigures (PERMANENT_CODES): 19001 (``incoming
+webhook access token invalid``: the bot was removed or its webhook reset),
 19021 a signature or timestamp mismatch, 19022 an IP not allowed, 19024 a
-missing keyword, 9499 a malformed body: all permanent until reconfigured.
+missing keyword, 9499 a malformed body. Retried: 11232 (frequency limited:
+100 a minute, 5 a second per bot) and any code not listed.
+
+Every card's text carries ``render.KEYWORD`` (``paysync``), the keyword the
+README tells teams to give a bot with keyword security.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from payments.notify.http import JSON_HEADERS, HttpAnswer, HttpRequest, check_st
 
 NAME = "feishu"
 MAX_BODY_BYTES = 20 * 1024
-PERMANENT_CODES = frozenset({9499, 19021, 19022, 19024})
+PERMANENT_CODES = frozenset({9499, 19001, 19021, 19022, 19024})
+"""codes a retry cannot fix (module docstring): the channel fails at once and alert_channel_failing fires."""
 COLOURS = {"critical": "red", "warning": "orange", "info": "blue"}
 
 

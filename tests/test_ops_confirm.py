@@ -1,0 +1,146 @@
+"""Dangerous actions ask first, and an adjustment is bounded by its payment.
+
+Adjust, apply, close and a bulk replay show what they will do and act only
+when confirmed; an adjustment larger than its payment, or in another
+currency, is refused by ``ops_actions`` itself, so the console and
+``review resolve`` refuse it alike.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+
+from compensator import review_cli
+from payments import ledger, ops_actions
+from payments.ops_actions import Actor, OpsRefused
+from payments.runtime import build_runtime
+from payments.schema import ledger_event, manual_review, ops_action, payment_callback_log
+from payments.states import CallbackStatus
+from tests.ops_console_support import console_app, csrf, flashes, login
+from tests.ops_support import given_up_callback, settled_review
+from tests.stack import db_url
+from tests.support import create_payment, make_settings
+
+ALICE = Actor("alice", "cli")
+
+
+def _review_status(engine, review_id: int) -> str:
+    with engine.connect() as conn:
+        return conn.execute(select(manual_review.c.status).where(manual_review.c.id == review_id)).scalar()
+
+
+def _nothing_written(engine, review_id: int) -> None:
+    with engine.connect() as conn:
+        assert conn.execute(select(ops_action)).first() is None
+        assert (
+            conn.execute(
+                select(ledger_event).where(ledger_event.c.event_type == ledger.RECONCILIATION_ADJUSTED)
+            ).first()
+            is None
+        )
+    assert _review_status(engine, review_id) == "open"
+
+
+def _adjustable(engine, amount: int = 5000) -> tuple[str, int]:
+    payment_id = create_payment(engine, status="Failed", amount=amount)
+    review_id, _ = settled_review(engine, payment_id, line_status="succeeded", amount=amount)
+    return payment_id, review_id
+
+
+@pytest.mark.parametrize("amount", [-500000, 5001, -5001])
+def test_an_adjustment_larger_than_its_payment_is_refused_and_writes_nothing(engine, amount):
+    _, review_id = _adjustable(engine)
+    with pytest.raises(OpsRefused, match="more than payment"):
+        ops_actions.book_adjustment(engine, review_id, amount_minor=amount, actor=ALICE, note="n")
+    _nothing_written(engine, review_id)
+
+
+def test_an_adjustment_in_another_currency_is_refused(engine):
+    _, review_id = _adjustable(engine)
+    with pytest.raises(OpsRefused, match="in USD but payment"):
+        ops_actions.book_adjustment(engine, review_id, amount_minor=100, currency="USD", actor=ALICE, note="n")
+    _nothing_written(engine, review_id)
+
+
+def test_an_adjustment_up_to_the_payment_amount_is_booked(engine):
+    _, review_id = _adjustable(engine)
+    result = ops_actions.book_adjustment(engine, review_id, amount_minor=-5000, actor=ALICE, note="provider kept none")
+    assert result.details["delta"] == -5000 and _review_status(engine, review_id) == "resolved"
+
+
+def test_review_resolve_refuses_an_oversized_adjustment_on_the_command_line(engine, capsys):
+    runtime = build_runtime(make_settings(database_url=db_url(engine)), engine=engine)
+    _, review_id = _adjustable(engine)
+    argv = ["resolve", str(review_id), "--action", "adjust", "--amount", "-500000", "--note", "n", "--actor", "ci"]
+    assert review_cli.main(argv, runtime) == 1
+    assert "-5,000.00 CNY (-500000 minor units) is more than payment" in capsys.readouterr().err
+    _nothing_written(engine, review_id)
+
+
+# --- the console asks first ----------------------------------------------------------------------------------
+
+
+def _client(engine):
+    client = console_app(engine).test_client()
+    login(client, name="carol")
+    return client
+
+
+def test_the_console_adjustment_shows_what_it_books_and_acts_only_when_confirmed(engine):
+    _, review_id = _adjustable(engine)
+    client = _client(engine)
+    token = csrf(client.get(f"/ops/reviews/{review_id}").text)
+    form = {"csrf": token, "action": "adjust", "amount_minor": "-2500", "note": "provider kept half"}
+    page = client.post(f"/ops/reviews/{review_id}/resolve", data=form)
+    assert page.status_code == 200 and 'id="confirm-form"' in page.text
+    assert "-25.00 CNY (-2500 minor units) on assets:provider:sandbox" in page.text
+    assert "50.00 CNY (5000 minor units)" in page.text  # the payment's amount, beside it
+    _nothing_written(engine, review_id)
+    # The confirmation form carries the same fields, and confirmed=yes.
+    assert 'name="amount_minor" value="-2500"' in page.text and 'name="confirmed" value="yes"' in page.text
+    done = client.post(f"/ops/reviews/{review_id}/resolve", data={**form, "csrf": csrf(page.text), "confirmed": "yes"})
+    assert done.status_code == 302 and _review_status(engine, review_id) == "resolved"
+    with engine.connect() as conn:
+        [row] = conn.execute(select(ops_action)).mappings().all()
+    assert (row["action"], row["actor"]) == ("adjust", "carol")
+
+
+def test_the_console_refuses_an_oversized_adjustment_before_asking(engine):
+    _, review_id = _adjustable(engine)
+    client = _client(engine)
+    token = csrf(client.get(f"/ops/reviews/{review_id}").text)
+    form = {"csrf": token, "action": "adjust", "amount_minor": "-500000", "note": "n", "confirmed": "yes"}
+    for data in (form, {k: v for k, v in form.items() if k != "confirmed"}):
+        assert client.post(f"/ops/reviews/{review_id}/resolve", data=data).status_code == 302
+        [(category, text)] = flashes(client.get(f"/ops/reviews/{review_id}").text)
+        assert category == "error" and "more than payment" in text
+    _nothing_written(engine, review_id)
+
+
+@pytest.mark.parametrize("action", ["apply", "close"])
+def test_apply_and_close_ask_for_confirmation_first(engine, action):
+    _, review_id = _adjustable(engine)
+    client = _client(engine)
+    token = csrf(client.get(f"/ops/reviews/{review_id}").text)
+    page = client.post(f"/ops/reviews/{review_id}/resolve", data={"csrf": token, "action": action, "note": "n"})
+    assert page.status_code == 200 and f"Confirm: {action} review {review_id}" in page.text
+    _nothing_written(engine, review_id)
+
+
+def test_a_bulk_replay_lists_the_rows_and_replays_only_when_confirmed(engine):
+    ids = [given_up_callback(engine, f"pay_bulkreplay00000{i}") for i in range(3)]
+    client = _client(engine)
+    token = csrf(client.get("/ops/callbacks").text)
+    form = {"csrf": token, "note": "provider outage over", "id": [str(i) for i in ids]}
+    page = client.post("/ops/callbacks/replay", data=form)
+    assert page.status_code == 200 and "Confirm: replay 3 callbacks" in page.text
+    for log_id in ids:
+        assert f"callback {log_id}: sandbox" in page.text and f'name="id" value="{log_id}"' in page.text
+    with engine.connect() as conn:
+        assert set(conn.execute(select(payment_callback_log.c.status)).scalars()) == {CallbackStatus.GAVE_UP}
+        assert conn.execute(select(ops_action)).first() is None
+    client.post("/ops/callbacks/replay", data={**form, "csrf": csrf(page.text), "confirmed": "yes"})
+    with engine.connect() as conn:
+        assert set(conn.execute(select(payment_callback_log.c.status)).scalars()) != {CallbackStatus.GAVE_UP}
+        assert conn.execute(select(ops_action.c.action)).scalars().all().count("replay") == 6
