@@ -192,7 +192,9 @@ def send_prepared(
 ) -> Result:
     """Send a prepared charge with the payment's fixed idempotency key and have its outcome applied."""
     current = charge.current
-    snapshot = breaker.read(ctx.engine, charge.provider.name)
+    # A re-read of the breaker row (its cache ran out while the charge waited for a slot) waits for a turn at the
+    # database like every other statement of the relay's: RELAY_DB_CONCURRENCY bounds connections, not just units.
+    snapshot = breaker.read(ctx.engine, charge.provider.name, db_turn)
     if snapshot.state != BreakerState.CLOSED:
         with db_turn():
             return _withhold(ctx, charge, snapshot)
@@ -202,7 +204,7 @@ def send_prepared(
         with db_turn():
             lock = partial(lock_payment, payment_id=current["payment_id"])
             result = apply_call(ctx, charge.outbox_id, charge.call_id, lock, charge.provider, outcome, resend=False)
-    count(ctx, charge.provider, outcome, charge.gate)
+    count(ctx, charge.provider, outcome, charge.gate, db_turn)
     return result
 
 
