@@ -18,9 +18,9 @@ from sqlalchemy import event, select
 
 from compensator import relay_outbox, workpool
 from payments import breaker
-from payments.providers.base import Capabilities, Dedupe
+from payments.providers.base import Capabilities, Dedupe, Unknown
 from payments.runtime import build_runtime
-from payments.schema import payment, provider_call
+from payments.schema import payment, provider_breaker, provider_call
 from tests.fake_provider import FakeProvider
 from tests.outbound_support import new_payment
 from tests.support import make_settings
@@ -147,6 +147,31 @@ def test_hanging_calls_hold_cheap_slots_within_the_provider_cap_and_the_rest_flo
     assert sent == Counter({keys[pid]: 1 for pid in ids}), "each payment sent once, with its own fixed key"
     assert sorted(recorded) == sorted(ids)
     assert statuses == {"Succeeded"}
+
+
+def test_counting_failed_calls_for_the_breaker_waits_for_a_database_turn(mariadb, monkeypatch):
+    # A call with no answer is counted against the breaker in a transaction of its own, after the outcome is applied.
+    fake = FakeProvider(Capabilities(dedupe=Dedupe.KEY, query_by_merchant_id=True), charges=[Unknown("timeout")] * 3)
+    rt = runtime_with(mariadb, fake, relay_concurrency=8, relay_db_concurrency=1, provider_rate_limit=1e5)
+    ids = [new_payment(rt, provider="fake") for _ in range(3)]
+    turns = WatchedTurns(1)
+    monkeypatch.setattr(relay_outbox, "db_turns", lambda size: turns)
+    outside_a_turn: list[str] = []
+
+    def checkout(*_):
+        if turns.depth() == 0:
+            outside_a_turn.append(threading.current_thread().name)
+
+    event.listen(mariadb.pool, "checkout", checkout)
+    try:
+        relay_outbox.run_once(rt)
+    finally:
+        event.remove(mariadb.pool, "checkout", checkout)
+
+    assert outside_a_turn == [], f"connections checked out outside a database turn, by {sorted(set(outside_a_turn))}"
+    with mariadb.connect() as conn:
+        assert conn.execute(select(provider_breaker.c.consecutive_failures)).scalar() == 3, "all three counted"
+        assert set(conn.execute(select(payment.c.status).where(payment.c.payment_id.in_(ids))).scalars()) == {"Unknown"}
 
 
 def test_a_drain_claims_in_batches_not_once_per_finished_unit():
