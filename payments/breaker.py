@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -34,6 +36,9 @@ from payments.settings import Settings
 from payments.states import BreakerState
 
 log = logging.getLogger("paysync.breaker")
+
+Turn = Callable[[], AbstractContextManager[object]]
+"""A wait for a turn at the database: the relay bounds how many of its threads hold a connection at once."""
 
 
 class Admission(StrEnum):
@@ -67,14 +72,17 @@ _cache: dict[tuple[int, str], tuple[float, Snapshot]] = {}
 _cache_lock = threading.Lock()
 
 
-def read(engine: Engine, provider: str) -> Snapshot:
-    """The breaker's current state (closed when there is no row yet), at most CACHE_SECONDS old."""
+def read(engine: Engine, provider: str, turn: Turn = nullcontext) -> Snapshot:
+    """The breaker's current state (closed when there is no row yet), at most CACHE_SECONDS old.
+
+    A cache miss reads the row within ``turn()``; a hit touches no connection and waits for no turn.
+    """
     key = (id(engine), provider)
     with _cache_lock:
         cached = _cache.get(key)
     if cached is not None and time.monotonic() - cached[0] < CACHE_SECONDS:
         return cached[1]
-    with engine.connect() as conn:
+    with turn(), engine.connect() as conn:
         row = conn.execute(select(provider_breaker).where(provider_breaker.c.provider == provider)).first()
     snapshot = Snapshot()
     if row is not None:
@@ -165,11 +173,22 @@ def record(
     snapshot: Snapshot,
     settings: Settings,
     now: datetime,
+    turn: Turn = nullcontext,
 ) -> None:
-    """Count one call's result. Writes nothing for a healthy call while nothing is wrong (the common case)."""
+    """Count one call's result. Writes nothing for a healthy call while nothing is wrong (the common case).
+
+    What it does write, it writes within ``turn()``.
+    """
+    if healthy and snapshot.state == BreakerState.CLOSED and snapshot.consecutive_failures == 0:
+        return
+    with turn():
+        _record(engine, provider, healthy=healthy, probe=probe, snapshot=snapshot, settings=settings, now=now)
+
+
+def _record(
+    engine: Engine, provider: str, *, healthy: bool, probe: bool, snapshot: Snapshot, settings: Settings, now: datetime
+) -> None:
     if healthy:
-        if snapshot.state == BreakerState.CLOSED and snapshot.consecutive_failures == 0:
-            return
         _forget(engine, provider)
         with engine.begin() as conn:
             closed = conn.execute(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -117,8 +118,10 @@ def release(ctx: Context, provider: Provider | None, gate: breaker.Gate) -> None
         log.warning("could not release the probe slot of %s", provider.name, exc_info=True)
 
 
-def count(ctx: Context, provider: Provider, outcome: QueryOutcome, gate: breaker.Gate) -> None:
-    """Tell the breaker how the call went (its own transaction, after the outcome is safely applied).
+def count(
+    ctx: Context, provider: Provider, outcome: QueryOutcome, gate: breaker.Gate, db_turn: breaker.Turn = nullcontext
+) -> None:
+    """Tell the breaker how the call went (its own transaction, within ``db_turn()``, after the outcome is applied).
 
     Only the call that held the probe slot counts as a probe: a failed probe
     reopens the breaker for longer. Other calls while open (the query
@@ -133,6 +136,7 @@ def count(ctx: Context, provider: Provider, outcome: QueryOutcome, gate: breaker
             snapshot=gate.snapshot,
             settings=ctx.settings,
             now=utcnow(),
+            turn=db_turn,
         )
     except Exception:  # noqa: BLE001 - the breaker is advisory; the payment's state is already safe
         log.warning("could not update the circuit breaker for %s", provider.name, exc_info=True)

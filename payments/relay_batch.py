@@ -224,7 +224,9 @@ def send_prepared(
     # While the lease the prepare wrote still has a whole call ahead of it (by the clock that wrote it), no
     # other relay can have claimed the row, which needs the lease run out: no statement, no database turn.
     room = utcnow() + timedelta(seconds=ctx.settings.call_seconds) <= charge.lease_until
-    if not room or breaker.read(ctx.engine, charge.provider.name).state != BreakerState.CLOSED:
+    # A re-read of the breaker row (its cache ran out while the charge waited for a slot) waits for a turn at the
+    # database like every other statement of the relay's: RELAY_DB_CONCURRENCY bounds connections, not just units.
+    if not room or breaker.read(ctx.engine, charge.provider.name, db_turn).state != BreakerState.CLOSED:
         with db_turn():
             withheld = _fence(ctx, charge, breaker.read(ctx.engine, charge.provider.name))
         if withheld is not None:
@@ -235,7 +237,7 @@ def send_prepared(
         with db_turn():
             lock = partial(lock_payment, payment_id=current["payment_id"])
             result = apply_call(ctx, charge.outbox_id, charge.call_id, lock, charge.provider, outcome, resend=False)
-    count(ctx, charge.provider, outcome, charge.gate)
+    count(ctx, charge.provider, outcome, charge.gate, db_turn)
     return result
 
 

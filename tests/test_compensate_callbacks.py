@@ -129,6 +129,15 @@ def _backlog(engine, n: int) -> None:  # noqa: ANN001
         conn.execute(insert(payment_callback_log), callbacks)
 
 
+def _claims_waiting(conn) -> int:  # noqa: ANN001
+    """Sessions of this database whose statement now is a claim on payment_callback_log (waiting for its lock)."""
+    return conn.exec_driver_sql(
+        "SELECT COUNT(*) FROM information_schema.processlist"
+        " WHERE db = DATABASE() AND id <> CONNECTION_ID()"
+        " AND info LIKE '%%FROM payment_callback_log%%' AND info LIKE '%%SKIP LOCKED%%'"
+    ).scalar()
+
+
 @pytest.mark.mariadb
 @pytest.mark.slow
 def test_two_compensators_over_a_2000_row_backlog_process_every_row_exactly_once(mariadb):
@@ -145,11 +154,24 @@ def test_two_compensators_over_a_2000_row_backlog_process_every_row_exactly_once
     )
     command = ["python", "-m", "compensator", "compensate", "--once"]
     started = time.perf_counter()
-    procs = [
-        subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
-    outputs = [p.communicate(timeout=120) for p in procs]
+    # However late one process starts, both begin on the backlog together: the table is locked until both
+    # are seen waiting on it with their first claim, so each first claim takes its own 50 rows.
+    with mariadb.connect() as lock, mariadb.connect() as watch:
+        lock.exec_driver_sql("LOCK TABLES payment_callback_log WRITE")
+        procs = [
+            subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)
+        ]
+        try:
+            wait_until(
+                lambda: _claims_waiting(watch) == 2 or any(p.poll() is not None for p in procs),
+                timeout=120,
+                interval=0.1,
+                message="both compensators waiting on the locked table with their first claim",
+            )
+        finally:
+            lock.exec_driver_sql("UNLOCK TABLES")
+        outputs = [p.communicate(timeout=120) for p in procs]
     elapsed = time.perf_counter() - started
     assert [p.returncode for p in procs] == [0, 0], outputs
 

@@ -17,9 +17,10 @@ from dataclasses import replace
 from sqlalchemy import event, select
 
 from compensator import relay_outbox, workpool
-from payments.providers.base import Capabilities, Dedupe
+from payments import breaker
+from payments.providers.base import Capabilities, Dedupe, Unknown
 from payments.runtime import build_runtime
-from payments.schema import payment, provider_call
+from payments.schema import payment, provider_breaker, provider_call
 from tests.fake_provider import FakeProvider
 from tests.outbound_support import new_payment
 from tests.support import make_settings
@@ -54,14 +55,47 @@ def runtime_with(engine, provider, **overrides):
     return replace(rt, providers={**rt.providers, provider.name: provider})
 
 
-def test_hanging_calls_hold_cheap_slots_within_the_provider_cap_and_the_rest_flow_past_them(mariadb):
+class WatchedTurns:
+    """The relay's turns at the database (``relay_outbox.db_turns``), knowing which threads hold one now."""
+
+    def __init__(self, size: int) -> None:
+        self._turns = threading.BoundedSemaphore(size)
+        self._held = threading.local()
+
+    def __enter__(self) -> WatchedTurns:
+        self._turns.acquire()
+        self._held.depth = self.depth() + 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._held.depth -= 1
+        self._turns.release()
+
+    def depth(self) -> int:
+        return getattr(self._held, "depth", 0)
+
+
+def test_hanging_calls_hold_cheap_slots_within_the_provider_cap_and_the_rest_flow_past_them(mariadb, monkeypatch):
+    quick_calls = 36
     calls_out = InFlight()
-    hanging: set[str] = set()
+    hanging: list[str] = []
+    quick: list[str] = []
+    all_quick_sent = threading.Event()
+    gave_up: list[str] = []
+    lock = threading.Lock()
 
     def on_charge(request, key):
+        # The first 4 calls to reach the provider hang until every other call has come and gone: the others
+        # can only finish if the relay sends them past the hanging ones, through the 2 slots those leave.
         calls_out.enter()
         try:
-            time.sleep(1.5 if request.payment_id in hanging else 0.02)
+            with lock:
+                hangs = len(hanging) < 4
+                (hanging if hangs else quick).append(request.payment_id)
+                if len(quick) == quick_calls:
+                    all_quick_sent.set()
+            if hangs and not all_quick_sent.wait(30):
+                gave_up.append(request.payment_id)
         finally:
             calls_out.leave()
 
@@ -74,13 +108,20 @@ def test_hanging_calls_hold_cheap_slots_within_the_provider_cap_and_the_rest_flo
         relay_db_concurrency=2,
         provider_rate_limit=1e5,
     )
-    ids = [new_payment(rt, provider="fake") for _ in range(40)]
-    hanging.update(ids[:4])  # the first ones claimed: they hang while the others are sent
+    ids = [new_payment(rt, provider="fake") for _ in range(4 + quick_calls)]
 
+    # Every breaker read goes to the database, as on a machine slow enough for the cache to run out between the
+    # claim and the send: each of those reads must wait for a turn like the relay's other statements.
+    monkeypatch.setattr(breaker, "CACHE_SECONDS", 0.0)
+    turns = WatchedTurns(2)
+    monkeypatch.setattr(relay_outbox, "db_turns", lambda size: turns)
     connections = InFlight()
+    outside_a_turn: list[str] = []
 
     def checkout(*_):
         connections.enter()
+        if turns.depth() == 0:
+            outside_a_turn.append(threading.current_thread().name)
 
     def checkin(*_):
         connections.leave()
@@ -88,19 +129,16 @@ def test_hanging_calls_hold_cheap_slots_within_the_provider_cap_and_the_rest_flo
     event.listen(mariadb.pool, "checkout", checkout)
     event.listen(mariadb.pool, "checkin", checkin)
     try:
-        started = time.monotonic()
         relay_outbox.run_once(rt)
-        took = time.monotonic() - started
     finally:
         event.remove(mariadb.pool, "checkout", checkout)
         event.remove(mariadb.pool, "checkin", checkin)
 
+    assert gave_up == [], "the quick calls waited behind the hanging ones"
     assert calls_out.most <= 6, f"{calls_out.most} calls out to one provider at once; the cap is 6"
     assert calls_out.most >= 5, "the cap, not the database turns, bounds the calls in flight"
+    assert outside_a_turn == [], f"connections checked out outside a database turn, by {sorted(set(outside_a_turn))}"
     assert connections.most <= 2, f"{connections.most} connections in use at once; RELAY_DB_CONCURRENCY is 2"
-    # 36 quick calls through the 2 slots the 4 hanging ones leave would take 36 * 20 ms / 2 = 0.4 s at least;
-    # waiting behind the hanging calls instead would take 1.5 s per round of them.
-    assert took < 1.5 + 2.5, f"the run took {took:.1f} s"
     sent = Counter(key for _, key in fake.charges)
     with mariadb.connect() as conn:
         keys = dict(conn.execute(select(payment.c.payment_id, payment.c.idempotency_key)).all())
@@ -109,6 +147,31 @@ def test_hanging_calls_hold_cheap_slots_within_the_provider_cap_and_the_rest_flo
     assert sent == Counter({keys[pid]: 1 for pid in ids}), "each payment sent once, with its own fixed key"
     assert sorted(recorded) == sorted(ids)
     assert statuses == {"Succeeded"}
+
+
+def test_counting_failed_calls_for_the_breaker_waits_for_a_database_turn(mariadb, monkeypatch):
+    # A call with no answer is counted against the breaker in a transaction of its own, after the outcome is applied.
+    fake = FakeProvider(Capabilities(dedupe=Dedupe.KEY, query_by_merchant_id=True), charges=[Unknown("timeout")] * 3)
+    rt = runtime_with(mariadb, fake, relay_concurrency=8, relay_db_concurrency=1, provider_rate_limit=1e5)
+    ids = [new_payment(rt, provider="fake") for _ in range(3)]
+    turns = WatchedTurns(1)
+    monkeypatch.setattr(relay_outbox, "db_turns", lambda size: turns)
+    outside_a_turn: list[str] = []
+
+    def checkout(*_):
+        if turns.depth() == 0:
+            outside_a_turn.append(threading.current_thread().name)
+
+    event.listen(mariadb.pool, "checkout", checkout)
+    try:
+        relay_outbox.run_once(rt)
+    finally:
+        event.remove(mariadb.pool, "checkout", checkout)
+
+    assert outside_a_turn == [], f"connections checked out outside a database turn, by {sorted(set(outside_a_turn))}"
+    with mariadb.connect() as conn:
+        assert conn.execute(select(provider_breaker.c.consecutive_failures)).scalar() == 3, "all three counted"
+        assert set(conn.execute(select(payment.c.status).where(payment.c.payment_id.in_(ids))).scalars()) == {"Unknown"}
 
 
 def test_a_drain_claims_in_batches_not_once_per_finished_unit():

@@ -15,6 +15,7 @@ from dataclasses import replace
 from sqlalchemy import select
 
 from compensator import query_unresolved, relay_outbox
+from payments.db import utcnow
 from payments.runtime import build_runtime
 from payments.schema import alert, outbox
 from payments.states import OutboxStatus
@@ -110,6 +111,15 @@ def test_every_retry_of_a_payment_sends_its_one_idempotency_key(runtime, sandbox
     assert truth["charges"][0]["idempotency_key"] == "the-merchants-key"
 
 
+RUN_TIMEOUT = 60
+"""The longest one relay process may take, start-up included (a busy machine starts Python slowly)."""
+
+
+PROCESS_CALL_TIMEOUT = 60
+"""A relay process's call timeout: no fault is armed while one runs, so its call waits for the sandbox's answer
+however busy the machine, and the lease it writes (2 x this + …) outlasts the next process's whole run."""
+
+
 def run_relay_process(runtime, **env):
     """``python -m compensator relay_outbox --once`` as its own process (so a failpoint can SIGKILL it)."""
     s = runtime.settings
@@ -117,7 +127,7 @@ def run_relay_process(runtime, **env):
         "DATABASE_URL": s.database_url,
         "SANDBOX_API_URL": s.sandbox_api_url,
         "SANDBOX_LEGACY_ENABLED": "true",
-        "PROVIDER_TIMEOUT_SECONDS": str(s.provider_timeout_seconds),
+        "PROVIDER_TIMEOUT_SECONDS": str(PROCESS_CALL_TIMEOUT),
         "LOG_LEVEL": "WARNING",
         **env,
     }
@@ -126,14 +136,28 @@ def run_relay_process(runtime, **env):
         cwd=ROOT,
         env=env_for(settings_env),
         capture_output=True,
-        timeout=60,
+        timeout=RUN_TIMEOUT,
     )
+
+
+def lease_left(runtime, payment_id) -> float:  # noqa: ANN001
+    """Seconds until the lease on the payment's ChargeRequested row runs out."""
+    with runtime.engine.connect() as conn:
+        leased_until = conn.execute(
+            select(outbox.c.next_attempt_at).where(
+                outbox.c.event_type == "ChargeRequested", outbox.c.aggregate_id == payment_id
+            )
+        ).scalar_one()
+    return (leased_until - utcnow()).total_seconds()
 
 
 def test_a_relay_killed_after_the_provider_charged_converges_with_exactly_one_charge(runtime, sandbox):
     payment_id = new_payment(runtime)
     killed = run_relay_process(runtime, FAILPOINTS="relay.after_provider_call")
     assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    # The killed relay's lease outlasts the next run however slowly that process starts: the test ends the lease
+    # itself (expire_leases), not the clock.
+    assert lease_left(runtime, payment_id) > RUN_TIMEOUT
     assert sandbox.charge_count(payment_id) == 1, "the provider charged"
     p = row(runtime, payment_id)
     assert p["status"] == "Pending", "…but our commit never happened"
