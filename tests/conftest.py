@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
 from hypothesis import settings as hypothesis_settings
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
 from payments import breaker
 from payments.db import init_db, make_engine
@@ -54,7 +56,7 @@ def mariadb_engine():
     """An engine on the test MariaDB with the schema created once per session."""
     engine = make_engine(TEST_DATABASE_URL, pool_size=10)
     try:
-        _create_database(engine)
+        engine = _create_database(engine)
         with engine.connect() as conn:
             conn.execute(text("SELECT 1"))
     except Exception as exc:  # noqa: BLE001
@@ -63,32 +65,51 @@ def mariadb_engine():
     yield engine
     engine.dispose()
     if WORKER:
-        _drop_database(engine)
+        try:
+            _drop_database(engine.url)
+        except OperationalError as exc:  # the next session takes another name (see _create_database)
+            warnings.warn(f"could not drop {engine.url.database}: {exc.orig}", stacklevel=1)
 
 
-def _drop_database(engine) -> None:
+def _drop_database(url) -> None:
     """Drop a worker's database at the end of the session (the shared one is kept for a look after a failure)."""
-    server = make_engine(engine.url.set(database="").render_as_string(hide_password=False))
+    server = make_engine(url.set(database="").render_as_string(hide_password=False))
     try:
         with server.begin() as conn:
-            conn.execute(text(f"DROP DATABASE IF EXISTS `{engine.url.database}`"))
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{url.database}`"))
     finally:
         server.dispose()
 
 
-def _create_database(engine) -> None:
-    """Create the URL's database afresh, so each checkout has its own and init_db builds it from the first revision.
+def _create_database(engine):
+    """Create the URL's database afresh, so each checkout has its own and init_db builds it from the first revision;
+    return the engine on it.
 
     Dropped first: a database left by an earlier run of another branch may hold
-    tables its migrations do not know.
+    tables its migrations do not know. MariaDB cannot drop a database whose
+    directory holds a file it did not make (error 1010: a trigger's ``.TRG-``
+    backup, left when a session was killed mid-DDL, is one): then this session
+    takes a database of another name rather than fail every test.
     """
+    try:
+        _drop_database(engine.url)
+    except OperationalError as exc:
+        if exc.orig.args[0] != 1010:
+            raise
+        stuck = engine.url.database
+        engine.dispose()
+        engine = make_engine(
+            engine.url.set(database=f"{stuck}_{uuid.uuid4().hex[:6]}").render_as_string(hide_password=False),
+            pool_size=10,
+        )
+        warnings.warn(f"{stuck} cannot be dropped ({exc.orig}); this session uses {engine.url.database}", stacklevel=1)
     server = make_engine(engine.url.set(database="").render_as_string(hide_password=False))
     try:
         with server.begin() as conn:
-            conn.execute(text(f"DROP DATABASE IF EXISTS `{engine.url.database}`"))
             conn.execute(text(f"CREATE DATABASE `{engine.url.database}` CHARACTER SET utf8mb4"))
     finally:
         server.dispose()
+    return engine
 
 
 def truncate_all(engine) -> None:

@@ -201,7 +201,7 @@ def test_an_evaluator_of_another_database_on_the_same_server_does_not_stop_ours(
 
     other = make_engine(mariadb.url.set(database=f"{mariadb.url.database}_other").render_as_string(hide_password=False))
     try:
-        _create_database(other)
+        other = _create_database(other)
         t0 = utcnow()
         _rows(mariadb, [CallbackStatus.PENDING] * 101, t0)
         with named_lock(other, evaluate_alerts.LOCK_NAME) as held:

@@ -353,7 +353,7 @@ def test_a_planner_of_another_database_on_the_same_server_does_not_stop_ours(mar
 
     other = make_engine(mariadb.url.set(database=f"{mariadb.url.database}_other").render_as_string(hide_password=False))
     try:
-        _create_database(other)
+        other = _create_database(other)
         with FakeService("slack") as slack:
             runtime = _runtime(mariadb, tmp_path, ["slack"], slack_webhook_url=slack.url)
             t0 = utcnow()
