@@ -35,7 +35,7 @@ PYCACHE := env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/
 
 # The suite in parallel: TEST_WORKERS processes (xdist), each with its own MariaDB database, RabbitMQ vhost and
 # ports; the whole-stack runs start first (tests/conftest.py). Then the coverage table and its floors.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 6
 COVERAGE_ARGS ?= --cov --cov-report= --no-cov-on-fail
 test: venv
 	@rm -f .coverage .coverage.*

@@ -135,7 +135,8 @@ def parse_event(provider: str, payload: Any) -> CallbackEvent:
         raise MalformedCallback("event must be a JSON object")
     event_id = _text(payload, "id", 128)
     event_type = payload.get("type")
-    if event_type not in EVENT_TYPES:
+    # A list or an object is unhashable: looked up as it is, it would be a TypeError (a 500), not a bad event.
+    if not isinstance(event_type, str) or event_type not in EVENT_TYPES:
         raise MalformedCallback(f"unknown event type {str(event_type)[:64]!r}")
     data = payload.get("data")
     if not isinstance(data, dict):
