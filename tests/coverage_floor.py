@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         t = totals[name]
         floor = limits.get(name)
         print(
-            f"{name:<12} {t.statements:>7} {t.missing:>7} {t.lines:>6.1f}% {t.branch:>8.1f}% "
+            f"{name:<12} {t.statements:>7} {t.missing:>7} {t.lines:>6.2f}% {t.branch:>8.2f}% "
             f"{'' if floor is None else str(floor) + '%':>6}"
         )
         if floor is not None and t.lines < floor:
-            below.append(f"{name} {t.lines:.1f}% < {floor}%")
+            below.append(f"{name} {t.lines:.2f}% < {floor}%")
     if args.record:
         record(totals)
         print("floors recorded in pyproject.toml")
