@@ -237,7 +237,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fast: needs no service and no process of its own (`make test-fast`)")
 
 
-def _needs_a_service(item: pytest.Item) -> bool:
+def _uses_a_database_or_server(item: pytest.Item) -> bool:
     if set(getattr(item, "fixturenames", ())) & NOT_FAST_FIXTURES:
         return True
     callspec = getattr(item, "callspec", None)
@@ -265,7 +265,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """
     for item in items:
         if not (
-            _needs_a_service(item)
+            _uses_a_database_or_server(item)
             or item.get_closest_marker("server")
             or item.get_closest_marker("slow")
             or item.get_closest_marker("alone")
