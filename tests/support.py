@@ -127,25 +127,58 @@ def signed(event: dict[str, Any] | bytes, secret: str = SECRET, timestamp: int |
     return body, {signing.HEADER: signing.sign(secret, body, timestamp), "Content-Type": "application/json"}
 
 
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 _PORT_BLOCK = 1000
+_PORT_BLOCKS = 12
+"""Blocks of ports below the kernel's ephemeral range (32768 and up): 20000-20999, 21000-21999, ..., 31000-31999."""
+_PORT_LOCKS = Path(os.environ.get("PAYSYNC_TEST_PORT_LOCKS", "/tmp/paysync-test-ports"))
 _next_port = itertools.count()
 _port_lock = threading.Lock()
+_block: tuple[int, Any] | None = None
+"""This process's block: (first port, the open lock file that holds it)."""
+
+
+def _port_block() -> int | None:
+    """The first port of a block this test process holds alone, or None when every block is taken.
+
+    A block is held by an exclusive ``flock`` on its lock file for the life of
+    the process, so two pytest sessions on one machine (a developer's run beside
+    CI, or xdist workers of two runs, whose names are both gw0...gw5) never hand
+    out the same port: when blocks were named after the worker, a server of one
+    run could take a port the other run had just found free.
+    """
+    global _block
+    import fcntl
+
+    with _port_lock:
+        if _block is None:
+            _PORT_LOCKS.mkdir(parents=True, exist_ok=True)
+            for k in range(_PORT_BLOCKS):
+                handle = open(_PORT_LOCKS / f"block-{k}.lock", "w")  # noqa: SIM115 - held until the process ends
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    handle.close()
+                    continue
+                _block = (20000 + _PORT_BLOCK * k, handle)
+                break
+            else:
+                return None
+        return _block[0]
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on right now.
+    """A TCP port nobody listens on right now, from this process's own block of ports.
 
-    Under xdist each worker takes ports from a block of its own below the
-    kernel's ephemeral range (20000 + 1000 per worker), handed out in turn: a
-    port the kernel picks for one worker could otherwise be picked for another
-    worker's server in the moment before the first one binds it.
+    Ports come from a block below the kernel's ephemeral range that this
+    process holds alone (``_port_block``), handed out in turn: a port the kernel
+    picks could otherwise be picked again, for another process's server or for
+    an outgoing connection, in the moment before the caller binds it.
     """
-    if not _WORKER:
+    base = _port_block()
+    if base is None:  # more test processes than blocks: the kernel's pick, the best left
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    base = 20000 + _PORT_BLOCK * int(_WORKER.removeprefix("gw") or 0)
     for _ in range(_PORT_BLOCK):
         with _port_lock:
             port = base + next(_next_port) % _PORT_BLOCK

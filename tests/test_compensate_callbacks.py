@@ -67,15 +67,23 @@ def test_with_a_broker_the_sweep_leaves_rows_younger_than_the_grace_period_to_th
 
 
 def test_the_sweep_waits_for_next_retry_at_and_gives_up_after_max_retries(engine):
-    runtime = _runtime(engine, compensator_max_retries=4, retry_base_seconds=0.2, retry_max_seconds=0.4)
+    # Backoff long enough that no machine is slow enough to reach it by itself; the test moves next_retry_at
+    # into the past instead of sleeping, so "not due yet" is checked, not raced.
+    runtime = _runtime(engine, compensator_max_retries=4, retry_base_seconds=60, retry_max_seconds=120)
     log_id = _store(engine, f"pay_{uuid.uuid4().hex[:20]}")  # an order that never commits
     assert compensate_callbacks.run_once(runtime) == 1
     (row,) = callback_rows(engine)
     assert (row.status, row.retry_count) == (CallbackStatus.FAILED, 1)
-    assert compensate_callbacks.run_once(runtime) == 0, "not due yet: next_retry_at is in the future"
     sweeps = 1
     while callback_rows(engine)[0].status != CallbackStatus.GAVE_UP:
-        wait_until(lambda: callback_rows(engine)[0].next_retry_at <= utcnow(), timeout=5, message="due")
+        assert callback_rows(engine)[0].next_retry_at > utcnow() + timedelta(seconds=20), "backed off"
+        assert compensate_callbacks.run_once(runtime) == 0, "not due yet: next_retry_at is in the future"
+        with engine.begin() as conn:
+            conn.execute(
+                payment_callback_log.update()
+                .where(payment_callback_log.c.id == log_id)
+                .values(next_retry_at=utcnow() - timedelta(seconds=1))
+            )
         sweeps += compensate_callbacks.run_once(runtime)
         assert sweeps <= 4
     (row,) = callback_rows(engine)

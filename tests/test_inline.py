@@ -134,7 +134,8 @@ def test_callbacks_that_arrive_together_are_processed_in_one_transaction_each_wi
     from payments.callbacks import CallbackResult, store_callback
     from payments.runtime import build_runtime
 
-    runtime = build_runtime(make_settings(database_url=db_url(mariadb)), mariadb)
+    # The budget is not under test here, the grouping is: a budget no loaded machine overruns.
+    runtime = build_runtime(make_settings(database_url=db_url(mariadb), callback_inline_budget_seconds=60), mariadb)
     inline = InlineProcessor(runtime, threads=40)
     paid = [create_payment(mariadb, amount=700 + n) for n in range(30)]
     settled = create_payment(mariadb, status="Succeeded", provider_transaction_id="ch_settled", amount=900)
@@ -164,10 +165,11 @@ def test_callbacks_that_arrive_together_are_processed_in_one_transaction_each_wi
 
     threads = [threading.Thread(target=process, args=(log_id,)) for log_id in [usual[0], *usual[1:], noop, unknown]]
     threads[0].start()
-    time.sleep(0.1)
+    wait_until(lambda: len(sizes) == 1, timeout=10, message="the first callback is being written")
     for t in threads[1:]:
         t.start()
-    time.sleep(0.3)
+    # Known, not slept on: every other callback waits in the group commit behind the first one's write.
+    wait_until(lambda: len(inline._group._queue) == 31, timeout=10, message="31 callbacks waiting in the group")
     first_group.set()
     for t in threads:
         t.join(10)
