@@ -291,3 +291,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 hypothesis_settings.register_profile("default", deadline=None)
 hypothesis_settings.register_profile("fast", deadline=None, max_examples=FAST_EXAMPLES)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+# Servers that many modules share, one per test process (their modules say why). Imported last: tests.hostile
+# imports truncate_all from this module.
+from tests.hostile import gateway  # noqa: E402, F401
+from tests.sandbox_process import sandbox, sandbox_process  # noqa: E402, F401

@@ -80,9 +80,13 @@ class Gateway:
             assert time.monotonic() - started < 2, "a gateway worker is stalled"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gateway(mariadb_engine, tmp_path_factory):
-    """The gateway under gunicorn with 2 workers, no broker, the sandbox provider; stopped after the module."""
+    """The gateway under gunicorn with 2 workers, no broker, the sandbox provider: one per test process.
+
+    Per worker, not per module (see tests/sandbox_process.py): the modules that use it
+    only ever add rows of their own, and every test truncates what it used.
+    """
     truncate_all(mariadb_engine)
     tmp = tmp_path_factory.mktemp("hostile")
     env = {

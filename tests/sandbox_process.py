@@ -70,9 +70,13 @@ def start_sandbox(tmp: Path, callback_url: str | None = None, **env: str) -> San
     return Sandbox(f"http://127.0.0.1:{port}", port, proc)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sandbox_process(tmp_path_factory):
-    """One sandbox process per test module."""
+    """One sandbox process per test process (xdist worker), reset for each test by ``sandbox``.
+
+    Per worker, not per module: under ``--dist load`` a worker runs tests of many
+    modules in turn, and a module-scoped process was started again at every turn.
+    """
     sb = start_sandbox(tmp_path_factory.mktemp("sandbox"))
     yield sb
     sb.proc.stop()

@@ -31,7 +31,6 @@ from tests.outbound_support import (
     row,
     runtime,  # noqa: F401
 )
-from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.support import make_settings
 
 

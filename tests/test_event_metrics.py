@@ -9,7 +9,6 @@ from compensator import evaluate_alerts, notify_alerts, relay_outbox
 from payments.db import utcnow
 from tests.notify_fakes import FakeService
 from tests.outbound_support import new_payment, runtime  # noqa: F401
-from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.test_notify_alerts import _backlog
 from tests.test_notify_alerts import _runtime as notify_runtime
 

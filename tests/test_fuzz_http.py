@@ -19,7 +19,6 @@ from sqlalchemy import func, select
 
 from payments.schema import payment
 from sandbox import signing
-from tests.hostile import gateway  # noqa: F401 - the module's gateway fixture
 from tests.support import SECRET, sandbox_event
 
 pytestmark = [pytest.mark.mariadb, pytest.mark.slow]

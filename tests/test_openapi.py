@@ -18,7 +18,7 @@ from schemathesis.config import ChecksConfig, SchemathesisConfig
 from gateway import create_app
 from payments.charges import ISO_4217, InvalidRequest, parse_create
 from payments.refunds import parse_refund
-from tests.hostile import MERCHANT_TOKEN, gateway  # noqa: F401 - the module's gateway fixture
+from tests.hostile import MERCHANT_TOKEN
 from tests.support import make_settings
 
 MERCHANT_PREFIX = "/payments"

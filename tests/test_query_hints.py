@@ -30,7 +30,6 @@ from payments.schema import payment, payment_callback_log, query_hint, refund
 from payments.sources import client_address
 from payments.states import CallbackStatus
 from tests.outbound_support import new_payment, row, runtime  # noqa: F401
-from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.support import create_payment, sandbox_event, signed
 
 STRANGER = "whsec_not_ours_" + "s" * 20

@@ -24,7 +24,6 @@ from tests.outbound_support import (
     row,
     runtime,  # noqa: F401
 )
-from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 
 
 def test_a_processing_charge_stays_pending_and_is_queried_later(runtime, sandbox):

@@ -45,7 +45,6 @@ from payments.schema import (
     settlement_line,
 )
 from payments.states import PaymentStatus
-from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.support import API_KEY, SECRET, create_payment, free_port, make_settings
 from tests.test_ledger import confirm, create_refund
 from tests.test_reconcile import assert_balanced, count, items, status_of

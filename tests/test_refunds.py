@@ -28,7 +28,6 @@ from payments.providers.base import RefundRequest, Succeeded
 from payments.refunds import create_refund, digest
 from payments.schema import idempotency_request, ledger_event, manual_review, outbox, payment, provider_call, refund
 from tests.outbound_support import new_payment, row, runtime  # noqa: F401
-from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.support import make_settings, sandbox_event, signed
 
 TOKEN = "test-merchant-token"

@@ -23,7 +23,6 @@ from payments.schema import outbox, payment, provider_call
 from payments.states import OutboxStatus
 from tests.fake_provider import FakeProvider
 from tests.outbound_support import calls, domain_events, expire_leases, make_due, new_payment, reviews, row
-from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.support import make_settings
 
 

@@ -16,7 +16,6 @@ import pytest
 
 from payments.providers.base import ChargeRequest, Failed, Mismatch, NotFound, Pending, Succeeded, Unknown
 from payments.providers.sandbox import LegacySandboxProvider, SandboxProvider, read_answer, read_charge
-from tests.sandbox_process import sandbox, sandbox_process  # noqa: F401
 from tests.support import API_KEY, SECRET, free_port
 
 REQ = ChargeRequest("pay_1", 1000, "CNY")

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from payments import logs
 from payments.logs import JsonFormatter, scrub, scrub_logger
-from tests.hostile import MERCHANT_TOKEN, OPS_TOKEN, gateway  # noqa: F401 - the module's gateway fixture
+from tests.hostile import MERCHANT_TOKEN, OPS_TOKEN
 from tests.support import wait_until
 
 # --- generated card numbers and secrets --------------------------------------------------------------------

@@ -21,7 +21,7 @@ from sqlalchemy import func, select
 from gateway import create_app
 from payments.schema import ledger_event, payment, payment_callback_log
 from sandbox import signing
-from tests.hostile import MERCHANT_TOKEN, OPS_TOKEN, SECRETS, gateway  # noqa: F401 - the module's gateway fixture
+from tests.hostile import MERCHANT_TOKEN, OPS_TOKEN, SECRETS
 from tests.leaks import leaks_in, scan_logs
 from tests.support import SECRET, create_payment, make_settings, sandbox_event, signed
 
