@@ -15,7 +15,7 @@ WEB_THREADS threads per worker, fewer stalled clients than that cannot take a
 worker's last thread, and /healthz keeps answering (tests/test_hostile_clients.py).
 The timeout is per read: a client trickling a byte every few seconds still
 holds a thread, so in front of the internet put a buffering proxy or load
-balancer (README "Deploying safely").
+balancer (docs/operations/deploying.md).
 
 Metrics: every worker counts into prometheus-client's multiprocess directory
 (WEB_METRICS_DIR, or a private temporary one per master), so ``/metrics``

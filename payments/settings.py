@@ -85,7 +85,7 @@ def _database_url(name: str, raw: str) -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    """Every setting paysync reads, with its default. See README "Settings"."""
+    """Every setting paysync reads, with its default (docs/reference/settings.md is generated from these docs)."""
 
     database_url: str = DEFAULT_DATABASE_URL
     """SQLAlchemy URL; mysql+pymysql://… in production, SQLite file by default."""

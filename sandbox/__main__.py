@@ -13,7 +13,7 @@ the webhook dispatcher a background thread inside that worker:
 - gunicorn rather than werkzeug's threaded server, because werkzeug closes the
   connection after every response: measured here with wrk (16 connections, no
   faults) gthread with keep-alive answered 553 charges/s against 368 for
-  werkzeug, and it brings a graceful SIGTERM for free (README "Sandbox").
+  werkzeug, and it brings a graceful SIGTERM for free (docs/providers/sandbox.md).
 
 SIGTERM/SIGINT: the worker stops accepting, finishes the requests in hand
 (parked ones included, up to the graceful timeout), stops the dispatcher
