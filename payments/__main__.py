@@ -1,5 +1,5 @@
 """``python -m payments``: ``init-db`` migrates the schema, ``schema-sql`` prints the MySQL DDL,
-``migration-diff`` drafts the next migration."""
+``migration-diff`` drafts the next migration, ``settings-reference`` writes docs/reference/settings.md."""
 
 from __future__ import annotations
 
@@ -27,7 +27,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a scratch database to upgrade to head and compare (default: a throwaway SQLite file)",
     )
     diff.add_argument("-m", "--message", default="describe the change", help="the draft revision's title")
+    reference = sub.add_parser(
+        "settings-reference", help="write docs/reference/settings.md from the settings' field docs"
+    )
+    reference.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file is out of date")
     args = parser.parse_args(argv)
+    if args.command == "settings-reference":
+        return _settings_reference(check=args.check)
     if args.command == "schema-sql":
         sys.stdout.write(schema_sql())
         return 0
@@ -56,6 +62,27 @@ def _init_db(url: str) -> int:
         if done.recognised_unversioned:
             was = "made before migrations, recognised as revision 0001"
         print(f"schema upgraded to revision {done.after} in {where} (was {was})")
+    return 0
+
+
+def _settings_reference(check: bool) -> int:
+    from payments import settings_reference
+
+    path = settings_reference.REFERENCE_PATH
+    if check:
+        found = settings_reference.problems(path.read_text(encoding="utf-8") if path.exists() else "")
+        for problem in found:
+            print(f"{path.name}: {problem}", file=sys.stderr)
+        if found:
+            print(f"regenerate it: {settings_reference.REGENERATE}", file=sys.stderr)
+        return 1 if found else 0
+    count = settings_reference.write(path)
+    shown = (
+        path.relative_to(settings_reference.PROJECT_ROOT)
+        if path.is_relative_to(settings_reference.PROJECT_ROOT)
+        else path
+    )
+    print(f"settings-reference: wrote {count} settings to {shown}")
     return 0
 
 
