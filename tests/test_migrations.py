@@ -395,9 +395,9 @@ def test_three_init_db_processes_at_once_build_the_schema_once(scratch):
     ]
     outputs = [p.communicate(timeout=120) for p in processes]
     assert [p.returncode for p in processes] == [0, 0, 0], outputs
-    said = sorted(out.split(" in ")[0] for out, _ in outputs)
+    said = sorted(out.split(" in ")[0].split(" to ")[0] for out, _ in outputs)
     head = head_revision()
-    assert said == [f"schema already at revision {head}"] * 2 + [f"schema upgraded to revision {head}"], outputs
+    assert said == [f"init-db: already at head {head}"] * 2 + [f"init-db: applied {FIRST_REVISION}..{head}"], outputs
     assert schema_differences(engine) == []
 
 
