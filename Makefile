@@ -20,7 +20,7 @@ venv: $(STAMP)
 
 run: venv
 	@mkdir -p var
-	PAYSYNC_ENV=$(PAYSYNC_ENV) $(BIN)/python -m payments init-db
+	@PAYSYNC_ENV=$(PAYSYNC_ENV) $(BIN)/python -m payments init-db
 	@echo ""
 	@echo "  gateway  http://127.0.0.1:$(PORT)   (POST /callbacks/sandbox, POST /payments, GET /readyz)"
 	@echo "  sandbox  http://127.0.0.1:$(SANDBOX_PORT)   (the simulated payment platform)"
