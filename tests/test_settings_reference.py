@@ -13,7 +13,7 @@ PAGE = settings_reference.REFERENCE_PATH
 def test_the_committed_reference_is_what_the_code_generates():
     found = settings_reference.problems(PAGE.read_text(encoding="utf-8"))
     assert found == [], (
-        f"docs/reference/settings.md is out of date with payments/settings.py; regenerate it with "
+        f"docs/reference/settings.md is out of date with {settings_reference.SOURCE}; regenerate it with "
         f"`{settings_reference.REGENERATE}` and commit the result:\n  " + "\n  ".join(found)
     )
 
@@ -21,7 +21,7 @@ def test_the_committed_reference_is_what_the_code_generates():
 def test_every_setting_has_a_real_description():
     docs = settings_reference.field_docs()
     thin = [f.name for f in dataclasses.fields(Settings) if len(docs.get(f.name, "").split()) < 4]
-    assert thin == [], f"settings without a real docstring in payments/settings.py: {thin}"
+    assert thin == [], f"settings without a real docstring in {settings_reference.SOURCE}: {thin}"
 
 
 def test_every_setting_has_one_row_with_its_default_and_its_docstring():
