@@ -218,7 +218,8 @@ class Settings:
     """A claimed domain event is invisible to other publish_events runs this long (a dead run gives it back after);
     at least 2 × MERCHANT_WEBHOOK_TIMEOUT_SECONDS + 30."""
     retry_base_seconds: float = 2.0
-    """First retry delay of a failed callback; base × 2^(n-1), capped at RETRY_MAX_SECONDS, with equal jitter."""
+    """First retry delay of a failed callback, outbox send or event delivery: base × 2^(n-1), capped at
+    RETRY_MAX_SECONDS, with equal jitter."""
     retry_max_seconds: float = 3600.0
     """Cap on one retry delay."""
     alert_rules_file: str = ""
