@@ -8,7 +8,7 @@ SANDBOX_PORT ?= 8100
 # `make run` is for a developer's machine: development fills in dev tokens and secrets, and says so once.
 PAYSYNC_ENV ?= development
 
-.PHONY: run test test-fast test-serial lint format venv import-graph chaos bench bench-charts bench-ingest bench-drain bench-charges bench-charge-parts bench-events bench-reconcile clean
+.PHONY: run test test-fast test-serial lint format venv import-graph settings-reference chaos bench bench-charts bench-ingest bench-drain bench-charges bench-charge-parts bench-events bench-reconcile clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "paysync needs Python 3.11 or newer")'
@@ -20,7 +20,7 @@ venv: $(STAMP)
 
 run: venv
 	@mkdir -p var
-	PAYSYNC_ENV=$(PAYSYNC_ENV) $(BIN)/python -m payments init-db
+	@PAYSYNC_ENV=$(PAYSYNC_ENV) $(BIN)/python -m payments init-db
 	@echo ""
 	@echo "  gateway  http://127.0.0.1:$(PORT)   (POST /callbacks/sandbox, POST /payments, GET /readyz)"
 	@echo "  sandbox  http://127.0.0.1:$(SANDBOX_PORT)   (the simulated payment platform)"
@@ -58,6 +58,10 @@ lint: venv
 # Which of our packages imports which; fails on an edge the design does not allow (tests/import_graph.py).
 import-graph: venv
 	$(BIN)/python -m tests.import_graph
+
+# docs/reference/settings.md from the field docs in payments/settings.py (tests/test_settings_reference.py checks it).
+settings-reference: venv
+	$(BIN)/python -m payments settings-reference
 
 format: venv
 	$(BIN)/ruff check --fix .

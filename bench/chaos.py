@@ -92,7 +92,7 @@ TUNING = {
     # A request whose worker was killed holds its key this long before the merchant's retry may take over.
     "IDEMPOTENCY_LOCK_SECONDS": "5",
 }
-"""Settings that shorten the timers so a run converges in minutes (README "Settings" explains each)."""
+"""Settings that shorten the timers so a run converges in minutes (docs/reference/settings.md explains each)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """What the chaos run checks once the system has converged: one Row per invariant, each with its figure.
 
 The database is read with plain SQL on the table and column names of the
-external contract (DESIGN.md section 3), never through paysync's modules, so
+external contract (docs/design.md section 3), never through paysync's modules, so
 the harness keeps working while their insides change. Rows that hold for
 every provider live here; each mix adds the rows that need its provider's
 own truth (``chaos_mix``).

@@ -44,7 +44,7 @@ Command = Callable[[list[str]], subprocess.CompletedProcess]
 
 CURRENCIES = ("CNY", "CNY", "CNY", "USD", "EUR", "JPY")
 UNEXPLAINED = ("amount_mismatch", "status_mismatch", "provider_only", "local_only", "unreadable")
-"""Reconciliation categories a person must look at (README "Reconciliation"), as the run's JSON names them."""
+"""Reconciliation categories a person must look at (docs/flows/reconciliation.md), as the run's JSON names them."""
 """Several currencies, so "balanced per currency" means something; CNY most often."""
 
 

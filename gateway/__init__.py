@@ -22,12 +22,12 @@ log = logging.getLogger("paysync.gateway")
 
 
 def error_body(code: str, message: str) -> bytes:
-    """The JSON error shape of DESIGN.md section 5, as bytes (what Flask's jsonify writes for it)."""
+    """The JSON error shape of docs/design.md section 5, as bytes (what Flask's jsonify writes for it)."""
     return json.dumps({"error": {"code": code, "message": message}}, separators=(",", ":")).encode() + b"\n"
 
 
 def error_response(code: str, message: str, status: int, headers: dict[str, str] | None = None) -> Any:
-    """The JSON error shape of DESIGN.md section 5, as a Flask response."""
+    """The JSON error shape of docs/design.md section 5, as a Flask response."""
     response = Response(error_body(code, message), status, content_type="application/json")
     for key, value in (headers or {}).items():
         response.headers[key] = value

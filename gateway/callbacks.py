@@ -76,14 +76,14 @@ class Answer(NamedTuple):
 
 
 def error_answer(code: str, message: str, status: int, headers: Mapping[str, str] | None = None) -> Answer:
-    """The JSON error shape of DESIGN.md section 5 (``gateway.error_body``) as an Answer."""
+    """The JSON error shape of docs/design.md section 5 (``gateway.error_body``) as an Answer."""
     return Answer(status, error_body(code, message), "application/json", tuple((headers or {}).items()))
 
 
 def receive_delivery(
     paysync: Mapping[str, Any], provider_name: str, environ: Mapping[str, Any], request_id: str | None
 ) -> Answer:
-    """Receive one provider notification (see DESIGN.md section 1 for the order of work).
+    """Receive one provider notification (see docs/design.md section 1 for the order of work).
 
     ``paysync`` is what ``create_app`` put in ``app.extensions["paysync"]``.
     Raises ClientDisconnected for a request cut short (nothing is stored).

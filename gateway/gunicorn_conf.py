@@ -15,7 +15,7 @@ WEB_THREADS threads per worker, fewer stalled clients than that cannot take a
 worker's last thread, and /healthz keeps answering (tests/test_hostile_clients.py).
 The timeout is per read: a client trickling a byte every few seconds still
 holds a thread, so in front of the internet put a buffering proxy or load
-balancer (README "Deploying safely").
+balancer (docs/operations/deploying.md).
 
 Metrics: every worker counts into prometheus-client's multiprocess directory
 (WEB_METRICS_DIR, or a private temporary one per master), so ``/metrics``
@@ -26,6 +26,7 @@ must), and a private directory is removed on exit. The variable must be set
 before a worker imports prometheus_client, which is why it is set here.
 """
 
+import logging
 import os
 import shutil
 import socket
@@ -66,6 +67,10 @@ accesslog = None  # the gateway logs what matters; a line per request costs thro
 # gunicorn's control socket has one default path per user; several gateways on one host (tests,
 # benchmarks, blue/green) would fight over it, and nothing here uses it.
 control_socket_disable = True
+# gunicorn's own start-up lines (its version, the worker class, each worker booting: four and more at INFO) are
+# noise beside the one line when_ready writes, where a developer starts everything at once (`make run`); in
+# production they stay, as operators read worker restarts there. LOG_LEVEL=DEBUG brings them back in development.
+loglevel = "warning" if _settings.paysync_env == "development" and _settings.log_level != "DEBUG" else "info"
 
 
 def _read_timeout(seconds: float) -> bytes:
@@ -84,6 +89,12 @@ def when_ready(server) -> None:  # noqa: ANN001 - gunicorn's hook signature
         listener.sock.setsockopt(
             socket.SOL_SOCKET, socket.SO_RCVTIMEO, _read_timeout(_settings.web_read_timeout_seconds)
         )
+    logging.getLogger("paysync.web").info(
+        "gateway listening on %s (%d workers, %d threads each)",
+        ", ".join(str(listener) for listener in server.LISTENERS),
+        _settings.web_workers,
+        _settings.web_threads,
+    )
 
 
 def post_worker_init(_worker) -> None:  # noqa: ANN001 - gunicorn's hook signature

@@ -9,7 +9,7 @@ The gateway publishes, after the raw row committed, a JSON message::
 bounded by CALLBACK_MAX_BODY_BYTES (``max_message_bytes``). The row stays the
 truth; the message makes an acknowledged callback survive the database losing
 its last transactions (a failover to a replica that missed them, a restore
-from backup): DESIGN.md invariant 12.
+from backup): docs/design.md invariant 12.
 
 ``process_delivery`` is what the consumer does with one message:
 
@@ -37,7 +37,7 @@ becomes a restored row's receipt time, which the provider's timestamp
 tolerance is checked against, and a restored row is a row nobody else
 vouched for. So a message without a valid signature under one of the listed
 secrets (rotation: every one verifies) is ``ForgedMessage``, and goes to the
-dead-letter queue with an alert, changing nothing (DESIGN.md invariant 16).
+dead-letter queue with an alert, changing nothing (docs/design.md invariant 16).
 
 A message of the earlier format, ``{"log_id": N, "sig": …}``, is still
 processed by its id (a row is always verified again); one of the format

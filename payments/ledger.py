@@ -7,7 +7,7 @@ a new event. ``dedupe_key`` is UNIQUE, so one business effect can be recorded
 once only, whatever races above it. ``compensator/seal_ledger.py`` chains the
 committed events into a SHA-256 chain shortly after they are written.
 
-Chart of accounts (README "Ledger" has the table of which event posts what):
+Chart of accounts (docs/flows/ledger.md has the table of which event posts what):
 
 - ``assets:provider:<provider>``: provider receivable, the money a provider
   holds for us (confirmed charges minus confirmed refunds and fees, plus or

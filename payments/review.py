@@ -4,7 +4,7 @@
 an alert for a (kind, subject), or, while that subject's review is still
 open, updates the open one (reason, details, ``occurrences``,
 ``last_seen_at``) and raises nothing new. A conflicting answer seen again and
-again is therefore one review and one alert, never a loop of them (DESIGN.md
+again is therefore one review and one alert, never a loop of them (docs/design.md
 invariant 13). The UNIQUE ``open_key`` (``<kind>:<subject>`` while open, NULL
 once resolved) holds that even against concurrent writers; ``resolve`` frees
 the subject, and a later escalation opens a fresh review.

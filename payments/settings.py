@@ -85,10 +85,11 @@ def _database_url(name: str, raw: str) -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    """Every setting paysync reads, with its default. See README "Settings"."""
+    """Every setting paysync reads, with its default (docs/reference/settings.md is generated from these docs)."""
 
     database_url: str = DEFAULT_DATABASE_URL
-    """SQLAlchemy URL; mysql+pymysql://… in production, SQLite file by default."""
+    """SQLAlchemy URL (`mysql+pymysql://…` in production; a SQLite file in var/ by default); on MySQL/MariaDB a
+    `charset=` other than `utf8mb4` (the default) is refused."""
     amqp_url: str = ""
     """RabbitMQ URL; empty means no broker (the compensator alone converges)."""
     broker_message_secret: tuple[str, ...] = ()
@@ -109,13 +110,19 @@ class Settings:
     web_read_timeout_seconds: float = 5.0
     """A client that sends nothing for this long in the middle of a request is dropped (SO_RCVTIMEO)."""
     merchant_api_token: tuple[str, ...] = ()
-    """Bearer token(s) of the merchant API, comma-separated for rotation: every one is accepted."""
+    """Bearer token(s) of the merchant API, comma-separated for rotation: every one is accepted; in production ≥ 24
+    characters, ≥ 8 distinct, and no value shared with another secret setting."""
     ops_token: tuple[str, ...] = ()
-    """Bearer token(s) for /ops/… (and /metrics from outside METRICS_ALLOW_CIDRS)."""
+    """Bearer token(s) of `/ops/…` (and of `/metrics` from outside METRICS_ALLOW_CIDRS); in production ≥ 24
+    characters, 8 distinct, none shared with another secret setting."""
     ops_readonly_token: tuple[str, ...] = ()
-    """Token(s) that log in to the ops console to read only (no replay, no review actions); empty: no such role."""
+    """Token(s) that log in to the ops console to read only (no replay, no review actions); empty: no such role. Once
+    set, held to the production rules of MERCHANT_API_TOKEN (no development default either), and none may equal an
+    OPS_TOKEN."""
     metrics_token: tuple[str, ...] = ()
-    """Bearer token(s) that may scrape /metrics and nothing else (give Prometheus this, not OPS_TOKEN); empty: none."""
+    """Bearer token(s) that may scrape `/metrics` (gateway, consumer, compensator) and nothing else: give Prometheus
+    this, not OPS_TOKEN; empty: none. Once set, held to the production rules of the other tokens and shared with
+    none."""
     metrics_allow_cidrs: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
     """Sources that may scrape /metrics without a token (comma-separated CIDRs; the client as TRUSTED_PROXIES
     names it; empty: token only). Loopback by default: a private range holds every other tenant of the network."""
@@ -128,7 +135,8 @@ class Settings:
     metrics_bind_address: str = "127.0.0.1"
     """Address the consumer's and compensator's metrics ports listen on (METRICS_ALLOW_CIDRS applies too)."""
     web_metrics_dir: str = ""
-    """prometheus-client multiprocess directory of the gateway's workers; empty: a private one per gunicorn master."""
+    """prometheus-client multiprocess directory of the gateway's workers; empty: a private temporary one per gunicorn
+    master (emptied at start, removed at exit)."""
     callback_retention_days: int = 90
     """cleanup archives, then deletes, processed callback rows (status 1) older than this; 0: keep them."""
     rejected_retention_days: int = 30
@@ -140,8 +148,9 @@ class Settings:
     cleanup_interval_seconds: float = 3600.0
     """How often the compensator runs cleanup."""
     sandbox_webhook_secret: tuple[str, ...] = ()
-    """Secret(s) that verify the sandbox platform's notifications (rotation: every one is accepted); with
-    SANDBOX_API_KEY it enables the sandbox provider."""
+    """Secret(s) that verify the sandbox platform's notifications (every one is accepted: rotation; the platform
+    signs with the first of the same variable); with SANDBOX_API_KEY it enables the `sandbox` provider; ≥ 24
+    characters in production."""
     sandbox_api_url: str = "http://127.0.0.1:8100"
     """Where paysync calls the sandbox payment platform."""
     sandbox_source_cidrs: tuple[str, ...] = ()
@@ -168,7 +177,8 @@ class Settings:
     callback_tolerance_seconds: int = 300
     """How old a signed callback timestamp may be (replay protection)."""
     callback_process_inline: bool | None = None
-    """The gateway processes each callback before acknowledging it; None (unset): true when there is no broker."""
+    """The gateway processes each callback before acknowledging it (after storing and publishing it); unset: true
+    when there is no broker, false with one."""
     callback_inline_budget_seconds: float = 2.0
     """How long inline processing may hold the acknowledgement; past it the row is left to consumer and sweep."""
     publish_timeout_seconds: float = 0.5
@@ -177,7 +187,9 @@ class Settings:
     """How long the gateway's publisher waits after a callback for others to share its message (0: publish at once).
     The answer to the provider never waits for it; only the consumer's fast path starts this much later."""
     publish_batch_max: int = 100
-    """Most callbacks the gateway packs into one broker message (1: a message each, the format before batching)."""
+    """Most callbacks the gateway packs into one broker message (`{"deliveries": [...]}`, each entry the message of
+    one delivery, the whole no larger than a message of one delivery may be); 1: a message per callback, the format
+    before batching."""
     consumer_prefetch: int = 100
     """Unacknowledged messages the consumer holds at once (two batches: the next arrives while one is processed)."""
     consumer_batch_size: int = 50
@@ -194,7 +206,8 @@ class Settings:
     compensator_rate_limit: float = 1000.0
     """Upper bound on callback rows processed per second by one compensator."""
     compensator_concurrency: int = 4
-    """Callback rows one compensator processes at once (each in its own transaction and connection)."""
+    """Chunks of claimed callback rows (up to 50 each, processed like a consumer's batch) one compensator processes
+    at once (1–8), each in its own transaction and connection."""
     compensator_lease_seconds: float = 120.0
     """A claimed batch of callback rows is invisible to other sweeps this long (longer if the rate limit needs it)."""
     evaluate_alerts_interval_seconds: float = 15.0
@@ -202,19 +215,23 @@ class Settings:
     publish_events_interval_seconds: float = 1.0
     """How often publish_events runs: events reach the merchant within about this long."""
     events_lease_seconds: float = 120.0
-    """A claimed domain event is invisible to other publish_events runs this long (a dead run gives it back after)."""
+    """A claimed domain event is invisible to other publish_events runs this long (a dead run gives it back after);
+    at least 2 × MERCHANT_WEBHOOK_TIMEOUT_SECONDS + 30."""
     retry_base_seconds: float = 2.0
-    """First retry delay; doubles each attempt, with jitter."""
+    """First retry delay of a failed callback, outbox send or event delivery: base × 2^(n-1), capped at
+    RETRY_MAX_SECONDS, with equal jitter."""
     retry_max_seconds: float = 3600.0
     """Cap on one retry delay."""
     alert_rules_file: str = ""
-    """TOML file of alert rules (threshold, window, cooldown, severity, channels); empty: ops/alert_rules.toml."""
+    """TOML file of alert rules (thresholds, windows, sustain, cooldowns, severities, channels); empty:
+    ops/alert_rules.toml. Replaces ALERT_BACKLOG_* and ALERT_FAILURE_*, which are refused now."""
     alert_notify_max_attempts: int = 8
     """Failed attempts at one notification on one channel before it gives up (alert_channel_failing fires)."""
     alert_notify_retry_base_seconds: float = 15.0
-    """First retry delay of a failed notification; doubles each attempt, with jitter …"""
+    """First retry delay of a failed notification: base × 2^(n-1), capped at ALERT_NOTIFY_RETRY_MAX_SECONDS, with
+    equal jitter (or the service's Retry-After if longer)."""
     alert_notify_retry_max_seconds: float = 600.0
-    """… capped at this."""
+    """Cap on one notification retry delay."""
     alert_channel_timeout_seconds: float = 10.0
     """Timeout of one send on one channel (connect and each read)."""
     smtp_host: str = ""
@@ -230,13 +247,14 @@ class Settings:
     smtp_from: str = ""
     """Sender address of alert mails."""
     smtp_to: tuple[str, ...] = ()
-    """Comma-separated recipient addresses."""
+    """Comma-separated recipient addresses of the email channel's alert mails."""
     smtp_ca_file: str = ""
     """PEM bundle to verify the SMTP server's certificate with instead of the system's CAs (a private CA)."""
     sms_gateway_url: str = ""
     """Generic HTTP SMS gateway; with SMS_RECIPIENTS it enables the sms channel."""
     sms_gateway_template: str = '{"to": "{{phone}}", "text": "{{text}}"}'
-    """JSON body sent to the gateway: placeholders {{phone}} or {{phones}}, {{text}}, {{title}}, {{rule}}, …"""
+    """JSON body sent to the SMS gateway; placeholders `{{phone}}` or `{{phones}}`, `{{text}}`, `{{title}}`,
+    `{{message}}`, `{{rule}}`, `{{severity}}`, `{{kind}}` (an unknown one stops the process)."""
     sms_gateway_token: tuple[str, ...] = ()
     """Bearer token(s) for the gateway, comma-separated (the first is sent); empty: no Authorization header."""
     sms_recipients: tuple[str, ...] = ()
@@ -279,11 +297,14 @@ class Settings:
     """How long POST /payments waits for the charge to a payer-scans provider (Alipay, WeChat Pay) to return its QR
     code, sent at once through the relay's own path; past it the answer is Created and the relay finishes. 0: off."""
     provider_timeout_seconds: float = 10.0
-    """Read timeout of one outbound provider call; past it the outcome is Unknown."""
+    """Read timeout of one outbound provider call; past it the outcome is Unknown. A claimed relay or query row is
+    leased for its wait at the rate limiter (2 × RELAY_CONCURRENCY / PROVIDER_RATE_LIMIT) + 2 × this + 3 s."""
     provider_rate_limit: float = 50.0
     """Outbound calls per second to one provider, per compensator process (and per gateway process, inline charges)."""
     relay_interval_seconds: float = 0.2
-    """How often relay_outbox polls for ChargeRequested rows (keeps creation-to-provider latency low)."""
+    """How long an idle relay run polls (every 50 ms) before the next begins: the relay runs back to back in a thread
+    of the compensator, not on the scheduler, so it never logs APScheduler's "maximum number of running instances"
+    for itself."""
     relay_concurrency: int = 256
     """Provider calls relay_outbox keeps in flight at once: cheap slots (a thread asleep on a socket), so
     calls hanging until their timeout do not starve the rest."""
@@ -294,7 +315,7 @@ class Settings:
     the rest wait their turn holding no connection. A few keep a small database busy: more only queue for the
     connection pool and the interpreter lock, and every transaction takes longer."""
     relay_max_seconds: float = 30.0
-    """One relay_outbox run stops claiming after this long (the scheduler starts the next one)."""
+    """One relay_outbox run stops claiming after this long; the next run begins when it ends."""
     query_interval_seconds: float = 1.0
     """How often query_unresolved looks for payments to query."""
     query_pending_after_seconds: float = 60.0
@@ -304,23 +325,31 @@ class Settings:
     query_max_seconds: float = 600.0
     """Cap on one query delay."""
     query_not_found_grace_seconds: float = 60.0
-    """A NotFound this soon after the last send is not believed yet (the charge may not be visible): no re-send."""
+    """A query's NotFound this soon after the last send ended is not believed yet: no re-send (nor ever after a send
+    the provider answered Pending). Counted from the end of the last call that may have reached the provider (its
+    recorded end; with none recorded, in flight or its process killed, the end of its lease), never from when it was
+    prepared: a request can wait for a slot and hang until its timeout after that; a send answered 429, or recorded
+    as never sent, did nothing and starts no grace."""
     provider_key_lifetime_seconds: float = 82800.0
-    """How long a provider that dedupes by idempotency key (Stripe, the sandbox) is taken to remember one, from
-    the payment's (or refund's) creation: past it the key is never sent again (Stripe keeps one about 24 h)."""
+    """How long a provider that dedupes by idempotency key (Stripe, the sandbox) is taken to remember a payment's or
+    refund's key, counted from its creation (60 to 86400; 23 h by default). Past it the key is never sent again: a
+    lost outcome is queried instead, and a NotFound past the grace, or a provider that cannot be queried, goes to the
+    manual queue (Stripe keeps a key about 24 h, after which the same key makes a new charge)."""
     hint_query_interval_seconds: float = 60.0
     """An unverified notification brings its payment's query forward at most once this often (per payment)."""
     hint_queries_per_minute: int = 60
     """At most this many queries a minute are brought forward by unverified notifications, per provider."""
     trusted_proxies: tuple[str, ...] = ()
-    """Networks of the proxies in front of the gateway: only their X-Forwarded-For (source checks, the ops console's
-    client address) and X-Forwarded-Proto (the ops cookie's Secure flag) are believed."""
+    """Networks of our own proxies in front of the gateway: only their X-Forwarded-For is believed (the rightmost hop
+    not in this list is the client: what source checks judge, what is stored as the callback's remote address, and
+    the client the ops console counts failed logins for), and only their X-Forwarded-Proto makes the ops cookie
+    Secure."""
     payment_deadline_seconds: int = 86400
     """A payment unresolved this long after creation goes to manual review with an alert."""
     refund_deadline_seconds: int = 86400
     """A refund unresolved this long after it was requested goes to manual review with an alert."""
     breaker_failure_threshold: int = 5
-    """Consecutive timeouts/5xx from one provider that open its circuit breaker."""
+    """Consecutive Unknowns (timeouts, 5xx) from one provider that open its circuit breaker."""
     breaker_open_seconds: float = 5.0
     """First pause once the breaker opens; doubles on every failed probe, with jitter."""
     breaker_max_open_seconds: float = 300.0
@@ -348,21 +377,25 @@ class Settings:
     alipay_public_key_files: tuple[str, ...] = ()
     """Comma-separated PEM files of Alipay's public keys (rotation: every listed key is accepted)."""
     alipay_gateway_url: str = "https://openapi.alipay.com/gateway.do"
-    """Alipay's openapi gateway (production by default)."""
+    """Alipay's openapi gateway (production by default); the fake's `http://127.0.0.1:PORT/gateway.do` in tests."""
     alipay_notify_url: str = ""
     """Our public POST /callbacks/alipay URL, sent as notify_url with each precreate; empty: none sent."""
     alipay_source_cidrs: tuple[str, ...] = ()
     """Comma-separated networks Alipay notifications may come from; empty: any source."""
     alipay_order_expire_seconds: int = 7200
-    """time_expire of a precreate, counted from the payment's creation; past it the order is closed and Failed."""
+    """A precreate's absolute `time_expire`, counted from the payment's creation (60 s – 15 days); past it an unpaid
+    order is closed at Alipay and Failed."""
     alipay_seller_id: str = ""
     """Our Alipay account's user id (PID, 2088 + 12 digits); when set, a notify naming another seller_id is refused."""
     alipay_bill_max_bytes: int = 1 << 30
-    """Largest trade-bill zip a download may bring; past it the download stops with an error and an alert."""
+    """Largest trade-bill zip a download may bring (1 MiB – 1 TiB); past it the download stops, the day is not
+    reconciled, and the alert `settlement_too_large` fires."""
     alipay_app_cert_file: str = ""
-    """Certificate mode: PEM file of our application's public-key certificate (appCertPublicKey_<APPID>.crt)."""
+    """Certificate mode: PEM file of our application's public-key certificate (`appCertPublicKey_<APPID>.crt`); its
+    SN is sent as `app_cert_sn`; needs ALIPAY_ROOT_CERT_FILE."""
     alipay_root_cert_file: str = ""
-    """Certificate mode: PEM file of Alipay's root certificate chain (alipayRootCert.crt)."""
+    """Certificate mode: PEM file of Alipay's root certificate chain (`alipayRootCert.crt`); its SN is sent as
+    `alipay_root_cert_sn`; needs ALIPAY_APP_CERT_FILE."""
     seal_interval_seconds: float = 2.0
     """How often seal_ledger chains newly committed ledger events."""
     reconcile_time: str = "02:30"
@@ -370,7 +403,8 @@ class Settings:
     reconcile_days_back: int = 3
     """The daily reconciliation fetches the last N days' files (yesterday included); unchanged ones are skipped."""
     log_level: str = "INFO"
-    """Python logging level name."""
+    """Python logging level name of every process; logs are JSON lines on stderr, with secrets and card-like numbers
+    scrubbed."""
     failpoints: str = ""
     """Test-only: comma-separated failpoint names at which the process SIGKILLs itself (payments/failpoints.py)."""
     wechatpay_mchid: str = ""
@@ -384,7 +418,8 @@ class Settings:
     wechatpay_merchant_serial: str = ""
     """Serial number of the merchant API certificate (serial_no in our Authorization header)."""
     wechatpay_platform_keys: tuple[tuple[str, str], ...] = ()
-    """(ID, PEM path) pairs: platform certificate serials or PUB_KEY_ID_… public key ids; all accepted (rotation)."""
+    """Comma-separated `ID=path.pem`: a platform certificate serial with its certificate, or a `PUB_KEY_ID_…` with
+    its public key; all accepted (rotation)."""
     wechatpay_api_base: str = "https://api.mch.weixin.qq.com"
     """Where paysync calls WeChat Pay API v3 (a fake platform in tests)."""
     wechatpay_notify_url: str = ""
@@ -394,7 +429,8 @@ class Settings:
     wechatpay_source_cidrs: tuple[str, ...] = ()
     """Networks WeChat Pay notifications may come from; empty: any source."""
     stripe_api_key: str = ""
-    """Stripe secret (sk_…) or restricted (rk_…) key, sent as Bearer; with STRIPE_WEBHOOK_SECRETS it enables stripe."""
+    """Stripe secret key (`sk_live_…`/`sk_test_…`) or restricted key (`rk_…`), sent as Bearer; with
+    STRIPE_WEBHOOK_SECRETS it enables stripe (production refuses a test-mode key)."""
     stripe_webhook_secrets: tuple[str, ...] = ()
     """The endpoint's whsec_… signing secrets, comma-separated; every listed one verifies (rotation)."""
     stripe_api_base: str = "https://api.stripe.com"

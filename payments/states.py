@@ -151,7 +151,7 @@ TRANSITIONS: dict[PaymentStatus, frozenset[PaymentStatus]] = {
     PaymentStatus.SUCCEEDED: frozenset(),
     PaymentStatus.FAILED: frozenset(),
 }
-"""The only allowed single steps (DESIGN.md section 4, invariant 4)."""
+"""The only allowed single steps (docs/design.md section 4, invariant 4)."""
 
 
 class Verdict(StrEnum):

@@ -13,7 +13,7 @@ the webhook dispatcher a background thread inside that worker:
 - gunicorn rather than werkzeug's threaded server, because werkzeug closes the
   connection after every response: measured here with wrk (16 connections, no
   faults) gthread with keep-alive answered 553 charges/s against 368 for
-  werkzeug, and it brings a graceful SIGTERM for free (README "Sandbox").
+  werkzeug, and it brings a graceful SIGTERM for free (docs/providers/sandbox.md).
 
 SIGTERM/SIGINT: the worker stops accepting, finishes the requests in hand
 (parked ones included, up to the graceful timeout), stops the dispatcher
@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import replace
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
 from sandbox.app import Platform, build_platform, create_app
 from sandbox.config import SandboxConfigError, SandboxSettings, load_settings
+from sandbox.faults import Faults
 from sandbox.logs import setup_logging
 
 log = logging.getLogger("sandbox")
@@ -60,7 +62,9 @@ class SandboxServer(BaseApplication):
             "timeout": 30,
             "graceful_timeout": 10,
             "accesslog": None,  # a line per request costs throughput; the store records what matters
-            "loglevel": s.log_level.lower(),
+            # gunicorn's own start-up lines (version, worker class, worker boot) say less than _when_ready's one
+            # line and crowd `make run`'s output: warnings and errors only, unless LOG_LEVEL=DEBUG.
+            "loglevel": "debug" if s.log_level == "DEBUG" else "warning",
             "proc_name": "paysync-sandbox",
             # gunicorn's control socket has one default path per user: a second gunicorn (the gateway,
             # another test's sandbox) would take it over. The sandbox needs none.
@@ -93,7 +97,12 @@ def _post_worker_init(worker: Any) -> None:
     platform = worker.app.platform
     if platform is not None and platform.dispatcher is not None:
         platform.dispatcher.start()
-        log.info("webhook dispatcher started; fault knobs %s", platform.dice.faults.to_dict())
+        faults = platform.dice.faults
+        # Worth a line at start only when a knob is turned: a well-behaved platform is the default.
+        turned = replace(faults, seed=None) != Faults()
+        log.log(
+            logging.INFO if turned else logging.DEBUG, "webhook dispatcher started; fault knobs %s", faults.to_dict()
+        )
 
 
 def _worker_exit(_server: Any, worker: Any) -> None:

@@ -1,7 +1,7 @@
 """The sandbox platform's own settings, read from its environment.
 
 The sandbox is an outside party: it does not share paysync's settings object
-and validates its own knobs. The variable names are the ones the README and
+and validates its own knobs. The variable names are the ones the docs and
 the Procfile have always used (``SANDBOX_PORT``, ``SANDBOX_CALLBACK_URL``,
 ``SANDBOX_FAULTS``, …), so a shared ``.env`` keeps working; a bad value stops
 the sandbox at start with one line naming the variable.
@@ -18,9 +18,9 @@ from pathlib import Path
 from sandbox.faults import Faults, parse_faults
 
 DEFAULT_DB_PATH = str(Path(__file__).resolve().parent.parent / "var" / "sandbox.db")
-DEV_API_KEY = "sk_sandbox_dev_key"  # noqa: S105 - the development default, documented in the README
+DEV_API_KEY = "sk_sandbox_dev_key"  # noqa: S105 - the development default, documented in docs/providers/sandbox.md
 """The API key the sandbox accepts when SANDBOX_API_KEY is not set (paysync's adapter sends the same default)."""
-DEV_WEBHOOK_SECRET = "whsec_dev_sandbox"  # noqa: S105 - the development default, documented in the README
+DEV_WEBHOOK_SECRET = "whsec_dev_sandbox"  # noqa: S105 - the development default, documented in docs/providers/sandbox.md
 """The secret that signs notifications when SANDBOX_WEBHOOK_SECRET is not set."""
 
 

@@ -60,7 +60,7 @@ def _reference(payload: Mapping[str, Any], key: str, required: bool = True) -> s
 
 def _amount(payload: Mapping[str, Any]) -> int:
     value = payload.get("amount")
-    # bool is an int subclass and a float is never money (DESIGN.md invariant 7).
+    # bool is an int subclass and a float is never money (docs/design.md invariant 7).
     if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_AMOUNT:
         raise BadRequest(f"amount must be a positive integer of minor units, at most {MAX_AMOUNT}")
     return value

@@ -1,7 +1,7 @@
 """Shared fixtures: real MariaDB and RabbitMQ when reachable, SQLite always.
 
 Integration tests skip with a reason when a service is unreachable, except
-under CI=true, where they fail (DESIGN.md section 5).
+under CI=true, where they fail (docs/design.md section 5).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Broker messages published by someone other than a gateway change nothing (DESIGN.md invariant 16).
+"""Broker messages published by someone other than a gateway change nothing (docs/design.md invariant 16).
 
 What the consumer used to take from a message on trust: a restored row's
 receipt time (``received_at``, which the provider's timestamp tolerance is

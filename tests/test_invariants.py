@@ -1,4 +1,4 @@
-"""DESIGN.md section 4, inbound side: one test (or more) per invariant, each able to fail if it is broken.
+"""docs/design.md section 4, inbound side: one test (or more) per invariant, each able to fail if it is broken.
 
 Invariants 5 and 6 (Unknown is never Failed; one business number and key per
 payment) belong to the outbound path and are tested there.

@@ -1,8 +1,8 @@
 """Migrations: every revision in order gives what payments/schema.py gives, and init-db upgrades any earlier state.
 
 If ``test_every_revision_in_order_gives_what_payments_schema_py_gives`` fails
-after a change to payments/schema.py, the change needs a migration: README
-"How to change the schema"; ``python -m payments migration-diff`` drafts it.
+after a change to payments/schema.py, the change needs a migration: docs/operations/
+schema-changes.md; ``python -m payments migration-diff`` drafts it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ REVISIONS = [script.revision for script in reversed(list(script_directory().walk
 DATA = Path(__file__).parent / "data"
 WRITE_A_MIGRATION = (
     "payments/schema.py and payments/migrations disagree: write a migration, a revision under "
-    "payments/migrations/versions (README 'How to change the schema'; `python -m payments migration-diff` "
+    "payments/migrations/versions (docs/operations/schema-changes.md; `python -m payments migration-diff` "
     "drafts one).\n"
 )
 
@@ -395,9 +395,9 @@ def test_three_init_db_processes_at_once_build_the_schema_once(scratch):
     ]
     outputs = [p.communicate(timeout=120) for p in processes]
     assert [p.returncode for p in processes] == [0, 0, 0], outputs
-    said = sorted(out.split(" in ")[0] for out, _ in outputs)
+    said = sorted(out.split(" in ")[0].split(" to ")[0] for out, _ in outputs)
     head = head_revision()
-    assert said == [f"schema already at revision {head}"] * 2 + [f"schema upgraded to revision {head}"], outputs
+    assert said == [f"init-db: already at head {head}"] * 2 + [f"init-db: applied {FIRST_REVISION}..{head}"], outputs
     assert schema_differences(engine) == []
 
 

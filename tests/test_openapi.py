@@ -92,7 +92,7 @@ KEYED_POST_STATUSES = ["2xx", "3xx", "401", "403", "404", "409", "429", "5xx", "
 
 No check is off. This one is widened by one status, for one reason JSON Schema cannot express: an
 Idempotency-Key names one request, so the same key with another (schema-valid) body is refused with 422
-by contract (README "Outbound charges", and the document's 422 of each POST says so), as is a refund of more
+by contract (docs/flows/charges.md, and the document's 422 of each POST says so), as is a refund of more
 than is left (``amount_exceeds_refundable``), which depends on the database, not on the body. A schema-valid
 body refused with 400 (as ``{"amount": 8388607.0}`` was) still fails the check.
 """

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.mariadb, pytest.mark.slow]
 
 TOLERANCE = 300  # CALLBACK_TOLERANCE_SECONDS' default, which the gateway runs with
 PROVIDER_ROUTES = ["sandbox", "sandbox_legacy", "alipay", "wechatpay", "stripe"]
-"""DESIGN.md section 5's provider routes (plus the legacy sandbox)."""
+"""docs/design.md section 5's provider routes (plus the legacy sandbox)."""
 
 SQL_STRINGS = [
     "'; DROP TABLE payment; --",

@@ -5,7 +5,7 @@ database given by URL) is compared with payments/schema.py. Alembic renders
 the table, column, index and unique-constraint changes as ``op`` calls; check
 constraints and the ledger's triggers, which Alembic does not compare, are
 rendered here. The draft is a starting point to read and adjust, not a
-finished revision: see README "How to change the schema".
+finished revision: see docs/operations/schema-changes.md.
 """
 
 from __future__ import annotations

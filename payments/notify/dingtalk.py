@@ -21,7 +21,7 @@ minute; the robot blocks it for 10 minutes), -1 (system busy) and any code not
 listed, so an unknown answer is retried until alert_channel_failing fires.
 
 Every message's text carries ``render.KEYWORD`` (``paysync``), the keyword
-the README tells teams to give a robot with keyword security.
+docs/operations/alerts.md tells teams to give a robot with keyword security.
 """
 
 from __future__ import annotations

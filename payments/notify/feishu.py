@@ -19,7 +19,7 @@ missing keyword, 9499 a malformed body. Retried: 11232 (frequency limited:
 100 a minute, 5 a second per bot) and any code not listed.
 
 Every card's text carries ``render.KEYWORD`` (``paysync``), the keyword the
-README tells teams to give a bot with keyword security.
+alerts page (docs/operations/alerts.md) tells teams to give a bot with keyword security.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from payments.notify import RESOLVED, TEST, Notice
 
 KEYWORD = "paysync"
 """In every markdown message's text: DingTalk and Feishu robots with keyword security refuse a message without one
-of their keywords (DingTalk errcode 310000, Feishu 19024), and the README tells teams to set this one."""
+of their keywords (DingTalk errcode 310000, Feishu 19024), and docs/operations/alerts.md tells teams to set this one."""
 
 MAX_DETAIL_CHARS = 200
 """One detail value is cut to this many characters: a notice is read on a phone."""

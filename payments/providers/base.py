@@ -6,7 +6,7 @@ Outbound: ``charge``, ``query``, ``refund``, ``query_refund`` and ``settlement``
 return one of Succeeded | Failed | Pending | Unknown | Mismatch (the queries
 also NotFound).
 Only an explicit decline is Failed; a timeout, a reset connection, a 5xx, a
-429 or an unreadable body is Unknown (DESIGN.md invariant 5). A clear answer
+429 or an unreadable body is Unknown (docs/design.md invariant 5). A clear answer
 about a charge under our number for another amount or currency is Mismatch:
 never applied, escalated to a person, and healthy for the circuit breaker.
 ``reported_status`` is the one mapping from an outcome to the status it
