@@ -102,6 +102,8 @@ class Settings:
     """production (the default: refuses weak secrets) or development (dev defaults, one warning)."""
     port: int = 8000
     """Port the gateway listens on."""
+    web_bind_address: str = ""
+    """Address the gateway (gunicorn) listens on; empty: 127.0.0.1 in development, 0.0.0.0 in production."""
     web_workers: int = 2
     """gunicorn worker processes for the gateway."""
     web_threads: int = 16
@@ -429,6 +431,13 @@ class Settings:
         return wait + self.call_seconds
 
     @property
+    def gateway_bind_address(self) -> str:
+        """WEB_BIND_ADDRESS, else loopback in development (its tokens are public) and every address in production."""
+        if self.web_bind_address:
+            return self.web_bind_address
+        return "127.0.0.1" if self.paysync_env == "development" else "0.0.0.0"  # noqa: S104 - production serves
+
+    @property
     def call_seconds(self) -> float:
         """How much of a lease one provider call needs once it goes out (two timeouts, slack): the rest is the wait."""
         return self.provider_timeout_seconds * 2 + 3.0
@@ -449,6 +458,7 @@ _PARSERS = {
     "amqp_quorum_queue": _bool,
     "paysync_env": lambda n, v: _env(n, v),
     "port": lambda n, v: _int(n, v, 1, 65535),
+    "web_bind_address": lambda n, v: _bind_address(n, v) if v.strip() else "",
     "web_workers": lambda n, v: _int(n, v, 1, 64),
     "web_threads": lambda n, v: _int(n, v, 1, 256),
     "web_read_timeout_seconds": lambda n, v: _float(n, v, 0.1, 300),
