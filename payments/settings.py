@@ -123,10 +123,11 @@ class Settings:
     names it; empty: token only). Loopback by default: a private range holds every other tenant of the network."""
     metrics_settled_cache_seconds: float = 60.0
     """/metrics reads the counts of settled rows (millions) at most this often per gateway worker."""
-    consumer_metrics_port: int = 0
-    """Port of the consumer's own /metrics (its counters and histograms); 0: not served."""
-    compensator_metrics_port: int = 0
-    """Port of the compensator's own /metrics; 0: not served."""
+    consumer_metrics_port: int = 9101
+    """Port of the consumer's own /metrics (its counters and histograms); 0 or empty: not served. The default is
+    the one ops/prometheus/prometheus.yml scrapes (a port already taken is logged, and the consumer works on)."""
+    compensator_metrics_port: int = 9102
+    """Port of the compensator's own /metrics; 0 or empty: not served (default: prometheus.yml's)."""
     metrics_bind_address: str = "127.0.0.1"
     """Address the consumer's and compensator's metrics ports listen on (METRICS_ALLOW_CIDRS applies too)."""
     web_metrics_dir: str = ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -152,3 +153,26 @@ def test_the_gateway_counts_each_answer_by_provider_and_outcome(engine, settings
         is None
     )
     assert acks("sandbox") - before_acks == 2
+
+
+def test_unexplained_reconciliation_items_stop_counting_once_their_review_is_resolved(engine, settings):
+    # PaysyncReconciliationUnexplained reads this gauge: like paysync's own rule, it ignores resolved reviews.
+    from payments import review
+    from tests.test_alert_evaluators import _recon_run, _review
+
+    t0 = utcnow()
+    open_one = _review(engine, "amount_mismatch", "alipay:charge:pay_1", t0)
+    resolved = _review(engine, "local_only", "alipay:charge:pay_2", t0)
+    with engine.begin() as conn:
+        review.resolve(conn, resolved, resolution="checked", resolved_by="finance", now=t0)
+    _recon_run(engine, "alipay", t0, [("amount_mismatch", open_one), ("local_only", resolved), ("matched", None)])
+
+    def gauge() -> dict:
+        app = create_app(replace(settings, metrics_settled_cache_seconds=0), engine=engine)
+        got = samples(app.test_client().get("/metrics").get_data(as_text=True))
+        return {k[1]: v for k, v in got.items() if k[0] == "paysync_reconciliation_unexplained"}
+
+    assert gauge() == {(("provider", "alipay"),): 1}
+    with engine.begin() as conn:
+        review.resolve(conn, open_one, resolution="booked", resolved_by="finance", now=t0)
+    assert gauge() == {}  # the query counts what is still open: no row for a provider with nothing left
