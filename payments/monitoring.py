@@ -21,6 +21,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, String, and_, case, cast, func, literal, or_, select
 
+from payments.aging import AGE_LIMITS
 from payments.reconcile import UNEXPLAINED
 from payments.schema import (
     RECON_UNREADABLE,
@@ -72,8 +73,8 @@ class Snapshot:
     """(rule, status) -> open (pending or firing) alerts."""
 
 
-UNKNOWN_AGE_BUCKETS = (("5m", 300), ("1h", 3600), ("24h", 86400))
-"""Unknown payments are counted as younger than 5 minutes, 1 hour, 24 hours, or older ("older")."""
+UNKNOWN_AGE_BUCKETS = AGE_LIMITS
+"""Unknown payments are counted as younger than 1 hour, 1 day, 3 days, or older ("older"): the console's buckets."""
 
 
 SETTLED_CALLBACK = (CallbackStatus.PROCESSED, CallbackStatus.REJECTED, CallbackStatus.GAVE_UP)
