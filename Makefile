@@ -5,6 +5,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | cksum | cut -d' ' -f1)
 PORT ?= 8000
 SANDBOX_PORT ?= 8100
+# The gateway's address: loopback, since development's ops and merchant tokens are public. BIND=0.0.0.0 to serve others.
+BIND ?= 127.0.0.1
+# Where a browser on this machine reaches it (every address includes loopback).
+BIND_URL_HOST = $(if $(filter 0.0.0.0 ::,$(BIND)),127.0.0.1,$(BIND))
 # `make run` is for a developer's machine: development fills in dev tokens and secrets, and says so once.
 PAYSYNC_ENV ?= development
 
@@ -22,11 +26,15 @@ run: venv
 	@mkdir -p var
 	@PAYSYNC_ENV=$(PAYSYNC_ENV) $(BIN)/python -m payments init-db
 	@echo ""
-	@echo "  gateway  http://127.0.0.1:$(PORT)   (POST /callbacks/sandbox, POST /payments, GET /readyz)"
-	@echo "  sandbox  http://127.0.0.1:$(SANDBOX_PORT)   (the simulated payment platform)"
+	@echo "  gateway  http://$(BIND_URL_HOST):$(PORT)   (listening on $(BIND); POST /callbacks/sandbox, POST /payments, GET /readyz)"
+	@echo "  console  http://$(BIND_URL_HOST):$(PORT)/ops/   (log in with $$(if [ -n "$$OPS_TOKEN" ]; then echo your OPS_TOKEN; else echo "the development OPS_TOKEN: dev-ops-token"; fi))"
+	@echo "  sandbox  http://127.0.0.1:$(SANDBOX_PORT)   (the simulated payment platform; calls back to :$(PORT))"
 	@echo "  database $${DATABASE_URL:-sqlite:///var/paysync.db}   broker $${AMQP_URL:-none (the compensator sweeps every second)}"
 	@echo ""
-	PATH="$(CURDIR)/$(BIN):$$PATH" PAYSYNC_ENV=$(PAYSYNC_ENV) SANDBOX_PORT=$(SANDBOX_PORT) $(BIN)/honcho start -p $(PORT)
+	PATH="$(CURDIR)/$(BIN):$$PATH" PAYSYNC_ENV=$(PAYSYNC_ENV) WEB_BIND_ADDRESS=$(BIND) SANDBOX_PORT=$(SANDBOX_PORT) \
+	  SANDBOX_API_URL="$${SANDBOX_API_URL:-http://127.0.0.1:$(SANDBOX_PORT)}" \
+	  SANDBOX_CALLBACK_URL="$${SANDBOX_CALLBACK_URL:-http://127.0.0.1:$(PORT)/callbacks/sandbox}" \
+	  $(BIN)/honcho start -p $(PORT)
 
 # Compiled bytecode kept under the venv even where the environment says PYTHONDONTWRITEBYTECODE: without it every
 # pytest worker re-compiles and re-rewrites every test module (10 s of CPU each) and every process a test starts

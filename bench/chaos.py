@@ -163,6 +163,9 @@ def base_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT)
     env["PAYSYNC_ENV"] = "development"
     env["LOG_LEVEL"] = "INFO"
+    # Many processes on one host: their own metrics ports (9101/9102 by default) would clash.
+    env.setdefault("CONSUMER_METRICS_PORT", "0")
+    env.setdefault("COMPENSATOR_METRICS_PORT", "0")
     return env
 
 

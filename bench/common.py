@@ -135,6 +135,9 @@ def process_env(**settings: str) -> dict[str, str]:
     env.setdefault("LOG_LEVEL", "WARNING")
     # A bench client is one address sending at the rate under test: the per-source limit would measure itself.
     env.setdefault("CALLBACK_SOURCE_RATE", "0")
+    # Many processes on one host: their own metrics ports (9101/9102 by default) would clash.
+    env.setdefault("CONSUMER_METRICS_PORT", "0")
+    env.setdefault("COMPENSATOR_METRICS_PORT", "0")
     env.update(settings)
     return env
 

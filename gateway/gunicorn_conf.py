@@ -56,7 +56,7 @@ _metrics_path, _metrics_private = _metrics_dir()
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = _metrics_path  # read by prometheus_client at import, in each worker
 os.environ["WEB_METRICS_DIR"] = _metrics_path  # and by the workers' settings: /metrics reads the directory
 
-bind = f"0.0.0.0:{_settings.port}"
+bind = f"{_settings.gateway_bind_address}:{_settings.port}"
 workers = _settings.web_workers
 worker_class = "gateway.worker.ThreadWorker"  # gthread, closing connections off the main loop
 threads = _settings.web_threads

@@ -119,6 +119,14 @@ class _SnapshotCollector:
         for (provider, category), count in sorted(s.reconciliation_items.items()):
             items.add_metric([provider, category], count)
         yield items
+        unexplained = GaugeMetricFamily(
+            "paysync_reconciliation_unexplained",
+            "unexplained items of each provider's latest completed reconciliation run whose review is still open",
+            labels=["provider"],
+        )
+        for provider, count in sorted(s.reconciliation_unexplained.items()):
+            unexplained.add_metric([provider], count)
+        yield unexplained
         yield _gauge(
             "paysync_past_deadline", "payments and refunds not final after their deadline", "kind", s.past_deadline, []
         )

@@ -40,7 +40,10 @@ from payments.schema import (
 from payments.settlement import SUCCEEDED
 from payments.states import CallbackStatus, PaymentStatus
 
-BUCKETS = ("<1h", "<1d", "<3d", "older")
+AGE_LIMITS = (("<1h", 3600), ("<1d", 86400), ("<3d", 3 * 86400))
+"""The age buckets (label, younger than so many seconds), then "older": the console, this report and the
+Unknown-payments gauge of /metrics (Grafana) use the same ones."""
+BUCKETS = (*(label for label, _ in AGE_LIMITS), "older")
 CATEGORIES = ("callback_not_applied", "succeeded_not_settled", "settled_not_succeeded", "refunds_pending")
 WINDOW_DAYS = 31
 """How far back succeeded_not_settled and settled_not_succeeded look."""
@@ -48,9 +51,7 @@ WINDOW_DAYS = 31
 
 def _bucket(column: Any, now: datetime) -> Any:
     return case(
-        (column >= now - timedelta(hours=1), literal("<1h")),
-        (column >= now - timedelta(days=1), literal("<1d")),
-        (column >= now - timedelta(days=3), literal("<3d")),
+        *((column >= now - timedelta(seconds=limit), literal(label)) for label, limit in AGE_LIMITS),
         else_=literal("older"),
     )
 

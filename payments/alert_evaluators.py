@@ -31,25 +31,21 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, String, and_, case, cast, func, literal, or_, select
+from sqlalchemy import Connection, and_, case, func, or_, select
 
 from payments import alerts
 from payments.alert_rules import Rule, RuleSet
 from payments.errors import ConfigError
-from payments.reconcile import UNEXPLAINED
+from payments.monitoring import unexplained_by_provider
 from payments.retention import refused_clause
 from payments.schema import (
-    RECON_UNREADABLE,
     alert,
     ledger_event,
     ledger_seal,
     ledger_seal_gap,
-    manual_review,
     payment,
     payment_callback_log,
     provider_breaker,
-    reconciliation_item,
-    reconciliation_run,
     refund,
 )
 from payments.states import (
@@ -59,8 +55,6 @@ from payments.states import (
     BreakerState,
     CallbackStatus,
     PaymentStatus,
-    ReconciliationRunStatus,
-    ReviewStatus,
 )
 
 log = logging.getLogger("paysync.alerts.rules")
@@ -264,44 +258,7 @@ def reconciliation_unexplained(conn: Connection, rule: Rule, now: datetime) -> l
     neither (never handed to a person) counts. A later clean run of the
     provider resolves the alert too: only the latest run is read.
     """
-    run, item = reconciliation_run, reconciliation_item
-    linked, file_review = manual_review.alias("linked"), manual_review.alias("file_review")
-    latest = (
-        select(run.c.provider, func.max(run.c.id).label("run_id"))
-        .where(run.c.status == ReconciliationRunStatus.COMPLETED)
-        .group_by(run.c.provider)
-        .subquery()
-    )
-    file_review_key = (
-        literal(f"reconciliation_{RECON_UNREADABLE}:")
-        + latest.c.provider
-        + literal(":file:")
-        + cast(item.c.settlement_file_id, String)
-    )
-    # Two joins, each on a unique key (the review's id; its open_key, NULL once resolved), rather than one OR.
-    still_unexplained = or_(
-        linked.c.status == ReviewStatus.OPEN,
-        file_review.c.id.is_not(None),
-        and_(item.c.manual_review_id.is_(None), item.c.category != RECON_UNREADABLE),
-    )
-    rows = conn.execute(
-        select(latest.c.provider, latest.c.run_id, func.count())
-        .select_from(latest)
-        .join(item, item.c.run_id == latest.c.run_id)
-        .outerjoin(linked, linked.c.id == item.c.manual_review_id)
-        .outerjoin(
-            file_review,
-            and_(
-                item.c.manual_review_id.is_(None),
-                item.c.category == RECON_UNREADABLE,
-                file_review.c.open_key == file_review_key,
-            ),
-        )
-        .where(item.c.category.in_(UNEXPLAINED), still_unexplained)
-        .group_by(latest.c.provider, latest.c.run_id)
-        .having(func.count() > rule.threshold)
-        .order_by(latest.c.provider)
-    ).all()
+    rows = [(p, run_id, n) for p, (run_id, n) in unexplained_by_provider(conn).items() if n > rule.threshold]
     return [
         Finding(
             f"{rule.name}:{provider}",

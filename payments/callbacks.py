@@ -616,6 +616,16 @@ def record_failure(
     now: datetime,
 ) -> CallbackResult:
     """Count one failed attempt in its own transaction: back off, or give up into the manual queue."""
+    first: list[bool] = []
+    outcome = _record_failure(engine, log_id, exc, policy, now, first)
+    if first:  # after the commit: a row's first failure, counted once however often it is retried
+        metrics.callback_failed_first()
+    return outcome
+
+
+def _record_failure(
+    engine: Engine, log_id: int, exc: Exception, policy: RetryPolicy, now: datetime, first: list[bool]
+) -> CallbackResult:
     reason = f"{getattr(exc, 'code', type(exc).__name__)}: {exc}"[:480]
     if isinstance(exc, PaysyncError):
         log.info("callback %s not processed: %s", log_id, reason)
@@ -630,6 +640,8 @@ def record_failure(
         if row is None or row.status not in CALLBACK_RETRYABLE:
             return CallbackResult.SKIPPED
         attempts = row.retry_count + 1
+        if attempts == 1:
+            first.append(True)
         guard = (payment_callback_log.c.id == log_id, payment_callback_log.c.status.in_(CALLBACK_RETRYABLE))
         if policy.exhausted(attempts):
             conn.execute(

@@ -61,6 +61,11 @@ CALLBACKS_PROCESSED = Counter(
     "process_callback outcomes (applied, noop, duplicate, conflict, rejected, retry, gave_up, skipped, missing)",
     ["outcome"],
 )
+CALLBACKS_FAILED = Counter(
+    "paysync_callbacks_failed",
+    "callback rows whose processing failed for the first time (retried or gave up at once): each row counted once, "
+    "however often it is retried, so a failure ratio over received callbacks stays within 100%",
+)
 CALLBACK_APPLY_SECONDS = Histogram(
     "paysync_callback_apply_seconds",
     "time from a callback's receipt (its create_time) to the transaction that applied it",
@@ -136,6 +141,11 @@ def callback_refused(provider: str, reason: str) -> None:
 def callback_processed(outcome: str) -> None:
     """Count one ``process_callback`` outcome."""
     _child(CALLBACKS_PROCESSED, outcome).inc()
+
+
+def callback_failed_first() -> None:
+    """Count one callback row failing for the first time (``record_failure`` on a row never retried before)."""
+    CALLBACKS_FAILED.inc()
 
 
 def callback_applied(provider: str, received: datetime, now: datetime) -> None:

@@ -19,9 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, case, func, select
+from sqlalchemy import Connection, String, and_, case, cast, func, literal, or_, select
 
+from payments.aging import AGE_LIMITS
+from payments.reconcile import UNEXPLAINED
 from payments.schema import (
+    RECON_UNREADABLE,
     alert,
     manual_review,
     outbox,
@@ -62,14 +65,16 @@ class Snapshot:
     unknown_oldest_seconds: float = 0.0
     reconciliation_items: dict[tuple[str, str], int] = field(default_factory=dict)
     """(provider, category) -> items of each provider's latest completed run (filled in from Settled)."""
+    reconciliation_unexplained: dict[str, int] = field(default_factory=dict)
+    """provider -> unexplained items of its latest run whose review is still open (filled in from Settled)."""
     past_deadline: dict[str, int] = field(default_factory=dict)
     """"payment" / "refund" -> not final after their deadline."""
     open_alerts_by_rule: dict[tuple[str, str], int] = field(default_factory=dict)
     """(rule, status) -> open (pending or firing) alerts."""
 
 
-UNKNOWN_AGE_BUCKETS = (("5m", 300), ("1h", 3600), ("24h", 86400))
-"""Unknown payments are counted as younger than 5 minutes, 1 hour, 24 hours, or older ("older")."""
+UNKNOWN_AGE_BUCKETS = AGE_LIMITS
+"""Unknown payments are counted as younger than 1 hour, 1 day, 3 days, or older ("older"): the console's buckets."""
 
 
 SETTLED_CALLBACK = (CallbackStatus.PROCESSED, CallbackStatus.REJECTED, CallbackStatus.GAVE_UP)
@@ -154,6 +159,8 @@ class Settled:
     payments_by_status: dict[str, int] = field(default_factory=dict)
     refunds_by_status: dict[str, int] = field(default_factory=dict)
     reconciliation_items: dict[tuple[str, str], int] = field(default_factory=dict)
+    reconciliation_unexplained: dict[str, int] = field(default_factory=dict)
+    """provider -> unexplained items of its latest run whose review is still open (``unexplained_by_provider``)."""
 
 
 def latest_reconciliation(conn: Connection) -> dict[tuple[str, str], int]:
@@ -173,11 +180,64 @@ def latest_reconciliation(conn: Connection) -> dict[tuple[str, str], int]:
     return {(provider, category): count for provider, category, count in rows}
 
 
+def unexplained_by_provider(conn: Connection) -> dict[str, tuple[int, int]]:
+    """provider -> (its latest completed run, unexplained items of it a person has not yet resolved).
+
+    Reconciliation links each escalated item to its manual review
+    (``manual_review_id``); once a person resolves the review the item no
+    longer counts. An unreadable line re-read by a re-run of its file is not
+    escalated again and has no link: it counts while the file's review
+    (``reconciliation_unreadable:<provider>:file:<id>``) is open. An item with
+    neither (never handed to a person) counts. Only the latest run is read, so
+    a later clean run of the provider counts nothing. Both the
+    ``reconciliation_unexplained`` rule and ``/metrics`` read this.
+    """
+    run, item = reconciliation_run, reconciliation_item
+    linked, file_review = manual_review.alias("linked"), manual_review.alias("file_review")
+    latest = (
+        select(run.c.provider, func.max(run.c.id).label("run_id"))
+        .where(run.c.status == ReconciliationRunStatus.COMPLETED)
+        .group_by(run.c.provider)
+        .subquery()
+    )
+    file_review_key = (
+        literal(f"reconciliation_{RECON_UNREADABLE}:")
+        + latest.c.provider
+        + literal(":file:")
+        + cast(item.c.settlement_file_id, String)
+    )
+    # Two joins, each on a unique key (the review's id; its open_key, NULL once resolved), rather than one OR.
+    still_unexplained = or_(
+        linked.c.status == ReviewStatus.OPEN,
+        file_review.c.id.is_not(None),
+        and_(item.c.manual_review_id.is_(None), item.c.category != RECON_UNREADABLE),
+    )
+    rows = conn.execute(
+        select(latest.c.provider, latest.c.run_id, func.count())
+        .select_from(latest)
+        .join(item, item.c.run_id == latest.c.run_id)
+        .outerjoin(linked, linked.c.id == item.c.manual_review_id)
+        .outerjoin(
+            file_review,
+            and_(
+                item.c.manual_review_id.is_(None),
+                item.c.category == RECON_UNREADABLE,
+                file_review.c.open_key == file_review_key,
+            ),
+        )
+        .where(item.c.category.in_(UNEXPLAINED), still_unexplained)
+        .group_by(latest.c.provider, latest.c.run_id)
+        .order_by(latest.c.provider)
+    ).all()
+    return {provider: (run_id, count) for provider, run_id, count in rows}
+
+
 def settled_counts(conn: Connection) -> Settled:
     """Index-only counts of the settled rows: one range per status, over millions of entries in a busy system."""
     t = payment_callback_log
     return Settled(
         reconciliation_items=latest_reconciliation(conn),
+        reconciliation_unexplained={p: count for p, (_, count) in unexplained_by_provider(conn).items()},
         callbacks_by_status=_grouped(conn, t.c.status, t.c.status.in_(SETTLED_CALLBACK)),
         payments_by_status=_grouped(conn, payment.c.status, payment.c.status.in_(SETTLED_PAYMENT)),
         refunds_by_status=_grouped(conn, refund.c.status, refund.c.status.in_(SETTLED_PAYMENT)),
@@ -190,6 +250,7 @@ def combine(live: Snapshot, settled: Settled) -> Snapshot:
     live.payments_by_status = {**settled.payments_by_status, **live.payments_by_status}
     live.refunds_by_status = {**settled.refunds_by_status, **live.refunds_by_status}
     live.reconciliation_items = dict(settled.reconciliation_items)
+    live.reconciliation_unexplained = dict(settled.reconciliation_unexplained)
     return live
 
 

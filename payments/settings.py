@@ -103,6 +103,8 @@ class Settings:
     """production (the default: refuses weak secrets) or development (dev defaults, one warning)."""
     port: int = 8000
     """Port the gateway listens on."""
+    web_bind_address: str = ""
+    """Address the gateway (gunicorn) listens on; empty: 127.0.0.1 in development, 0.0.0.0 in production."""
     web_workers: int = 2
     """gunicorn worker processes for the gateway."""
     web_threads: int = 16
@@ -128,10 +130,11 @@ class Settings:
     names it; empty: token only). Loopback by default: a private range holds every other tenant of the network."""
     metrics_settled_cache_seconds: float = 60.0
     """/metrics reads the counts of settled rows (millions) at most this often per gateway worker."""
-    consumer_metrics_port: int = 0
-    """Port of the consumer's own /metrics (its counters and histograms); 0: not served."""
-    compensator_metrics_port: int = 0
-    """Port of the compensator's own /metrics; 0: not served."""
+    consumer_metrics_port: int = 9101
+    """Port of the consumer's own /metrics (its counters and histograms); 0 or empty: not served. The default is
+    the one ops/prometheus/prometheus.yml scrapes (a port already taken is logged, and the consumer works on)."""
+    compensator_metrics_port: int = 9102
+    """Port of the compensator's own /metrics; 0 or empty: not served (default: prometheus.yml's)."""
     metrics_bind_address: str = "127.0.0.1"
     """Address the consumer's and compensator's metrics ports listen on (METRICS_ALLOW_CIDRS applies too)."""
     web_metrics_dir: str = ""
@@ -465,6 +468,13 @@ class Settings:
         return wait + self.call_seconds
 
     @property
+    def gateway_bind_address(self) -> str:
+        """WEB_BIND_ADDRESS, else loopback in development (its tokens are public) and every address in production."""
+        if self.web_bind_address:
+            return self.web_bind_address
+        return "127.0.0.1" if self.paysync_env == "development" else "0.0.0.0"  # noqa: S104 - production serves
+
+    @property
     def call_seconds(self) -> float:
         """How much of a lease one provider call needs once it goes out (two timeouts, slack): the rest is the wait."""
         return self.provider_timeout_seconds * 2 + 3.0
@@ -485,6 +495,7 @@ _PARSERS = {
     "amqp_quorum_queue": _bool,
     "paysync_env": lambda n, v: _env(n, v),
     "port": lambda n, v: _int(n, v, 1, 65535),
+    "web_bind_address": lambda n, v: _bind_address(n, v) if v.strip() else "",
     "web_workers": lambda n, v: _int(n, v, 1, 64),
     "web_threads": lambda n, v: _int(n, v, 1, 256),
     "web_read_timeout_seconds": lambda n, v: _float(n, v, 0.1, 300),

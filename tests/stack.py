@@ -60,6 +60,9 @@ class Stack:
             "AMQP_URL": "",
             "SANDBOX_WEBHOOK_SECRET": SECRET,
             "LOG_LEVEL": "INFO",
+            # Tests share a host: a process serves its own metrics only where a test gives it a port.
+            "CONSUMER_METRICS_PORT": "0",
+            "COMPENSATOR_METRICS_PORT": "0",
             **env,
         }
         self.procs: list[Proc] = []

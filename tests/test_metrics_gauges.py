@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -47,6 +48,7 @@ def test_the_operational_gauges_read_the_database(engine, settings):
         timedelta(minutes=40),
         timedelta(hours=3),
         timedelta(days=2),
+        timedelta(days=4),
     ):
         _aged(engine, "Unknown", age)
     _aged(engine, "Pending", timedelta(hours=1), deadline_at=utcnow() - timedelta(minutes=1))
@@ -73,8 +75,8 @@ def test_the_operational_gauges_read_the_database(engine, settings):
 
     got = samples(create_app(settings, engine=engine).test_client().get("/metrics").get_data(as_text=True))
 
-    ages = {age: got[("paysync_unknown_payments", (("age", age),))] for age in ("5m", "1h", "24h", "older")}
-    assert ages == {"5m": 1, "1h": 2, "24h": 1, "older": 1}
+    ages = {age: got[("paysync_unknown_payments", (("age", age),))] for age in ("<1h", "<1d", "<3d", "older")}
+    assert ages == {"<1h": 3, "<1d": 1, "<3d": 1, "older": 1}  # the console's buckets (payments/aging.py)
     assert got[("paysync_unknown_payment_oldest_seconds", ())] >= 2 * 86400
     assert 85 <= got[("paysync_outbox_oldest_pending_seconds", ())] < 600
     assert got[("paysync_past_deadline", (("kind", "payment"),))] == 1
@@ -152,3 +154,26 @@ def test_the_gateway_counts_each_answer_by_provider_and_outcome(engine, settings
         is None
     )
     assert acks("sandbox") - before_acks == 2
+
+
+def test_unexplained_reconciliation_items_stop_counting_once_their_review_is_resolved(engine, settings):
+    # PaysyncReconciliationUnexplained reads this gauge: like paysync's own rule, it ignores resolved reviews.
+    from payments import review
+    from tests.test_alert_evaluators import _recon_run, _review
+
+    t0 = utcnow()
+    open_one = _review(engine, "amount_mismatch", "alipay:charge:pay_1", t0)
+    resolved = _review(engine, "local_only", "alipay:charge:pay_2", t0)
+    with engine.begin() as conn:
+        review.resolve(conn, resolved, resolution="checked", resolved_by="finance", now=t0)
+    _recon_run(engine, "alipay", t0, [("amount_mismatch", open_one), ("local_only", resolved), ("matched", None)])
+
+    def gauge() -> dict:
+        app = create_app(replace(settings, metrics_settled_cache_seconds=0), engine=engine)
+        got = samples(app.test_client().get("/metrics").get_data(as_text=True))
+        return {k[1]: v for k, v in got.items() if k[0] == "paysync_reconciliation_unexplained"}
+
+    assert gauge() == {(("provider", "alipay"),): 1}
+    with engine.begin() as conn:
+        review.resolve(conn, open_one, resolution="booked", resolved_by="finance", now=t0)
+    assert gauge() == {}  # the query counts what is still open: no row for a provider with nothing left

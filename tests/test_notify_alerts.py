@@ -283,7 +283,7 @@ def test_only_configured_channels_get_notifications_and_alerts_raised_elsewhere_
 
 
 def test_the_manual_queue_notifies_through_the_shipped_rules_once_per_subject(engine):
-    # The default ops/alert_rules.toml: conflicting_report and unknown_provider reach chat, the rest email only.
+    # The default ops/alert_rules.toml: every kind reaches chat (docs/operations/alert-routing.md).
     with FakeService("slack") as slack:
         runtime = build_runtime(make_settings(database_url=db_url(engine), slack_webhook_url=slack.url), engine=engine)
         t0 = utcnow()
@@ -300,9 +300,15 @@ def test_the_manual_queue_notifies_through_the_shipped_rules_once_per_subject(en
             for kind in ("callback_gave_up", "unresolved_payment", "event_delivery_gave_up"):
                 review.escalate(conn, kind=kind, subject="payment:pay_2", reason=f"{kind} pay_2", now=t0)
             review.escalate(conn, kind="unknown_provider", subject="payment:pay_3", reason="no adapter", now=t0)
-        assert notify_alerts.run_once(runtime, now=t0) == 2
+        assert notify_alerts.run_once(runtime, now=t0) == 5
         assert notify_alerts.run_once(runtime, now=t0 + timedelta(days=2)) == 0  # cooldown 0: the queue reminds
-    assert sorted(_titles(slack)) == ["[CRITICAL] conflicting_report firing", "[WARNING] unknown_provider firing"]
+    assert sorted(_titles(slack)) == [
+        "[CRITICAL] conflicting_report firing",
+        "[WARNING] callback_gave_up firing",
+        "[WARNING] event_delivery_gave_up firing",
+        "[WARNING] unknown_provider firing",
+        "[WARNING] unresolved_payment firing",
+    ]
     assert {(r.channel, r.kind, r.status) for r in _rows(engine)} == {
         ("slack", "firing", "sent"),
         ("slack", "resolved", "held"),

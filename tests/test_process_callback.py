@@ -221,3 +221,23 @@ def test_a_callback_from_another_platform_than_the_payments_is_a_conflict(engine
     log_id = _stored(engine, sandbox_event(payment_id, amount=1000))
     assert process_callback(engine, providers, log_id, RetryPolicy()) == CallbackResult.CONFLICT
     assert "callback from sandbox for a alipay payment" in _row(engine, log_id).result
+
+
+def test_a_callback_retried_until_it_gives_up_is_one_failed_row_in_the_metrics(engine):
+    # The Prometheus failure ratio divides failed rows by received rows: retries of one row must not add up.
+    from prometheus_client import REGISTRY
+
+    def counted() -> tuple[float, float]:
+        retries = REGISTRY.get_sample_value("paysync_callbacks_processed_total", {"outcome": "retry"}) or 0
+        return REGISTRY.get_sample_value("paysync_callbacks_failed_total") or 0, retries
+
+    policy = RetryPolicy(max_retries=4, base_seconds=0.01, max_seconds=0.01)
+    failed, retries = counted()
+    log_id = _stored(engine, sandbox_event(f"pay_{uuid.uuid4().hex[:20]}"))  # no such payment: every try fails
+    now = datetime(2030, 1, 1, 12, 0, 0)
+    outcomes = []
+    for _ in range(policy.max_retries):
+        outcomes.append(process_callback(engine, PROVIDERS, log_id, policy, now=now))
+        now = _row(engine, log_id).next_retry_at or now
+    assert outcomes == [CallbackResult.RETRY] * 3 + [CallbackResult.GAVE_UP]
+    assert counted() == (failed + 1, retries + 3)
