@@ -50,6 +50,10 @@ CREATE TABLE alert_notification (
 
 CREATE INDEX idx_alert_notification_due ON alert_notification (status, next_attempt_at);
 
+CREATE INDEX idx_alert_notification_group ON alert_notification (group_key, channel);
+
+CREATE INDEX idx_alert_notification_grouped_into ON alert_notification (grouped_into);
+
 CREATE TABLE event_delivery (
 	id BIGINT NOT NULL AUTO_INCREMENT,
 	event_id VARCHAR(40) NOT NULL COMMENT 'outbox.event_id of a domain event',

@@ -692,6 +692,8 @@ alert_notification = Table(
     CheckConstraint("kind IN ('firing', 'repeat', 'resolved')", name="ck_alert_notification_kind"),
     CheckConstraint(_in("status", NotificationStatus), name="ck_alert_notification_status"),
     Index("idx_alert_notification_due", "status", "next_attempt_at"),
+    Index("idx_alert_notification_group", "group_key", "channel"),
+    Index("idx_alert_notification_grouped_into", "grouped_into"),
     comment="Per alert, channel and kind: the delivery state of notifications, so one dead channel never holds up "
     "another.",
     **MYSQL,

@@ -83,6 +83,8 @@ def upgrade() -> None:
                 comment="alert_notification.id of the notice that carries this one; it is never sent by itself",
             )
         )
+        batch_op.create_index("idx_alert_notification_group", ["group_key", "channel"], unique=False)
+        batch_op.create_index("idx_alert_notification_grouped_into", ["grouped_into"], unique=False)
     with op.batch_alter_table("ops_action", schema=None) as batch_op:
         batch_op.add_column(
             sa.Column("alert_id", sa.BigInteger(), nullable=True, comment="the alert acted on (ack, silence, assign)")
