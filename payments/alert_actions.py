@@ -149,6 +149,15 @@ def act(
     return Outcome(action, subject, outcome, action_id, {"alert_id": alert_id, **details})
 
 
+def alert_of_review(conn: Connection, review: dict[str, Any]) -> dict[str, Any] | None:
+    """The alert a review raised (the open one, else its latest), with its deliveries, for the review's page."""
+    key = review.get("alert_key") or f"{review['kind']}:{review['subject']}"[:191]
+    alert_id = conn.execute(
+        select(alert.c.id).where(alert.c.dedupe_key == key).order_by(alert.c.id.desc()).limit(1)
+    ).scalar()
+    return alert_detail(conn, int(alert_id)) if alert_id is not None else None
+
+
 def list_alerts(conn: Connection, *, open_only: bool = True, limit: int = 100) -> list[dict[str, Any]]:
     """Alerts, newest first (open ones only by default), with who has them."""
     query = select(alert).order_by(alert.c.id.desc()).limit(limit)
