@@ -255,7 +255,7 @@ def _plan_firing(conn: Connection, rules: RuleSet, configured: Collection[str], 
 def _cancel_acknowledged(conn: Connection, now: datetime) -> None:
     """Cancel the firing and reminder notices not yet sent of alerts a person acknowledged."""
     acked = select(alert.c.id).where(alert.c.acked_at.is_not(None), alert.c.status == AlertStatus.FIRING)
-    conn.execute(
+    cancelled = conn.execute(
         update(n)
         .where(
             n.c.alert_id.in_(acked),
@@ -264,19 +264,20 @@ def _cancel_acknowledged(conn: Connection, now: datetime) -> None:
             or_(n.c.lease_until.is_(None), n.c.lease_until <= now),
         )
         .values(status=NotificationStatus.CANCELLED, last_error="acknowledged: a person has it", updated_at=now)
-    )
-    _ungroup_orphans(conn, now)
+    ).rowcount
+    if cancelled:
+        _ungroup_orphans(conn, now)
 
 
 def _ungroup_orphans(conn: Connection, now: datetime) -> None:
     """Notices riding on a carrier that will never be sent now (cancelled) go out by themselves."""
-    dead = select(n.c.id).where(n.c.status == NotificationStatus.CANCELLED, n.c.kind.in_(TOLD))
+    carrier = n.alias("carrier")
     riders = [
         r.id
         for r in conn.execute(
-            select(n.c.id).where(
-                n.c.grouped_into.is_not(None), n.c.status == NotificationStatus.PENDING, n.c.grouped_into.in_(dead)
-            )
+            select(n.c.id)
+            .select_from(n.join(carrier, carrier.c.id == n.c.grouped_into))
+            .where(n.c.status == NotificationStatus.PENDING, carrier.c.status == NotificationStatus.CANCELLED)
         )
     ]
     if riders:

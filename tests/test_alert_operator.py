@@ -305,3 +305,30 @@ def test_mentions_in_the_rules_file_are_checked_and_a_resolved_notice_mentions_n
     assert rules.mentions("other_rule", "warning").dingtalk_mobiles == ("13999999999",)
     resolved = links.dress(Notice(kind=RESOLVED, rule="r", severity="critical", message="m", key="k"), both)
     assert "at" not in dingtalk.payload(resolved)
+
+
+def test_when_the_notice_carrying_a_group_is_acknowledged_the_others_go_out_by_themselves(engine, tmp_path):
+    from payments import alert_actions
+    from payments.ops_actions import Actor
+
+    rules = '[defaults]\nchannels = ["slack"]\ncooldown_seconds = 0\n'
+    rules += "\n[rules.unresolved_payment]\ngroup_wait_seconds = 60\n"
+    with FakeService("slack") as slack_fake:
+        settings = make_settings(
+            database_url=db_url(engine), alert_rules_file=_rules(tmp_path, rules), slack_webhook_url=slack_fake.url
+        )
+        runtime = build_runtime(settings, engine=engine)
+        t0 = utcnow()
+        payment_id = create_payment(engine, status="Unknown")
+        with engine.begin() as conn:
+            current = conn.execute(select(payment).where(payment.c.payment_id == payment_id)).mappings().one()
+            review(conn, current, "unresolved_payment", "late", t0)
+            review(conn, current, "provider_answer_needs_review", "odd answer", t0)
+        assert notify_alerts.run_once(runtime, now=t0) == 0  # the carrier waits 60 s, the other rides on it
+        with engine.connect() as conn:
+            carrier = conn.execute(select(alert.c.id).where(alert.c.rule == "unresolved_payment")).scalar_one()
+        alert_actions.act(engine, "ack", alert_id=carrier, actor=Actor("bob", "cli"), note="mine", now=t0)
+        assert notify_alerts.run_once(runtime, now=t0 + timedelta(seconds=1)) == 1
+    assert [r.data["blocks"][0]["text"]["text"] for r in slack_fake.received] == [
+        "[WARNING] provider_answer_needs_review firing"
+    ]
