@@ -238,7 +238,7 @@ class FakeService:
         # @-mentions in a card's lark_md are card-native: <at id=ou_…></at>, <at id=all></at> (the text message's
         # <at user_id="…"> form is not a card's and shows as literal text).
         body_text = " ".join(texts)
-        if "user_id=" in body_text:
+        if "<at user_id=" in body_text:
             raise no("a card mentions with <at id=…></at>, not user_id", 9499)
         r.params["mentioned"] = ",".join(re.findall(r"<at id=([A-Za-z0-9_]+)></at>", body_text))
         return {"code": 0, "msg": "success", "data": {}}
