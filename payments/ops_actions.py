@@ -19,7 +19,8 @@ appends its ``ops_action`` row (who, when, why, what), or changes nothing:
   provider receivable by the amount given, the other side in
   ``suspense:reconciliation`` (``ledger.adjustment_entries``, as
   reconciliation books its own);
-- ``close_review``: resolve with a note.
+- ``close_review``: resolve with a note;
+- ack, silence and assign of an alert or review are ``payments/alert_actions.py``'s, recorded here too.
 
 Every action on a review resolves it (``review.resolve``, which also resolves
 its alert); an action that cannot be done raises ``OpsRefused`` and writes
