@@ -16,6 +16,10 @@ CREATE TABLE alert (
 	fired_at DATETIME(6),
 	resolved_at DATETIME(6),
 	notified_at DATETIME(6) COMMENT 'when channels were last told',
+	acked_at DATETIME(6) COMMENT 'a person took it: no more reminders for this incident',
+	acked_by VARCHAR(64) COMMENT 'who acknowledged it (ops_action has the rest)',
+	silenced_until DATETIME(6) COMMENT 'no notice about it is sent before this time',
+	assignee VARCHAR(64) COMMENT 'who is on it',
 	PRIMARY KEY (id),
 	CONSTRAINT uq_alert_open_key UNIQUE (open_key)
 )ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Alerts: at most one open row per dedupe key; resolved rows stay as history.' COLLATE utf8mb4_bin;
@@ -36,6 +40,8 @@ CREATE TABLE alert_notification (
 	sent_at DATETIME(6),
 	created_at DATETIME(6) NOT NULL,
 	updated_at DATETIME(6) NOT NULL,
+	group_key VARCHAR(191) COMMENT 'firing notices of one cause share it (payment:<id> or group:<rule group>): one notice for them all',
+	grouped_into BIGINT COMMENT 'alert_notification.id of the notice that carries this one; it is never sent by itself',
 	PRIMARY KEY (id),
 	CONSTRAINT uq_alert_notification UNIQUE (alert_id, channel, kind, seq),
 	CONSTRAINT ck_alert_notification_kind CHECK (kind IN ('firing', 'repeat', 'resolved')),
@@ -43,6 +49,10 @@ CREATE TABLE alert_notification (
 )ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Per alert, channel and kind: the delivery state of notifications, so one dead channel never holds up another.' COLLATE utf8mb4_bin;
 
 CREATE INDEX idx_alert_notification_due ON alert_notification (status, next_attempt_at);
+
+CREATE INDEX idx_alert_notification_group ON alert_notification (group_key, channel);
+
+CREATE INDEX idx_alert_notification_grouped_into ON alert_notification (grouped_into);
 
 CREATE TABLE event_delivery (
 	id BIGINT NOT NULL AUTO_INCREMENT,
@@ -151,6 +161,10 @@ CREATE TABLE manual_review (
 	last_seen_at DATETIME(6) NOT NULL COMMENT 'the latest escalation of this subject',
 	resolved_at DATETIME(6),
 	alert_key VARCHAR(191) COMMENT 'dedupe key of the alert the review raised: resolving the review resolves it',
+	acked_at DATETIME(6) COMMENT 'a person took it (its alert stops reminding too)',
+	acked_by VARCHAR(64),
+	silenced_until DATETIME(6) COMMENT 'its alert sends no notice before this time',
+	assignee VARCHAR(64) COMMENT 'who is on it',
 	PRIMARY KEY (id),
 	CONSTRAINT uq_manual_review_open_key UNIQUE (open_key)
 )ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='The manual queue: what automation refused to decide.' COLLATE utf8mb4_bin;
@@ -161,7 +175,7 @@ CREATE INDEX idx_manual_review_status ON manual_review (status, created_at);
 
 CREATE TABLE ops_action (
 	id BIGINT NOT NULL AUTO_INCREMENT,
-	action VARCHAR(16) NOT NULL COMMENT 'replay, apply, adjust, close',
+	action VARCHAR(16) NOT NULL COMMENT 'replay, apply, adjust, close, ack, silence, assign',
 	actor VARCHAR(64) NOT NULL COMMENT 'who: the name given at console login, or --actor',
 	identity VARCHAR(160) COMMENT 'who, as authenticated: the console session and its token, or the command''s OS user',
 	ops_session_id BIGINT COMMENT 'the console session that acted (ops_session.id)',
@@ -175,9 +189,12 @@ CREATE TABLE ops_action (
 	outcome VARCHAR(500) NOT NULL COMMENT 'what it did',
 	details TEXT COMMENT 'JSON: previous status, ledger event posted, provider call, …',
 	created_at DATETIME(6) NOT NULL,
+	alert_id BIGINT COMMENT 'the alert acted on (ack, silence, assign)',
 	PRIMARY KEY (id),
-	CONSTRAINT ck_ops_action_action CHECK (action IN ('replay', 'apply', 'adjust', 'close'))
+	CONSTRAINT ck_ops_action_action CHECK (action IN ('replay', 'apply', 'adjust', 'close', 'ack', 'silence', 'assign'))
 )ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Every ops console and review-command action: who, when, why and what it did; append-only (triggers).' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_ops_action_alert ON ops_action (alert_id);
 
 CREATE INDEX idx_ops_action_callback ON ops_action (callback_log_id);
 

@@ -19,8 +19,8 @@ Commands for operators (each exits 0 when all is well, 1 when not, 2 on bad usag
 - ``reconcile --date YYYY-MM-DD [--provider P] [--file PATH] [--format text|json]``
 - ``verify-ledger [--format text|json]``: walk the seal chain
 - ``aging [--format text|json]``: callback log vs local status vs settlement, by age
-- ``alerts test --channel NAME``: send a test notification through one alert channel
-  (compensator/alerts_cli.py)
+- ``alerts test --channel NAME``: send a test notification through one alert channel;
+  ``alerts list|show|ack|silence|assign``: act on alerts as the console does (compensator/alerts_cli.py)
 - ``review list|show|resolve``: the manual queue, as the ops console works it
   (compensator/review_cli.py)
 """

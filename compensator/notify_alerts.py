@@ -27,6 +27,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import datetime, timedelta
 
 from payments import alert_rules, notifications
@@ -34,7 +35,7 @@ from payments.backoff import RetryPolicy
 from payments.db import utcnow
 from payments.errors import NotificationFailed
 from payments.notifications import Claimed
-from payments.notify import Channel
+from payments.notify import Channel, links
 from payments.notify.channels import build_channels, enabled_channels
 from payments.runtime import Runtime
 from payments.settings import Settings
@@ -88,6 +89,18 @@ def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
         claimed = notifications.claim(runtime.engine, clock(), BATCH_SIZE, list(channels))
         if not claimed:
             return 0
+        claimed = [
+            replace(
+                c,
+                notice=links.dress(
+                    c.notice,
+                    rules.mentions(c.notice.rule, c.notice.severity),
+                    settings.ops_console_url,
+                    settings.alert_runbook_url,
+                ),
+            )
+            for c in claimed
+        ]
         by_channel: dict[str, list[Claimed]] = defaultdict(list)
         for item in claimed:
             by_channel[item.channel].append(item)

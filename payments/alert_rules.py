@@ -11,6 +11,11 @@ with one line instead of silently disabling an alert. The file has two tables:
   ``sustain_seconds``, ``min_sample``, ``cooldown_seconds``, ``severity``,
   ``channels``, ``enabled`` and a free-text ``description``. What ``threshold``
   means (a count, a rate) is the rule's own; the shipped file says for each.
+  ``group`` and ``group_wait_seconds`` make related alerts one notice (see
+  ``payments/notifications.py``), and ``mentions`` names who the chat robots
+  @-mention when the rule's alert fires;
+- ``[mentions.<severity>]`` (optional): who is @-mentioned for every alert
+  of that severity, besides the rule's own ``mentions``.
 
 Which rules may appear, and which fields each needs, is the evaluator
 registry's business (``payments/alert_evaluators.py``: ``validate``).
@@ -31,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from payments.errors import ConfigError
-from payments.notify import CHANNEL_NAMES
+from payments.notify import CHANNEL_NAMES, Mentions
 
 log = logging.getLogger("paysync.alerts.rules")
 
@@ -57,6 +62,12 @@ class Rule:
     min_sample: int | None = None
     enabled: bool = True
     description: str = ""
+    group: str | None = None
+    """Alerts of rules with the same group that fire within ``group_wait_seconds`` are one notice."""
+    group_wait_seconds: int = 0
+    """How long the first notice of a group waits for the rest of its cause (0: only alerts planned together)."""
+    mentions: Mentions = field(default_factory=Mentions)
+    """Who the chat robots @-mention when this rule's alert fires (besides ``[mentions.<severity>]``)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,12 @@ class RuleSet:
     rules: Mapping[str, Rule] = field(default_factory=dict)
     defaults: Rule = field(default_factory=lambda: Rule(name="defaults"))
     source: str = "<rules>"
+    severity_mentions: Mapping[str, Mentions] = field(default_factory=dict)
+    """``[mentions.<severity>]``: who is @-mentioned for every alert of that severity."""
+
+    def mentions(self, rule: str, severity: str) -> Mentions:
+        """Everyone to @-mention for an alert of ``rule`` at ``severity``: the severity's people and the rule's."""
+        return self.severity_mentions.get(severity, Mentions()).union(self.route(rule).mentions)
 
     def get(self, name: str) -> Rule | None:
         """The rule called ``name``, if the file has it."""
@@ -86,8 +103,45 @@ _FIELDS = {
     "severity": "severity",
     "channels": "channels",
     "enabled": "bool",
+    "group": "name",
+    "group_wait_seconds": "seconds",
+    "mentions": "mentions",
 }
-_DEFAULT_FIELDS = ("severity", "cooldown_seconds", "channels")
+_DEFAULT_FIELDS = ("severity", "cooldown_seconds", "channels", "group_wait_seconds")
+MENTION_FIELDS = {
+    "dingtalk_mobiles": "mobiles",
+    "dingtalk_user_ids": "ids",
+    "dingtalk_all": "bool",
+    "wecom_user_ids": "ids",
+    "wecom_mobiles": "mobiles",
+    "wecom_all": "bool",
+    "feishu_open_ids": "ids",
+    "feishu_all": "bool",
+}
+"""What a mentions table may hold: each robot's own way of naming people (payments/notify/__init__.py: Mentions)."""
+_MOBILE = re.compile(r"\+?[0-9][0-9-]{4,19}")
+_ID = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+
+
+def _mentions(source: str, where: str, value: Any) -> Mentions:
+    if not isinstance(value, dict):
+        raise _fail(source, where, 'must be a table such as { dingtalk_mobiles = ["13800000000"] }')
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        kind = MENTION_FIELDS.get(key)
+        if kind is None:
+            raise _fail(source, where, f"unknown field {key!r} (fields: {', '.join(MENTION_FIELDS)})")
+        if kind == "bool":
+            if not isinstance(item, bool):
+                raise _fail(source, f"{where}.{key}", "must be true or false")
+            out[key] = item
+            continue
+        pattern = _MOBILE if kind == "mobiles" else _ID
+        if not isinstance(item, list) or not all(isinstance(v, str) and pattern.fullmatch(v) for v in item):
+            what = "phone numbers" if kind == "mobiles" else "ids (letters, digits, _ . @ -)"
+            raise _fail(source, f"{where}.{key}", f"must be a list of {what}")
+        out[key] = tuple(item)
+    return Mentions(**out)
 
 
 def _fail(source: str, where: str, why: str) -> ConfigError:
@@ -105,6 +159,12 @@ def _value(source: str, where: str, key: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise _fail(source, here, "must be true or false")
         return value
+    if kind == "name":
+        if not isinstance(value, str) or not _NAME.fullmatch(value):
+            raise _fail(source, here, "must be lower-case letters, digits and _ (at most 64)")
+        return value
+    if kind == "mentions":
+        return _mentions(source, here, value)
     if kind == "number":
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise _fail(source, here, f"must be a number >= 0, got {value!r}")
@@ -150,9 +210,19 @@ def parse_rules(text: str, source: str = "<rules>") -> RuleSet:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"alert rules {source}: not valid TOML: {exc}") from None
-    unknown = sorted(set(data) - {"defaults", "rules"})
+    unknown = sorted(set(data) - {"defaults", "rules", "mentions"})
     if unknown:
-        raise _fail(source, unknown[0], "unknown table (a rules file has [defaults] and [rules.<name>] tables)")
+        raise _fail(
+            source, unknown[0], "unknown table (a rules file has [defaults], [rules.<name>] and [mentions.<severity>])"
+        )
+    mentions_table = data.get("mentions", {})
+    if not isinstance(mentions_table, dict):
+        raise _fail(source, "mentions", "must be tables [mentions.<severity>]")
+    severity_mentions = {}
+    for severity, table in mentions_table.items():
+        if severity not in SEVERITIES:
+            raise _fail(source, f"[mentions.{severity}]", f"must be one of {', '.join(SEVERITIES)}")
+        severity_mentions[severity] = _mentions(source, f"[mentions.{severity}]", table)
     defaults = Rule(name="defaults", **_table(source, "[defaults]", data.get("defaults", {}), _DEFAULT_FIELDS))
     rules_table = data.get("rules", {})
     if not isinstance(rules_table, dict):
@@ -164,7 +234,7 @@ def parse_rules(text: str, source: str = "<rules>") -> RuleSet:
         if not _NAME.fullmatch(name):
             raise _fail(source, where, "a rule name is lower-case letters, digits and _ (at most 64)")
         rules[name] = Rule(name=name, **{**inherited, **_table(source, where, table, tuple(_FIELDS))})
-    return RuleSet(rules=rules, defaults=defaults, source=source)
+    return RuleSet(rules=rules, defaults=defaults, source=source, severity_mentions=severity_mentions)
 
 
 def rules_path(settings: Any) -> str:

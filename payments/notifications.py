@@ -20,6 +20,19 @@ Retry-After if longer); a permanent failure, or ALERT_NOTIFY_MAX_ATTEMPTS of
 them, gives up and fires ``alert_channel_failing:<channel>``, which is routed
 to every other channel (never to the failing one itself) and resolves when
 that channel delivers again.
+
+One cause pages once. Firing and reminder notices of alerts that share a
+group key (``group_key``) on one channel go out as one notice: the key is
+``group:<name>`` for rules with the same ``group`` in the rules file (e.g.
+past_deadline and the unresolved_payment reviews it leads to), else
+``payment:<id>`` for alerts about one payment. The first notice of a group
+waits the rule's ``group_wait_seconds``; a notice of the same group planned
+while it is still unsent joins it (``grouped_into``: it is never sent by
+itself, and takes the carrier's outcome), and the carrier lists it.
+
+A person's hand on an alert (``payments/ops_actions.py``): an acknowledged
+alert gets no more firing or reminder notices (those not yet sent are
+cancelled); a silenced one sends nothing until ``silenced_until`` passes.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -40,7 +54,7 @@ from payments.alert_rules import RuleSet
 from payments.backoff import RetryPolicy
 from payments.db import claim_rows, insert_ignore, is_sqlite
 from payments.errors import NotificationFailed
-from payments.notify import FIRING, REPEAT, RESOLVED, Notice
+from payments.notify import FIRING, REPEAT, RESOLVED, Member, Notice
 from payments.schema import alert, alert_notification
 from payments.states import AlertStatus, NotificationStatus
 
@@ -56,6 +70,8 @@ CHANNEL_FAILING = "alert_channel_failing"
 PLAN_LOCK = "paysync.notify_alerts.plan"
 """Named database lock: one planner at a time across every compensator (see ``plan_lock_name``)."""
 _CHUNK = 500
+_PAYMENT_IN_KEY = re.compile(r"(?:^|:)payment:([A-Za-z0-9_-]{1,40})")
+_SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
 
 n = alert_notification
 
@@ -70,6 +86,8 @@ class Claimed:
     attempts: int
     lease_until: datetime
     notice: Notice
+    riders: tuple[int, ...] = ()
+    """Notifications carried by this one (grouped_into), which take its outcome."""
 
 
 def channel_failing_key(channel: str) -> str:
@@ -129,6 +147,35 @@ def _targets(rules: RuleSet, rule: str, details: str | None, configured: Collect
     return targets
 
 
+def group_key(rules: RuleSet, rule: str, key: str, details: str | None) -> str | None:
+    """Which cause an alert's notices belong to: its rule's group, else the payment it is about; None: its own."""
+    group = rules.route(rule).group
+    if group:
+        return f"group:{group}"[:191]
+    payment_id = (json.loads(details) if details else {}).get("payment_id")
+    if not payment_id:
+        found = _PAYMENT_IN_KEY.search(key)
+        payment_id = found.group(1) if found else None
+    return f"payment:{payment_id}"[:191] if payment_id else None
+
+
+def _carrier(conn: Connection, channel: str, key: str, now: datetime) -> Any:
+    """The unsent notice of group ``key`` on ``channel`` that another may still join (not being sent right now)."""
+    return conn.execute(
+        select(n.c.id, n.c.next_attempt_at)
+        .where(
+            n.c.channel == channel,
+            n.c.group_key == key,
+            n.c.grouped_into.is_(None),
+            n.c.kind.in_(TOLD),
+            n.c.status == NotificationStatus.PENDING,
+            or_(n.c.lease_until.is_(None), n.c.lease_until <= now),
+        )
+        .order_by(n.c.id)
+        .limit(1)
+    ).first()
+
+
 def plan(engine: Engine, rules: RuleSet, configured: Collection[str], now: datetime) -> int:
     """Create the notifications firing alerts need and settle those of cleared alerts; return rows made due.
 
@@ -144,9 +191,18 @@ def plan(engine: Engine, rules: RuleSet, configured: Collection[str], now: datet
 
 
 def _plan_firing(conn: Connection, rules: RuleSet, configured: Collection[str], now: datetime) -> int:
+    _cancel_acknowledged(conn, now)
     firing = conn.execute(
-        select(alert.c.id, alert.c.rule, alert.c.details).where(alert.c.status == AlertStatus.FIRING)
+        select(alert.c.id, alert.c.rule, alert.c.details, alert.c.dedupe_key, alert.c.severity)
+        .where(
+            alert.c.status == AlertStatus.FIRING,
+            alert.c.acked_at.is_(None),  # a person has it: no more firing or reminder notices
+            or_(alert.c.silenced_until.is_(None), alert.c.silenced_until <= now),
+        )
+        .order_by(alert.c.id)
     ).all()
+    # The most severe first, so the notice that carries a group is its most severe alert.
+    firing.sort(key=lambda a: (_SEVERITY_RANK.get(a.severity, 3), a.id))
     made = 0
     for start in range(0, len(firing), _CHUNK):
         chunk = firing[start : start + _CHUNK]
@@ -170,21 +226,62 @@ def _plan_firing(conn: Connection, rules: RuleSet, configured: Collection[str], 
         }
         new_rows = []
         for a in chunk:
-            cooldown = rules.route(a.rule).cooldown_seconds
+            route = rules.route(a.rule)
+            cooldown = route.cooldown_seconds
+            key = group_key(rules, a.rule, a.dedupe_key, a.details)
             for channel in _targets(rules, a.rule, a.details, configured):
                 seen = state.get((a.id, channel))
                 if seen is None or not seen.told:
-                    new_rows.append(_row(a.id, channel, FIRING, 0, NotificationStatus.PENDING, now))
-                    new_rows.append(_row(a.id, channel, RESOLVED, 0, NotificationStatus.HELD, now))
+                    told = _row(a.id, channel, FIRING, 0, NotificationStatus.PENDING, now)
+                    new_rows.append((told, key, route.group_wait_seconds))
+                    new_rows.append((_row(a.id, channel, RESOLVED, 0, NotificationStatus.HELD, now), None, 0))
                 elif cooldown and not seen.in_flight and seen.last_at <= now - timedelta(seconds=cooldown):
-                    new_rows.append(
-                        _row(a.id, channel, REPEAT, (seen.last_seq or 0) + 1, NotificationStatus.PENDING, now)
-                    )
-        for row in new_rows:
+                    told = _row(a.id, channel, REPEAT, (seen.last_seq or 0) + 1, NotificationStatus.PENDING, now)
+                    new_rows.append((told, key, route.group_wait_seconds))
+        for row, key, wait in new_rows:
+            if key is not None:
+                carrier = _carrier(conn, row["channel"], key, now)
+                row["group_key"] = key
+                if carrier is not None:  # the cause already has an unsent notice on this channel: ride on it
+                    row["grouped_into"], row["next_attempt_at"] = carrier.id, carrier.next_attempt_at
+                else:  # the first of its cause: wait a little for the rest of it
+                    row["next_attempt_at"] = now + timedelta(seconds=wait)
             # IGNORE: the unique key is what keeps "once per incident" true if two planners ever overlap.
             inserted = conn.execute(insert_ignore(n).values(**row)).rowcount
-            made += inserted if row["status"] == NotificationStatus.PENDING else 0
+            made += inserted if row["status"] == NotificationStatus.PENDING and "grouped_into" not in row else 0
     return made
+
+
+def _cancel_acknowledged(conn: Connection, now: datetime) -> None:
+    """Cancel the firing and reminder notices not yet sent of alerts a person acknowledged."""
+    acked = select(alert.c.id).where(alert.c.acked_at.is_not(None), alert.c.status == AlertStatus.FIRING)
+    cancelled = conn.execute(
+        update(n)
+        .where(
+            n.c.alert_id.in_(acked),
+            n.c.kind.in_(TOLD),
+            n.c.status == NotificationStatus.PENDING,
+            or_(n.c.lease_until.is_(None), n.c.lease_until <= now),
+        )
+        .values(status=NotificationStatus.CANCELLED, last_error="acknowledged: a person has it", updated_at=now)
+    ).rowcount
+    if cancelled:
+        _ungroup_orphans(conn, now)
+
+
+def _ungroup_orphans(conn: Connection, now: datetime) -> None:
+    """Notices riding on a carrier that will never be sent now (cancelled) go out by themselves."""
+    carrier = n.alias("carrier")
+    riders = [
+        r.id
+        for r in conn.execute(
+            select(n.c.id)
+            .select_from(n.join(carrier, carrier.c.id == n.c.grouped_into))
+            .where(n.c.status == NotificationStatus.PENDING, carrier.c.status == NotificationStatus.CANCELLED)
+        )
+    ]
+    if riders:
+        conn.execute(update(n).where(n.c.id.in_(riders)).values(grouped_into=None, next_attempt_at=now, updated_at=now))
 
 
 def _plan_resolved(conn: Connection, now: datetime) -> int:
@@ -230,14 +327,17 @@ def _plan_resolved(conn: Connection, now: datetime) -> int:
                     updated_at=now,
                 )
             )
+    if held:
+        _ungroup_orphans(conn, now)
     return made
 
 
 # --- claiming and recording ---------------------------------------------------
 
 
-def _notice(row: Any) -> Notice:
+def _notice(row: Any, members: tuple[Member, ...] = ()) -> Notice:
     return Notice(
+        members=members,
         kind=row.kind,
         rule=row.rule,
         severity=row.severity,
@@ -263,6 +363,9 @@ def claim(engine: Engine, now: datetime, limit: int, channels: Collection[str]) 
             n.c.next_attempt_at <= now,
             or_(n.c.lease_until.is_(None), n.c.lease_until <= now),
             n.c.channel.in_(list(channels)),
+            n.c.grouped_into.is_(None),  # a rider goes out inside its carrier
+            # Silenced: nothing about the alert until the silence ends (a scalar subquery: SKIP LOCKED locks n only).
+            n.c.alert_id.not_in(select(alert.c.id).where(alert.c.silenced_until > now).scalar_subquery()),
         )
         .order_by(n.c.next_attempt_at, n.c.id)
         .limit(limit)
@@ -293,7 +396,45 @@ def claim(engine: Engine, now: datetime, limit: int, channels: Collection[str]) 
             .where(n.c.id.in_(ids))
             .order_by(n.c.next_attempt_at, n.c.id)
         ).all()
-    return [Claimed(r.id, r.channel, r.kind, r.attempts, lease_until, _notice(r)) for r in rows]
+        riders = _riders(conn, ids)
+    claimed = []
+    for r in rows:
+        mine = riders.get(r.id, [])
+        notice = _notice(r, tuple(member for _, member in mine))
+        claimed.append(Claimed(r.id, r.channel, r.kind, r.attempts, lease_until, notice, tuple(i for i, _ in mine)))
+    return claimed
+
+
+def _riders(conn: Connection, carrier_ids: list[int]) -> dict[int, list[tuple[int, Member]]]:
+    """The riders of each carrier that still need telling: (notification id, the alert the carrier lists)."""
+    found: dict[int, list[tuple[int, Member]]] = {}
+    for r in conn.execute(
+        select(
+            n.c.id,
+            n.c.grouped_into,
+            alert.c.id.label("aid"),
+            alert.c.rule,
+            alert.c.severity,
+            alert.c.message,
+            alert.c.dedupe_key,
+        )
+        .select_from(n.join(alert, alert.c.id == n.c.alert_id))
+        .where(n.c.grouped_into.in_(carrier_ids), n.c.status == NotificationStatus.PENDING)
+        .order_by(n.c.id)
+    ):
+        member = Member(r.aid, r.rule, r.severity, r.message, r.dedupe_key)
+        found.setdefault(r.grouped_into, []).append((r.id, member))
+    return found
+
+
+def _settle_riders(conn: Connection, item: Claimed, values: dict[str, Any]) -> None:
+    """Riders take their carrier's outcome: told with it, or given up with it (by id: no scan, no gap locks)."""
+    if item.riders:
+        conn.execute(
+            update(n)
+            .where(n.c.id.in_(item.riders), n.c.grouped_into == item.id, n.c.status == NotificationStatus.PENDING)
+            .values(lease_until=None, **values)
+        )
 
 
 def _guard(item: Claimed) -> Any:
@@ -308,6 +449,8 @@ def record_sent(engine: Engine, item: Claimed, now: datetime) -> bool:
             .where(_guard(item))
             .values(status=NotificationStatus.SENT, sent_at=now, lease_until=None, updated_at=now)
         ).rowcount
+        if done:
+            _settle_riders(conn, item, {"status": NotificationStatus.SENT, "sent_at": now, "updated_at": now})
         metrics.notification(item.channel, "sent")
         if alerts.clear(conn, key=channel_failing_key(item.channel), now=now):
             log.info("alert channel %s delivers again", item.channel)
@@ -341,6 +484,15 @@ def record_failure(
                 )
             ).rowcount
             if done:
+                _settle_riders(
+                    conn,
+                    item,
+                    {
+                        "status": NotificationStatus.GAVE_UP,
+                        "last_error": f"carried by {item.id}: {reason}"[:500],
+                        "updated_at": now,
+                    },
+                )
                 alerts.observe(
                     conn,
                     rule=CHANNEL_FAILING,

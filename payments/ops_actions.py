@@ -19,7 +19,8 @@ appends its ``ops_action`` row (who, when, why, what), or changes nothing:
   provider receivable by the amount given, the other side in
   ``suspense:reconciliation`` (``ledger.adjustment_entries``, as
   reconciliation books its own);
-- ``close_review``: resolve with a note.
+- ``close_review``: resolve with a note;
+- ack, silence and assign of an alert or review are ``payments/alert_actions.py``'s, recorded here too.
 
 Every action on a review resolves it (``review.resolve``, which also resolves
 its alert); an action that cannot be done raises ``OpsRefused`` and writes
@@ -72,7 +73,7 @@ from payments.transitions import TARGETS, apply_decision
 
 log = logging.getLogger("paysync.ops")
 
-ACTIONS = ("replay", "apply", "adjust", "close")
+ACTIONS = ("replay", "apply", "adjust", "close", "ack", "silence", "assign")
 """ops_action.action values."""
 REVIEW_ACTIONS = ("apply", "adjust", "close")
 """What ``review resolve --action`` and the manual queue's buttons do."""
@@ -204,6 +205,7 @@ def record(
     payment_id: str | None = None,
     refund_id: str | None = None,
     details: dict[str, Any] | None = None,
+    alert_id: int | None = None,
 ) -> int:
     """Append one ops_action row in the caller's transaction; return its id."""
     result = conn.execute(
@@ -222,6 +224,7 @@ def record(
             outcome=outcome[:500],
             details=json.dumps(details, sort_keys=True, default=str) if details else None,
             created_at=now,
+            alert_id=alert_id,
         )
     )
     return int(result.inserted_primary_key[0])
@@ -234,8 +237,9 @@ def actions(
     callback_log_id: int | None = None,
     payment_id: str | None = None,
     limit: int = PAGE_SIZE,
+    alert_id: int | None = None,
 ) -> list[dict[str, Any]]:
-    """The ops_action rows about a review, a callback or a payment (or the latest of all), newest first."""
+    """The ops_action rows about a review, a callback, a payment or an alert (or the latest of all), newest first."""
     t = ops_action
     query = select(t).order_by(t.c.id.desc()).limit(limit)
     if manual_review_id is not None:
@@ -244,6 +248,8 @@ def actions(
         query = query.where(t.c.callback_log_id == callback_log_id)
     if payment_id is not None:
         query = query.where(t.c.payment_id == payment_id)
+    if alert_id is not None:
+        query = query.where(t.c.alert_id == alert_id)
     return [{**_row(r), "details": _json(r["details"])} for r in conn.execute(query).mappings()]
 
 

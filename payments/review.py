@@ -93,7 +93,12 @@ def escalate(
             message=reason,
             now=now,
             severity=severity,
-            details={"manual_review_id": row.id, **(details or {})},
+            # The payment in the alert too: its notices group by payment, and link to it.
+            details={
+                "manual_review_id": row.id,
+                **({"payment_id": payment_id} if payment_id else {}),
+                **(details or {}),
+            },
         )
         log.warning("manual review opened", extra={"kind": kind, "subject": subject, "manual_review_id": row.id})
     return Escalation(review_id=row.id, first=first)

@@ -228,6 +228,12 @@ class Settings:
     alert_rules_file: str = ""
     """TOML file of alert rules (thresholds, windows, sustain, cooldowns, severities, channels); empty:
     ops/alert_rules.toml. Replaces ALERT_BACKLOG_* and ALERT_FAILURE_*, which are refused now."""
+    ops_console_url: str = ""
+    """Public base URL of the gateway serving /ops (e.g. https://pay.example.com): notices link to the console page
+    of their subject and to /ops/runbooks/<rule>. Empty: notices name the page and the runbook path, with no link."""
+    alert_runbook_url: str = ""
+    """Base URL the runbooks are published under (…/docs/runbooks/, <rule>.md appended); empty: the console's
+    /ops/runbooks/<rule> when OPS_CONSOLE_URL is set."""
     alert_notify_max_attempts: int = 8
     """Failed attempts at one notification on one channel before it gives up (alert_channel_failing fires)."""
     alert_notify_retry_base_seconds: float = 15.0
@@ -546,6 +552,8 @@ _PARSERS = {
     "retry_base_seconds": lambda n, v: _float(n, v, 0.001, 86400),
     "retry_max_seconds": lambda n, v: _float(n, v, 0.001, 7 * 86400),
     "alert_rules_file": lambda n, v: v.strip(),
+    "ops_console_url": lambda n, v: _url(n, v, ("http://", "https://")).rstrip("/"),
+    "alert_runbook_url": lambda n, v: _url(n, v, ("http://", "https://")),
     "alert_notify_max_attempts": lambda n, v: _int(n, v, 1, 100),
     "alert_notify_retry_base_seconds": lambda n, v: _float(n, v, 0.001, 86400),
     "alert_notify_retry_max_seconds": lambda n, v: _float(n, v, 0.001, 86400),

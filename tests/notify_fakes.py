@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -190,6 +191,18 @@ class FakeService:
         # title is accepted too, the docs not saying whether the markdown title counts).
         if self.keywords and not any(k in md["title"] or k in md["text"] for k in self.keywords):
             raise no("keywords not in content")
+        # @-mentions ("at" beside the message): atMobiles and atUserIds are lists of strings, isAtAll a boolean; in
+        # a markdown message a person is only notified if the text also names them as "@<mobile>" / "@<userId>".
+        if "at" in data:
+            at = data["at"]
+            if not isinstance(at, dict) or set(at) - {"atMobiles", "atUserIds", "isAtAll"}:
+                raise no("at must be {atMobiles, atUserIds, isAtAll}", 40035)
+            named = [*at.get("atMobiles", []), *at.get("atUserIds", [])]
+            if not all(isinstance(x, str) and x for x in named) or not isinstance(at.get("isAtAll", False), bool):
+                raise no("atMobiles/atUserIds must be lists of strings, isAtAll a boolean", 40035)
+            if any(f"@{x}" not in md["text"] for x in named):
+                raise no("a mentioned person is not @-named in the markdown text", 40035)
+            r.params["mentioned"] = ",".join(named) + (",@all" if at.get("isAtAll") else "")
         return {"errcode": 0, "errmsg": "ok"}
 
     # --- Feishu: sign = base64(HMAC-SHA256(key="timestamp\nsecret", msg="")) in the body --------------------
@@ -222,6 +235,12 @@ class FakeService:
         texts = [card["header"]["title"]["content"], *(e["text"]["content"] for e in card["elements"])]
         if self.keywords and not any(k in t for k in self.keywords for t in texts):
             raise no("Key Words Not Found", 19024)
+        # @-mentions in a card's lark_md are card-native: <at id=ou_…></at>, <at id=all></at> (the text message's
+        # <at user_id="…"> form is not a card's and shows as literal text).
+        body_text = " ".join(texts)
+        if "<at user_id=" in body_text:
+            raise no("a card mentions with <at id=…></at>, not user_id", 9499)
+        r.params["mentioned"] = ",".join(re.findall(r"<at id=([A-Za-z0-9_]+)></at>", body_text))
         return {"code": 0, "msg": "success", "data": {}}
 
     # --- WeCom: markdown content at most 4096 bytes, key in the URL -----------------------------------------
@@ -233,11 +252,29 @@ class FakeService:
         if r.path != "/cgi-bin/webhook/send" or r.query.get("key") != TOKEN:
             raise no("invalid webhook url", 93000)
         data = self._json(r, no("invalid json", 40000))
+        if data.get("msgtype") == "text":
+            # A text message: content at most 2048 bytes; mentioned_list (userids, "@all") and
+            # mentioned_mobile_list (phone numbers, "@all") are lists of strings.
+            text = data.get("text") or {}
+            content = text.get("content")
+            if not isinstance(content, str) or not content:
+                raise no("missing text content", 40008)
+            if len(content.encode("utf-8")) > 2048:
+                raise no("content exceed max length", 40058)
+            lists = [text.get("mentioned_list", []), text.get("mentioned_mobile_list", [])]
+            if not all(isinstance(x, list) and all(isinstance(v, str) for v in x) for x in lists):
+                raise no("mentioned_list and mentioned_mobile_list must be lists of strings", 40035)
+            r.params["mentioned"] = ",".join([*lists[0], *lists[1]])
+            return {"errcode": 0, "errmsg": "ok"}
         content = (data.get("markdown") or {}).get("content") if data.get("msgtype") == "markdown" else None
         if not isinstance(content, str) or not content:
             raise no("missing markdown content", 40008)
         if len(content.encode("utf-8")) > 4096:
             raise no("content exceed max length", 40058)
+        # markdown mentions by <@userid> in the content only: the text message's mention lists do nothing here.
+        if set(data["markdown"]) - {"content"} or set(data) - {"msgtype", "markdown"}:
+            raise no("markdown takes only content (mention lists belong to a text message)", 40035)
+        r.params["mentioned"] = ",".join(re.findall(r"<@([A-Za-z0-9_.@-]+)>", content))
         return {"errcode": 0, "errmsg": "ok"}
 
     # --- Slack incoming webhook: text + Block Kit, "ok" -------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -12,14 +13,16 @@ from sqlalchemy.exc import IntegrityError
 
 from gateway import ext
 from gateway.ops import SESSION_SECONDS, bp, client_addr, match_token, safe_next, throttle
-from payments import aging, ops_actions, ops_sessions
+from payments import aging, alert_actions, ops_actions, ops_sessions
 from payments.db import utcnow
 from payments.logs import scrub
+from payments.notify import links
 from payments.ops_actions import Actor, CallbackSearch, OpsRefused
 from payments.schema import RECON_CATEGORIES
 from payments.states import CallbackStatus, PaymentStatus, ReviewStatus
 
 log = logging.getLogger("paysync.gateway.ops")
+RULE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
 def _engine() -> Any:
@@ -271,9 +274,12 @@ def review(review_id: int) -> Any:
     """One item with its evidence and the actions a person can take."""
     with _engine().connect() as conn:
         item = ops_actions.review_detail(conn, review_id)
+        found = alert_actions.alert_of_review(conn, item) if item else None
     if item is None:
         abort(404, description=f"no manual review {review_id}")
-    return render_template("ops/review.html", item=item)
+    return render_template(
+        "ops/review.html", item=item, review_alert=found, max_minutes=alert_actions.MAX_SILENCE_MINUTES
+    )
 
 
 @bp.post("/reviews/<int:review_id>/resolve")
@@ -391,3 +397,69 @@ def reconciliation_run(run_id: int) -> Any:
     if data is None:
         abort(404, description=f"no reconciliation run {run_id}")
     return render_template("ops/recon_run.html", data=data, category=category, categories=RECON_CATEGORIES)
+
+
+# ------------------------------------------------------------------------------------------- alerts
+
+
+@bp.get("/alerts")
+def alerts() -> Any:
+    """Open alerts (``?all=1``: resolved ones too), newest first, with who has them."""
+    with _engine().connect() as conn:
+        rows = alert_actions.list_alerts(conn, open_only=not request.args.get("all"))
+    return render_template("ops/alerts.html", rows=rows, now=utcnow())
+
+
+@bp.get("/alerts/<int:alert_id>")
+def alert(alert_id: int) -> Any:
+    """One alert: where each notification went and whether the channel took it; ack, silence, assign."""
+    with _engine().connect() as conn:
+        item = alert_actions.alert_detail(conn, alert_id)
+    if item is None:
+        abort(404, description=f"no alert {alert_id}")
+    return render_template("ops/alert.html", item=item, max_minutes=alert_actions.MAX_SILENCE_MINUTES)
+
+
+def _alert_action(page: str, **target: int) -> Any:
+    action = request.form.get("action", "")
+    if action not in alert_actions.ALERT_ACTIONS:
+        abort(400, description=f"action must be one of {', '.join(alert_actions.ALERT_ACTIONS)}")
+    minutes = _int_arg("minutes", minimum=0, maximum=alert_actions.MAX_SILENCE_MINUTES)
+    try:
+        result = alert_actions.act(
+            _engine(),
+            action,
+            actor=_actor(),
+            note=request.form.get("note", ""),
+            minutes=minutes,
+            assignee=request.form.get("assignee") or None,
+            **target,
+        )
+    except OpsRefused as exc:
+        flash(str(exc), "error")
+    else:
+        flash(f"{result.subject}: {result.outcome}", "ok")
+    return redirect(page)
+
+
+@bp.post("/alerts/<int:alert_id>/act")
+def act_on_alert(alert_id: int) -> Any:
+    """Ack, silence or assign the alert (and its review)."""
+    return _alert_action(url_for("ops.alert", alert_id=alert_id), alert_id=alert_id)
+
+
+@bp.post("/reviews/<int:review_id>/act")
+def act_on_review(review_id: int) -> Any:
+    """Ack, silence or assign the review (and its alert)."""
+    return _alert_action(url_for("ops.review", review_id=review_id), review_id=review_id)
+
+
+@bp.get("/runbooks/<rule>")
+def runbook(rule: str) -> Any:
+    """The rule's runbook (docs/runbooks/<rule>.md), where a notice's link leads."""
+    if not RULE_NAME.fullmatch(rule):
+        abort(404, description=f"no runbook {rule[:64]!r}")
+    path = links.RUNBOOKS_DIR / f"{rule}.md"
+    if not path.is_file():
+        abort(404, description=f"no runbook for {rule}")
+    return render_template("ops/runbook.html", rule=rule, text=path.read_text(encoding="utf-8"))

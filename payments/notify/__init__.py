@@ -43,6 +43,55 @@ KINDS = (FIRING, REPEAT, RESOLVED, TEST)
 
 
 @dataclass(frozen=True)
+class Mentions:
+    """Who a chat robot @-mentions, in each robot's own terms (set per rule and per severity in the rules file).
+
+    DingTalk names people by phone number or user id (``at.atMobiles``,
+    ``at.atUserIds``, ``at.isAtAll``; a mobile must also appear as ``@138…``
+    in the text); WeCom's markdown by user id (``<@userid>``), its text
+    message by phone number (``mentioned_mobile_list``); a Feishu card by
+    open_id (``<at id=ou_…></at>``, ``<at id=all></at>``).
+    """
+
+    dingtalk_mobiles: tuple[str, ...] = ()
+    dingtalk_user_ids: tuple[str, ...] = ()
+    dingtalk_all: bool = False
+    wecom_user_ids: tuple[str, ...] = ()
+    wecom_mobiles: tuple[str, ...] = ()
+    wecom_all: bool = False
+    feishu_open_ids: tuple[str, ...] = ()
+    feishu_all: bool = False
+
+    def union(self, other: Mentions) -> Mentions:
+        """Everyone either names (order kept, no one twice)."""
+
+        def both(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(dict.fromkeys((*a, *b)))
+
+        return Mentions(
+            dingtalk_mobiles=both(self.dingtalk_mobiles, other.dingtalk_mobiles),
+            dingtalk_user_ids=both(self.dingtalk_user_ids, other.dingtalk_user_ids),
+            dingtalk_all=self.dingtalk_all or other.dingtalk_all,
+            wecom_user_ids=both(self.wecom_user_ids, other.wecom_user_ids),
+            wecom_mobiles=both(self.wecom_mobiles, other.wecom_mobiles),
+            wecom_all=self.wecom_all or other.wecom_all,
+            feishu_open_ids=both(self.feishu_open_ids, other.feishu_open_ids),
+            feishu_all=self.feishu_all or other.feishu_all,
+        )
+
+
+@dataclass(frozen=True)
+class Member:
+    """Another alert of the same cause, carried by one grouped notice."""
+
+    alert_id: int
+    rule: str
+    severity: str
+    message: str
+    key: str
+
+
+@dataclass(frozen=True)
 class Notice:
     """One thing to tell people about one alert, in a form every channel renders."""
 
@@ -58,6 +107,12 @@ class Notice:
     resolved_at: datetime | None = None
     repeat: int = 0
     """For a reminder: its number (1 for the first)."""
+    links: tuple[tuple[str, str], ...] = ()
+    """(label, URL or path) an operator follows: the console page of the subject, the rule's runbook."""
+    mentions: Mentions = field(default_factory=Mentions)
+    """Who chat robots @-mention (firing notices only)."""
+    members: tuple[Member, ...] = ()
+    """The other alerts of this cause that this one notice tells about (``payments/notifications.py``)."""
 
     @property
     def message_id(self) -> str:
@@ -71,9 +126,10 @@ class Notice:
             return f"[RESOLVED] {self.rule}"
         if self.kind == TEST:
             return "[TEST] paysync alert channel test"
+        more = f" (+{len(self.members)} related)" if self.members else ""
         if self.kind == REPEAT:
-            return f"[{self.severity.upper()}] {self.rule} still firing (reminder {self.repeat})"
-        return f"[{self.severity.upper()}] {self.rule} firing"
+            return f"[{self.severity.upper()}] {self.rule} still firing (reminder {self.repeat}){more}"
+        return f"[{self.severity.upper()}] {self.rule} firing{more}"
 
 
 class Channel(Protocol):

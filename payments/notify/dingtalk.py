@@ -20,6 +20,11 @@ unsafe) and 460101 (message too long). Retried: 410100 (more than 20 messages a
 minute; the robot blocks it for 10 minutes), -1 (system busy) and any code not
 listed, so an unknown answer is retried until alert_channel_failing fires.
 
+@-mentions (``Notice.mentions``): ``"at": {"atMobiles": […], "atUserIds":
+[…], "isAtAll": …}`` beside the message; in a markdown message DingTalk
+notifies a mobile only if the text also says ``@<mobile>`` (and a user id
+``@<userid>``), so the text ends with those.
+
 Every message's text carries ``render.KEYWORD`` (``paysync``), the keyword
 docs/operations/alerts.md tells teams to give a robot with keyword security.
 """
@@ -61,8 +66,20 @@ def signed_url(url: str, secret: str, timestamp_ms: int) -> str:
 
 
 def payload(notice: Notice) -> dict:
-    """The markdown message for ``notice``."""
-    return {"msgtype": "markdown", "markdown": {"title": notice.title, "text": render.markdown(notice)}}
+    """The markdown message for ``notice``, with its @-mentions."""
+    m = notice.mentions
+    text = render.markdown(notice)
+    named = [f"@{who}" for who in (*m.dingtalk_mobiles, *m.dingtalk_user_ids)]
+    if named:
+        text += "\n\n" + " ".join(named)
+    body: dict = {"msgtype": "markdown", "markdown": {"title": notice.title, "text": text}}
+    if named or m.dingtalk_all:
+        body["at"] = {
+            "atMobiles": list(m.dingtalk_mobiles),
+            "atUserIds": list(m.dingtalk_user_ids),
+            "isAtAll": m.dingtalk_all,
+        }
+    return body
 
 
 def build(url: str, secret: str, notice: Notice, timestamp_ms: int | None = None) -> HttpRequest:

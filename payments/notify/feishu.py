@@ -18,6 +18,11 @@ webhook access token invalid``: the bot was removed or its webhook reset),
 missing keyword, 9499 a malformed body. Retried: 11232 (frequency limited:
 100 a minute, 5 a second per bot) and any code not listed.
 
+@-mentions (``Notice.mentions``) use the card's own syntax inside the
+``lark_md`` text: ``<at id=ou_…></at>`` per open_id and ``<at id=all></at>``
+for everyone (a text or post message would say ``<at user_id="…">``; a card
+does not take that form).
+
 Every card's text carries ``render.KEYWORD`` (``paysync``), the keyword the
 alerts page (docs/operations/alerts.md) tells teams to give a bot with keyword security.
 """
@@ -53,8 +58,14 @@ def card(notice: Notice) -> dict:
     return {
         "config": {"wide_screen_mode": True},
         "header": {"title": {"tag": "plain_text", "content": notice.title}, "template": colour or "orange"},
-        "elements": [{"tag": "div", "text": {"tag": "lark_md", "content": render.markdown(notice)}}],
+        "elements": [{"tag": "div", "text": {"tag": "lark_md", "content": render.markdown(notice) + _ats(notice)}}],
     }
+
+
+def _ats(notice: Notice) -> str:
+    m = notice.mentions
+    ats = [f"<at id={who}></at>" for who in m.feishu_open_ids] + (["<at id=all></at>"] if m.feishu_all else [])
+    return "\n\n" + " ".join(ats) if ats else ""
 
 
 def payload(notice: Notice, secret: str = "", timestamp: int | None = None) -> dict:

@@ -36,6 +36,28 @@ def _detail(value: object) -> str:
     return text if len(text) <= MAX_DETAIL_CHARS else text[: MAX_DETAIL_CHARS - 1] + "…"
 
 
+def is_url(value: str) -> bool:
+    """A link target a chat client opens (else a path shown as text: no link that leads nowhere)."""
+    return value.startswith(("https://", "http://"))
+
+
+CONSOLE = "Console"
+"""Label of the link to the console page of the notice's subject (the review, the payment or the alert)."""
+RUNBOOK = "Runbook"
+"""Label of the link to the rule's runbook (docs/runbooks/<rule>.md)."""
+
+
+def console_link(notice: Notice) -> str:
+    """The console URL of the subject, or "" (no OPS_CONSOLE_URL: no link rather than a broken one)."""
+    value = dict(notice.links).get(CONSOLE, "")
+    return value if is_url(value) else ""
+
+
+def related(notice: Notice) -> list[str]:
+    """One line per other alert of this cause that the notice carries."""
+    return [f"#{m.alert_id} {m.rule} ({m.severity}): {' '.join(m.message.split())[:160]}" for m in notice.members]
+
+
 def fields(notice: Notice) -> list[tuple[str, str]]:
     """(label, value) pairs in reading order; empty values left out."""
     rows = [
@@ -47,6 +69,8 @@ def fields(notice: Notice) -> list[tuple[str, str]]:
         ("Alert", f"#{notice.alert_id} ({notice.key})" if notice.alert_id else notice.key),
     ]
     rows += [(str(name), _detail(value)) for name, value in sorted(notice.details.items())]
+    rows += [(f"Related {i}", line) for i, line in enumerate(related(notice), start=1)]
+    rows += list(notice.links)
     return [(label, value) for label, value in rows if value]
 
 
@@ -62,7 +86,11 @@ def plain_text(notice: Notice) -> str:
 def markdown(notice: Notice) -> str:
     """The notice in the markdown subset DingTalk, WeCom and Feishu (lark_md) all render: heading, bold, list."""
     lines = [f"### {notice.title}", "", notice.message, ""]
-    lines += [f"- **{label}**: {value}" for label, value in fields(notice)]
+    links = dict(notice.links)
+    lines += [
+        f"- **{label}**: [{value}]({value})" if label in links and is_url(value) else f"- **{label}**: {value}"
+        for label, value in fields(notice)
+    ]
     # The keyword in the text, not only the title: a robot checks the message's content, and only the test
     # notice's title has it.
     lines += ["", f"{KEYWORD} alerts · {notice.message_id}"]

@@ -31,8 +31,11 @@ ALLOWED = template.NOTICE_FIELDS + template.PHONE_FIELDS
 
 def values(notice: Notice) -> dict[str, str]:
     """What a notice fills into a template."""
+    link = render.console_link(notice)
+    text = render.summary(notice, MAX_TEXT_CHARS - len(link) - 1) + f" {link}" if link else ""
     return {
-        "text": render.summary(notice, MAX_TEXT_CHARS),
+        "text": text or render.summary(notice, MAX_TEXT_CHARS),
+        "link": link,
         "title": notice.title,
         "message": notice.message,
         "rule": notice.rule,

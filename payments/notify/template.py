@@ -16,8 +16,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 PLACEHOLDER = re.compile(r"\{\{\s*([a-z_]+)\s*\}\}")
-NOTICE_FIELDS = ("text", "title", "message", "rule", "severity", "kind")
-"""What a notice fills in: ``text`` is the one-line summary an SMS carries."""
+NOTICE_FIELDS = ("text", "title", "message", "rule", "severity", "kind", "link")
+"""What a notice fills in: ``text`` is the one-line summary an SMS carries (with the console link when there is
+one), ``link`` the console link alone (empty without OPS_CONSOLE_URL)."""
 PHONE_FIELDS = ("phone", "phones")
 
 

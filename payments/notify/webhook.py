@@ -44,6 +44,11 @@ def payload(notice: Notice, now: datetime | None = None) -> dict:
             "fired_at": _iso(notice.fired_at),
             "resolved_at": _iso(notice.resolved_at),
             "repeat": notice.repeat,
+            "links": dict(notice.links),
+            "related": [
+                {"alert_id": m.alert_id, "rule": m.rule, "severity": m.severity, "key": m.key, "message": m.message}
+                for m in notice.members
+            ],
         },
     }
 
