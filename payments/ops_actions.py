@@ -310,12 +310,58 @@ def overview(conn: Connection, now: datetime, window_seconds: int = 600) -> dict
             "compensation_success_rate": round(int(retried[1]) / int(retried[0]), 4) if retried[0] else None,
         },
         "alerts": [
-            {**_row(a), "details": _json(a["details"])}
+            {**_row(a), "details": _json(a["details"]), "subject": alert_subject({**a, "details": _json(a["details"])})}
             for a in open_alerts
             if a["status"] in (AlertStatus.FIRING, AlertStatus.PENDING)
         ],
         "unknown_payments_by_age": unknown_by_age(conn, now),
     }
+
+
+def alert_subject(row: Mapping[str, Any]) -> dict[str, Any]:
+    """What an alert is about, for a link: the review, callback, payment, refund or run it names, or a filtered list.
+
+    From its details (what ``review.escalate`` and the evaluators put there),
+    most specific first; ``kind`` is one of review, callback, payment, refund,
+    reconciliation_run, callbacks (a filtered list: ``args``), payments, or
+    None (nothing narrower than the overview).
+    """
+    details = row.get("details")
+    details = _json(details) if isinstance(details, str) else (details or {})
+    if not isinstance(details, dict):
+        details = {}
+    rule = str(row.get("rule") or "")
+    for key, kind in (
+        ("manual_review_id", "review"),
+        ("callback_log_id", "callback"),
+        ("refund_id", "refund"),
+        ("payment_id", "payment"),
+        ("run_id", "reconciliation_run"),
+    ):
+        value = details.get(key)
+        if value not in (None, ""):
+            return {"kind": kind, "ref": value, "label": f"{kind.replace('_', ' ')} {value}", "args": {}}
+    if rule in ("callback_backlog", "callback_failure_rate", "compensation_success_rate"):
+        status = int(CallbackStatus.FAILED)
+        return {"kind": "callbacks", "ref": None, "label": "failed callbacks", "args": {"status": status}}
+    if rule in ("signature_failures", "refused_sources"):
+        args: dict[str, Any] = {"status": int(CallbackStatus.REJECTED)}
+        if details.get("provider"):
+            args["provider"] = details["provider"]
+        return {"kind": "callbacks", "ref": None, "label": "rejected callbacks", "args": args}
+    if rule.startswith("past_deadline") or rule.startswith("unresolved_payment"):
+        return {"kind": "payments", "ref": None, "label": "Unknown payments", "args": {"status": "Unknown"}}
+    return {"kind": None, "ref": None, "label": "", "args": {}}
+
+
+def alert_detail(conn: Connection, alert_id: int) -> dict[str, Any] | None:
+    """One alert (open or resolved) with its details and the subject it links to."""
+    row = conn.execute(select(alert).where(alert.c.id == alert_id)).mappings().first()
+    if row is None:
+        return None
+    out = {**_row(row), "details": _json(row["details"])}
+    out["subject"] = alert_subject(out)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- callbacks
@@ -371,7 +417,7 @@ def search_callbacks(conn: Connection, search: CallbackSearch) -> tuple[list[dic
     limit = max(1, min(int(search.limit), 500))
     columns = [c for c in t.c if c.name not in ("callback_data", "headers")]
     rows = conn.execute(select(*columns).where(*where).order_by(t.c.id.desc()).limit(limit + 1)).mappings().all()
-    page = [_callback_summary(r) for r in rows[:limit]]
+    page = with_subjects(conn, [_callback_summary(r) for r in rows[:limit]])
     return page, (rows[limit - 1]["id"] if len(rows) > limit else None)
 
 
@@ -379,7 +425,42 @@ def _callback_summary(row: Mapping[str, Any]) -> dict[str, Any]:
     out = _row(row)
     out["status_name"] = CallbackStatus(row["status"]).name.lower()
     out["result"] = scrub(row["result"]) if row["result"] else None
+    # A gave-up, rejected or processed row is not retried by the sweep: its next_retry_at is history, not a plan.
+    out["retries_next"] = row["status"] in (CallbackStatus.PENDING, CallbackStatus.FAILED)
     return out
+
+
+def with_subjects(conn: Connection, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Callback summaries with what their ``order_no`` names, if it exists: our payment or refund, the merchant's order.
+
+    ``payment_callback_log.order_no`` holds our reference as the delivery gave
+    it (``pay_…`` or a refund id), unverified on a rejected row: a row is
+    linked to a payment (``payment_id``) or refund (``refund_id``) only when
+    that row exists, and ``merchant_order_no`` is the payment's ``order_no``
+    (what the merchant calls it). Two queries for the whole page.
+    """
+    refs = sorted({r["order_no"] for r in rows if r.get("order_no")})
+    if not refs:
+        for r in rows:
+            r.update(payment_id=None, refund_id=None, merchant_order_no=None)
+        return rows
+    refunds = dict(
+        conn.execute(select(refund.c.refund_id, refund.c.payment_id).where(refund.c.refund_id.in_(refs))).all()
+    )
+    wanted = sorted({*refs, *refunds.values()})
+    orders = dict(
+        conn.execute(select(payment.c.payment_id, payment.c.order_no).where(payment.c.payment_id.in_(wanted))).all()
+    )
+    for r in rows:
+        ref = r.get("order_no")
+        pay = refunds.get(ref) if ref in refunds else ref
+        known = pay in orders
+        r.update(
+            payment_id=pay if known else None,
+            refund_id=ref if ref in refunds else None,
+            merchant_order_no=orders.get(pay) if known else None,
+        )
+    return rows
 
 
 _JSON_STRING_OR_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
@@ -425,7 +506,9 @@ def callback(conn: Connection, log_id: int) -> dict[str, Any] | None:
     row = conn.execute(select(payment_callback_log).where(payment_callback_log.c.id == log_id)).mappings().first()
     if row is None:
         return None
-    out = _callback_summary({k: v for k, v in row.items() if k not in ("callback_data", "headers")})
+    out = with_subjects(
+        conn, [_callback_summary({k: v for k, v in row.items() if k not in ("callback_data", "headers")})]
+    )[0]
     out["body"] = show_body(bytes(row["callback_data"]))
     headers = _json(row["headers"])
     out["headers"] = scrub_value(headers) if isinstance(headers, dict) else scrub(str(headers or ""))
@@ -663,7 +746,7 @@ def review_detail(conn: Connection, review_id: int) -> dict[str, Any] | None:
     if cb_where:
         columns = [c for c in cb.c if c.name not in ("callback_data", "headers")]
         found = conn.execute(select(*columns).where(or_(*cb_where)).order_by(cb.c.id).limit(100)).mappings()
-        callbacks = [_callback_summary(r) for r in found]
+        callbacks = with_subjects(conn, [_callback_summary(r) for r in found])
     calls = _calls(conn, payment_id, row["refund_id"]) if payment_id or row["refund_id"] else []
     return {
         **_row(row),
@@ -1144,7 +1227,7 @@ def payment_detail(conn: Connection, payment_id: str) -> dict[str, Any] | None:
         "ledger": ledger.history(conn, payment_id),
         "balance": ledger.payment_balance(conn, payment_id),
         "provider_calls": _calls(conn, payment_id, None),
-        "callbacks": [_callback_summary(r) for r in callbacks],
+        "callbacks": with_subjects(conn, [_callback_summary(r) for r in callbacks]),
         "reviews": [_row(r) for r in reviews],
         "actions": actions(conn, payment_id=payment_id),
     }

@@ -373,3 +373,101 @@ def test_an_action_records_the_session_and_token_that_vouch_for_the_typed_name(e
             assert row.identity == f"console session {session_row.id} (operator, token {fingerprint(OPS)[:12]})"
     assert rows[4].via == "cli" and rows[4].ops_session_id is None
     assert rows[4].identity.startswith("os user ") and f"(uid {os.getuid()})" in rows[4].identity
+
+
+# ------------------------------------------------------------------------------------------- a console for 3 a.m.
+
+
+def test_money_is_in_major_units_with_the_currency_and_times_are_ages_with_utc_on_hover():
+    from datetime import datetime
+
+    from gateway.ops import humanize
+
+    assert humanize.major(266400, "CNY") == "¥2,664.00"
+    assert humanize.major(1200, "USD") == "$12.00"
+    assert humanize.major(500, "JPY") == "JPY ¥500"  # zero-decimal: the code says which yen
+    assert humanize.major(-500000, "CNY") == "-¥5,000.00"
+    assert humanize.major(1250, "KWD") == "KWD 1.250"  # three decimals, no symbol here
+    assert humanize.major(150, "chf") == "CHF 1.50"
+    html = str(humanize.money_html(266400, "CNY"))
+    assert html == '<span class="money" title="266400 minor units of CNY">¥2,664.00</span>'
+    now = datetime(2026, 12, 3, 14, 30, 29, 123456)
+    assert humanize.relative(datetime(2026, 12, 3, 14, 26, 0), now) == "4 min ago"
+    assert humanize.relative(datetime(2026, 12, 3, 14, 33, 40), now) == "in 3 min"
+    assert humanize.relative(datetime(2026, 12, 3, 11, 25, 0), now) == "3 h 5 min ago"
+    assert humanize.relative(datetime(2026, 12, 1, 10, 0, 0), now) == "2 d 4 h ago"
+    stamp = str(humanize.time_html("2026-12-03T14:26:00.654321Z", now))
+    assert stamp == '<time datetime="2026-12-03T14:26:00Z" title="2026-12-03 14:26:00 UTC">4 min ago</time>'
+
+
+MICROSECONDS = re.compile(r"\d{2}:\d{2}:\d{2}\.\d{3,6}")
+
+
+def _rejected_callback(engine, reference: str) -> int:
+    """A delivery naming ``reference`` whose signature fails: stored, then rejected by processing (status 3)."""
+    from payments.callbacks import process_callback, store_callback
+    from tests.ops_support import GIVE_UP_AT_ONCE, providers
+    from tests.support import sandbox_event, signed
+
+    body, headers = signed(sandbox_event(reference))
+    forged = {**headers, **{k: "0" * 64 for k in headers if "signature" in k.lower()}}
+    log_id = store_callback(
+        engine, provider="sandbox", body=body, headers=forged, remote_addr="127.0.0.1", index={"order_no": reference}
+    )
+    assert process_callback(engine, providers(), log_id, GIVE_UP_AT_ONCE).value == "rejected"
+    return log_id
+
+
+def _applied_callback(engine, payment_id: str, amount: int) -> int:
+    from payments.callbacks import process_callback, store_callback
+    from tests.ops_support import GIVE_UP_AT_ONCE, providers
+    from tests.support import sandbox_event, signed
+
+    body, headers = signed(sandbox_event(payment_id, amount=amount))
+    log_id = store_callback(engine, provider="sandbox", body=body, headers=headers, remote_addr="127.0.0.1")
+    assert process_callback(engine, providers(), log_id, GIVE_UP_AT_ONCE).value == "applied"
+    return log_id
+
+
+def test_the_pages_show_order_numbers_major_units_and_ages_and_no_link_404s(sqlite):
+    app = _app(sqlite)
+    paid = create_payment(sqlite, payment_id="pay_console000000010", amount=266400, currency="CNY")
+    log_id = given_up_callback(sqlite, "pay_console000000011", amount=1200)
+    rejected = _rejected_callback(sqlite, "pay_nosuchpayment0001")
+    _applied_callback(sqlite, paid, amount=266400)
+    client = app.test_client()
+    _login(client)
+    listing = client.get("/ops/callbacks").text
+    order_nos = re.findall(r'<td class="order-no">([^<]*)</td>', listing)
+    assert "order-00000010" in order_nos and not any(o.startswith("pay_") for o in order_nos)
+    assert not MICROSECONDS.search(listing) and re.search(r"<time datetime=\"[^\"]+Z\" title=\"[^\"]+ UTC\">", listing)
+    # Every link on the list, the rejected row's included, opens a page.
+    for href in set(re.findall(r'href="(/ops/[^"#]*)"', listing)):
+        assert client.get(href.replace("&amp;", "&")).status_code == 200, href
+    assert 'href="/ops/payments/pay_nosuchpayment0001"' not in listing
+    gave_up = client.get(f"/ops/callbacks/{log_id}").text
+    facts = re.search(r'<p id="callback-facts">(.*?)</p>', gave_up, re.S).group(1)
+    assert "next retry" not in facts and "last retry" in facts
+    assert client.get(f"/ops/callbacks/{rejected}").status_code == 200
+    page = client.get(f"/ops/payments/{paid}").text
+    assert '<span class="money" title="266400 minor units of CNY">¥2,664.00</span>' in page
+    assert "CNY 266400" not in page and not MICROSECONDS.search(page)
+
+
+def test_an_alert_links_to_its_subject_from_the_overview_and_its_own_page(sqlite):
+    from payments.schema import alert
+
+    log_id = given_up_callback(sqlite, "pay_console000000012")
+    review_id = review_for(sqlite, callback_log_id=log_id)
+    client = _app(sqlite).test_client()
+    _login(client)
+    overview = client.get("/ops/").text
+    with sqlite.connect() as conn:
+        alert_id = conn.execute(select(alert.c.id).where(alert.c.rule == "callback_gave_up")).scalar_one()
+    assert f'href="/ops/alerts/{alert_id}"' in overview
+    assert f'href="/ops/reviews/{review_id}"' in overview  # the alert's row names its review
+    page = client.get(f"/ops/alerts/{alert_id}")
+    assert page.status_code == 200 and "callback_gave_up" in page.text
+    subject = re.search(r'<td id="alert-subject">(.*?)</td>', page.text, re.S).group(1)
+    assert f'href="/ops/reviews/{review_id}"' in subject
+    assert client.get("/ops/alerts/999999").status_code == 404

@@ -41,6 +41,7 @@ from flask.sessions import SecureCookieSession, SecureCookieSessionInterface
 from itsdangerous import BadSignature
 from werkzeug.exceptions import HTTPException
 
+from gateway.ops import humanize
 from payments import ops_sessions
 from payments.settings import Settings
 from payments.sources import client_address, in_networks
@@ -288,6 +289,24 @@ def _template_globals() -> dict[str, Any]:
         "user": user,
         "can_act": bool(user and user["role"] == ROLE_OPERATOR),
     }
+
+
+@bp.app_template_filter("money")
+def _money_filter(amount_minor: Any, currency: str | None) -> Any:
+    """``{{ p.amount_minor|money(p.currency) }}``: ``¥2,664.00``, minor units on hover (``humanize``)."""
+    return humanize.money_html(amount_minor, currency)
+
+
+@bp.app_template_filter("amounts")
+def _amounts_filter(amounts: Any) -> Any:
+    """``{{ {"CNY": 266400}|amounts }}``: amounts by currency (``humanize``)."""
+    return humanize.amounts_html(amounts)
+
+
+@bp.app_template_filter("ago")
+def _ago_filter(value: Any, empty: str = "–") -> Any:
+    """``{{ row.create_time|ago }}``: ``4 min ago``, the UTC time on hover (``humanize``)."""
+    return humanize.time_html(value, empty=empty)
 
 
 @bp.errorhandler(HTTPException)

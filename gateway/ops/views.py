@@ -175,6 +175,16 @@ def action_log() -> Any:
     return render_template("ops/actions.html", rows=rows)
 
 
+@bp.get("/alerts/<int:alert_id>")
+def alert_page(alert_id: int) -> Any:
+    """One alert, open or resolved: what it says, since when, and a link to what it is about."""
+    with _engine().connect() as conn:
+        item = ops_actions.alert_detail(conn, alert_id)
+    if item is None:
+        abort(404, description=f"no alert {alert_id}")
+    return render_template("ops/alert.html", item=item)
+
+
 # ------------------------------------------------------------------------------------------- callbacks
 
 
