@@ -44,7 +44,14 @@ from sqlalchemy import Connection, Engine, and_, case, func, insert, literal, or
 from payments import ledger, monitoring, provider_calls, review
 from payments.alert_evaluators import callback_failure_counts
 from payments.backoff import RetryPolicy
-from payments.callbacks import CallbackResult, process_callback, refused_for_source
+from payments.callbacks import (
+    ATTEMPT_BY,
+    REPLAYED,
+    CallbackResult,
+    process_callback,
+    record_attempts,
+    refused_for_source,
+)
 from payments.calls import last_charge_send
 from payments.db import utcnow
 from payments.errors import PaysyncError
@@ -53,6 +60,7 @@ from payments.providers.base import ChargeRequest, Mismatch, Provider, reported_
 from payments.providers.stripe_money import iso_exponent
 from payments.schema import (
     alert,
+    callback_attempt,
     ledger_entry,
     ledger_event,
     manual_review,
@@ -513,8 +521,23 @@ def callback(conn: Connection, log_id: int) -> dict[str, Any] | None:
     headers = _json(row["headers"])
     out["headers"] = scrub_value(headers) if isinstance(headers, dict) else scrub(str(headers or ""))
     out["actions"] = actions(conn, callback_log_id=log_id)
+    out["attempts"] = attempts(conn, log_id)
     out["replayable"] = row["status"] in REPLAYABLE and not refused_for_source(row["result"])
     return out
+
+
+def attempts(conn: Connection, log_id: int, limit: int = 500) -> list[dict[str, Any]]:
+    """Every processing attempt of a callback, oldest first, and what processing said each time (scrubbed)."""
+    t = callback_attempt
+    rows = conn.execute(select(t).where(t.c.callback_log_id == log_id).order_by(t.c.id).limit(limit)).mappings()
+    return [
+        {
+            **_row(r),
+            "status_name": CallbackStatus(r["status"]).name.lower(),
+            "result": scrub(r["result"]) if r["result"] else None,
+        }
+        for r in rows
+    ]
 
 
 def replay_callbacks(
@@ -570,6 +593,9 @@ def _replay_one(engine: Engine, log_id: int, actor: Actor, note: str, now: datet
         ).rowcount
         if moved != 1:  # cannot happen under the row lock; the guard is the rule, not the lock
             return Outcome("replay", subject, "skipped: the row changed under us", ok=False)
+        record_attempts(
+            conn, [(log_id, REPLAYED, CallbackStatus.PENDING, f"replayed: {note}; {was}")], now, by=_replayer(actor)
+        )
         resolved = _resolve_open(conn, f"callback_gave_up:{subject}", f"replayed: {note}", actor, now)
         outcome = f"replayed: status {int(status)} -> 0" + (f"; review {resolved} resolved" if resolved else "")
         details = {"previous_status": int(status), "previous_result": row.result, "manual_review_id": resolved}
@@ -619,9 +645,17 @@ def replay_and_process(
             continue
         log_id = int(replayed.subject.split(":")[1])
         # The row is status 0 now, committed: processing it here only saves waiting for the consumer or the sweep.
-        done = process_callback(engine, dict(providers), log_id, policy)
+        token = ATTEMPT_BY.set(_replayer(actor))
+        try:
+            done = process_callback(engine, dict(providers), log_id, policy)
+        finally:
+            ATTEMPT_BY.reset(token)
         out.append(_record_processing(engine, log_id, replayed, done, actor, note))
     return out
+
+
+def _replayer(actor: Actor) -> str:
+    return f"replay by {actor.name} ({actor.via})"[:64]
 
 
 def _record_processing(

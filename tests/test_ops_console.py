@@ -471,3 +471,36 @@ def test_an_alert_links_to_its_subject_from_the_overview_and_its_own_page(sqlite
     subject = re.search(r'<td id="alert-subject">(.*?)</td>', page.text, re.S).group(1)
     assert f'href="/ops/reviews/{review_id}"' in subject
     assert client.get("/ops/alerts/999999").status_code == 404
+
+
+def test_a_callback_page_lists_every_attempt_and_what_processing_said_each_time(sqlite):
+    from payments.backoff import RetryPolicy
+    from payments.callbacks import process_callback, store_callback
+    from payments.schema import callback_attempt
+    from tests.ops_support import providers
+    from tests.support import sandbox_event, signed
+
+    late = "pay_console000000020"
+    body, headers = signed(sandbox_event(late))
+    log_id = store_callback(sqlite, provider="sandbox", body=body, headers=headers, remote_addr="127.0.0.1")
+    twice = RetryPolicy(max_retries=2, base_seconds=0.01, max_seconds=0.01)
+    assert process_callback(sqlite, providers(), log_id, twice).value == "retry"
+    assert process_callback(sqlite, providers(), log_id, twice).value == "gave_up"
+    create_payment(sqlite, payment_id=late)
+    client = _app(sqlite).test_client()
+    _login(client, name="erin")
+    page = client.get(f"/ops/callbacks/{log_id}")
+    client.post(
+        "/ops/callbacks/replay", data={"csrf": _csrf(page.text), "id": str(log_id), "note": "payment arrived late"}
+    )
+    page = client.get(f"/ops/callbacks/{log_id}").text
+    table = re.search(r'<table id="attempts".*?</table>', page, re.S).group(0)
+    rows = re.findall(r'<tr class="attempt-row outcome-([a-z_]+)">(.*?)</tr>', table, re.S)
+    assert [outcome for outcome, _ in rows] == ["retry", "gave_up", "replayed", "applied"]
+    said = [cells for _, cells in rows]
+    assert "target_not_found" in said[0] and "gave up after 2 attempts" in said[1]
+    assert "replay by erin (console)" in said[2] and "payment arrived late" in said[2]
+    assert "replay by erin (console)" in said[3] and "applied: Pending -&gt; Succeeded" in said[3]
+    with sqlite.connect() as conn:  # one row per attempt, no more
+        assert conn.execute(select(callback_attempt.c.id).where(callback_attempt.c.callback_log_id == log_id)).all()
+        assert len(conn.execute(select(callback_attempt)).all()) == 4
