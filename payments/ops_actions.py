@@ -795,6 +795,7 @@ def review_detail(conn: Connection, review_id: int) -> dict[str, Any] | None:
             "reconciliation_items": _review_items(conn, row),
         },
         "actions": actions(conn, manual_review_id=review_id),
+        "pending_adjustment": (p.as_dict() if (p := pending_adjustment(conn, review_id)) else None),
     }
 
 
@@ -866,6 +867,77 @@ def close_review(engine: Engine, review_id: int, *, actor: Actor, note: str, now
         return _finish_review(conn, row, "close", actor, note, "closed with a note", now)
 
 
+def _adjustable_target(conn: Connection, row: Mapping[str, Any], currency: str | None) -> tuple[str, str, dict, str]:
+    """(kind, reference, target row, currency) of the review's subject an adjustment would be booked on."""
+    review_id = row["id"]
+    subject = _subject_of(conn, row)
+    if subject is None:
+        raise OpsRefused(f"review {review_id} names no payment or refund to adjust; close it with a note")
+    kind, reference = subject
+    target = _target(conn, kind, reference)
+    if target is None:
+        raise OpsRefused(f"review {review_id} names {kind} {reference}, which does not exist")
+    code = (currency or target["currency"]).strip().upper()
+    if len(code) != 3 or not code.isalpha() or not code.isascii():
+        raise OpsRefused("the currency must be a three-letter code such as CNY")
+    return kind, reference, target, code
+
+
+def _check_amount(amount_minor: Any) -> None:
+    if isinstance(amount_minor, bool) or not isinstance(amount_minor, int):
+        raise OpsRefused("the amount must be a whole number of minor units")
+    if amount_minor == 0 or abs(amount_minor) > MAX_ADJUSTMENT:
+        raise OpsRefused("the amount must be a non-zero number of minor units")
+
+
+def _book(
+    conn: Connection,
+    row: Mapping[str, Any],
+    kind: str,
+    reference: str,
+    target: Mapping[str, Any],
+    amount_minor: int,
+    currency: str,
+    actor: Actor,
+    note: str,
+    now: datetime,
+    *,
+    approval: dict[str, Any] | None = None,
+) -> Outcome:
+    """The ledger event of an adjustment and the review resolved with it, in the caller's transaction."""
+    review_id = row["id"]
+    event_id = ledger.append(
+        conn,
+        event_type=ledger.RECONCILIATION_ADJUSTED,
+        # One adjustment per review: the review is resolved in this transaction, and the key is UNIQUE.
+        dedupe_key=f"{ledger.RECONCILIATION_ADJUSTED}:ops:review:{review_id}",
+        amount_minor=abs(amount_minor),
+        currency=currency,
+        source_type="ops",
+        source_id=f"review:{review_id}",
+        now=now,
+        entries=ledger.adjustment_entries(target["provider"], amount_minor),
+        payment_id=target["payment_id"],
+        refund_id=reference if kind == "refund" else None,
+        details={
+            "manual_review_id": review_id,
+            "delta": amount_minor,
+            "actor": actor.name,
+            "note": note,
+            **({"approval": approval} if approval else {}),
+        },
+    )
+    outcome = (
+        f"ReconciliationAdjusted {amount_minor:+d} {currency} on {ledger.provider_account(target['provider'])}, "
+        f"{-amount_minor:+d} on {ledger.SUSPENSE_RECONCILIATION} (ledger event {event_id})"
+    )
+    details: dict[str, Any] = {"ledger_event_id": event_id, "delta": amount_minor, "currency": currency}
+    if approval:
+        outcome += f"; over the payment's amount, requested by {approval['requested_by']}, approved by {actor.name}"
+        details.update(approval=APPROVED, request_ops_action_id=approval["request_ops_action_id"])
+    return _finish_review(conn, row, "adjust", actor, note, outcome, now, details=details)
+
+
 def book_adjustment(
     engine: Engine,
     review_id: int,
@@ -881,47 +953,211 @@ def book_adjustment(
     Positive: the provider holds that much more for us than our ledger says
     (its receivable is debited); negative: less. The other side goes to
     ``suspense:reconciliation``, as reconciliation's own adjustments do. The
-    currency is the payment's unless given.
+    currency is the payment's unless given. More than the payment's amount is
+    refused here: that takes ``request_adjustment`` and a second operator's
+    ``approve_adjustment``.
     """
     note, now = clean_note(note), now or utcnow()
-    if isinstance(amount_minor, bool) or not isinstance(amount_minor, int):
-        raise OpsRefused("the amount must be a whole number of minor units")
-    if amount_minor == 0 or abs(amount_minor) > MAX_ADJUSTMENT:
-        raise OpsRefused("the amount must be a non-zero number of minor units")
+    _check_amount(amount_minor)
     with engine.begin() as conn:
         row = _lock_open_review(conn, review_id)
-        subject = _subject_of(conn, row)
-        if subject is None:
-            raise OpsRefused(f"review {review_id} names no payment or refund to adjust; close it with a note")
-        kind, reference = subject
-        target = _target(conn, kind, reference)
-        if target is None:
-            raise OpsRefused(f"review {review_id} names {kind} {reference}, which does not exist")
-        currency = (currency or target["currency"]).strip().upper()
-        if len(currency) != 3 or not currency.isalpha() or not currency.isascii():
-            raise OpsRefused("the currency must be a three-letter code such as CNY")
+        kind, reference, target, currency = _adjustable_target(conn, row, currency)
         check_adjustment(conn, target, amount_minor, currency)
-        event_id = ledger.append(
-            conn,
-            event_type=ledger.RECONCILIATION_ADJUSTED,
-            # One adjustment per review: the review is resolved in this transaction, and the key is UNIQUE.
-            dedupe_key=f"{ledger.RECONCILIATION_ADJUSTED}:ops:review:{review_id}",
-            amount_minor=abs(amount_minor),
-            currency=currency,
-            source_type="ops",
-            source_id=f"review:{review_id}",
-            now=now,
-            entries=ledger.adjustment_entries(target["provider"], amount_minor),
-            payment_id=target["payment_id"],
-            refund_id=reference if kind == "refund" else None,
-            details={"manual_review_id": review_id, "delta": amount_minor, "actor": actor.name, "note": note},
-        )
+        return _book(conn, row, kind, reference, target, amount_minor, currency, actor, note, now)
+
+
+REQUESTED, APPROVED, DECLINED = "requested", "approved", "declined"
+"""``ops_action.details["approval"]`` of an adjustment over its payment's amount: asked, then approved or declined."""
+
+
+@dataclass(frozen=True)
+class PendingAdjustment:
+    """An adjustment over its payment's amount, asked for and not yet approved or declined (its ops_action row)."""
+
+    ops_action_id: int
+    review_id: int
+    amount_minor: int
+    currency: str
+    requested_by: str
+    identity: str | None
+    requested_at: str
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """For pages and JSON."""
+        return {**self.__dict__, "shown": money(self.amount_minor, self.currency)}
+
+
+def pending_adjustment(conn: Connection, review_id: int) -> PendingAdjustment | None:
+    """The review's open request for an oversized adjustment, from the append-only action log, or None.
+
+    A request is open until a later ``adjust`` row of the review approves or
+    declines it (or the review is resolved some other way, which ends it too).
+    """
+    rows = actions(conn, manual_review_id=review_id, limit=200)  # newest first
+    ended: set[int] = set()
+    for r in rows:
+        details = r["details"] if isinstance(r["details"], dict) else {}
+        approval = details.get("approval")
+        if r["action"] != "adjust" or approval is None:
+            if r["action"] in ("apply", "close", "adjust"):
+                return None  # resolved after (or instead of) any request: nothing is pending
+            continue
+        if approval in (APPROVED, DECLINED):
+            ended.add(int(details.get("request_ops_action_id") or 0))
+            continue
+        if approval == REQUESTED and r["id"] not in ended:
+            return PendingAdjustment(
+                r["id"],
+                review_id,
+                int(details["delta"]),
+                str(details["currency"]),
+                r["actor"],
+                r["identity"],
+                r["created_at"],
+                r["reason"],
+            )
+        if approval == REQUESTED:
+            return None  # the newest request was answered: nothing is pending
+    return None
+
+
+def request_adjustment(
+    engine: Engine,
+    review_id: int,
+    *,
+    amount_minor: int,
+    actor: Actor,
+    note: str,
+    currency: str | None = None,
+    now: datetime | None = None,
+) -> Outcome:
+    """Ask a second operator to approve an adjustment over the payment's amount; nothing is booked yet.
+
+    Records an ``adjust`` action whose details say ``approval: requested``;
+    the review stays open until another person ``approve_adjustment``s it
+    (or anyone declines it). An amount within the bound needs no approval:
+    book it with ``book_adjustment``.
+    """
+    note, now = clean_note(note), now or utcnow()
+    _check_amount(amount_minor)
+    with engine.begin() as conn:
+        row = _lock_open_review(conn, review_id)
+        _, _, target, currency = _adjustable_target(conn, row, currency)
+        pay = _payment_of(conn, target)
+        if currency != pay["currency"]:
+            check_adjustment(conn, target, amount_minor, currency)  # raises: another currency is never approved
+        if abs(amount_minor) <= int(pay["amount_minor"]):
+            raise OpsRefused(
+                f"{money(amount_minor, currency)} is within payment {pay['payment_id']}'s "
+                f"{money(int(pay['amount_minor']), currency)}: book it, it needs no approval"
+            )
+        pending = pending_adjustment(conn, review_id)
+        if pending is not None:
+            raise OpsRefused(
+                f"review {review_id} already has an adjustment awaiting approval (ops_action {pending.ops_action_id}, "
+                f"{pending.as_dict()['shown']} by {pending.requested_by}): approve or decline it first"
+            )
         outcome = (
-            f"ReconciliationAdjusted {amount_minor:+d} {currency} on {ledger.provider_account(target['provider'])}, "
-            f"{-amount_minor:+d} on {ledger.SUSPENSE_RECONCILIATION} (ledger event {event_id})"
+            f"approval requested: {money(amount_minor, currency)} is more than payment {pay['payment_id']}'s "
+            f"{money(int(pay['amount_minor']), currency)}; nothing booked until another operator approves"
         )
-        details = {"ledger_event_id": event_id, "delta": amount_minor, "currency": currency}
-        return _finish_review(conn, row, "adjust", actor, note, outcome, now, details=details)
+        details = {"approval": REQUESTED, "delta": amount_minor, "currency": currency}
+        action_id = record(
+            conn,
+            action="adjust",
+            actor=actor,
+            subject=f"review:{review_id}",
+            reason=note,
+            outcome=outcome,
+            now=now,
+            manual_review_id=review_id,
+            callback_log_id=row["callback_log_id"],
+            payment_id=row["payment_id"],
+            refund_id=row["refund_id"],
+            details=details,
+        )
+    log.info(
+        "review %s: oversized adjustment requested by %s", review_id, actor.name, extra={"ops_action_id": action_id}
+    )
+    return Outcome("adjust", f"review:{review_id}", outcome, action_id, details)
+
+
+def _same_person(actor: Actor, pending: PendingAdjustment) -> bool:
+    """True when ``actor`` is (or logged in as) whoever asked: the same name, or the same vouched identity."""
+    same_name = actor.name.casefold() == pending.requested_by.casefold()
+    return same_name or (bool(pending.identity) and actor.identity == pending.identity)
+
+
+def approve_adjustment(
+    engine: Engine,
+    review_id: int,
+    *,
+    actor: Actor,
+    note: str,
+    request_id: int | None = None,
+    now: datetime | None = None,
+) -> Outcome:
+    """A second operator approves the pending oversized adjustment: it is booked and the review resolved.
+
+    Refused for the person who asked (by name or by the identity that vouched
+    for them), for a request that is no longer the pending one (``request_id``
+    names what the approver saw), and for a review no longer open. The review
+    row is locked first, so two approvals cannot both book (and the ledger's
+    dedupe key allows one adjustment per review anyway).
+    """
+    note, now = clean_note(note), now or utcnow()
+    with engine.begin() as conn:
+        row = _lock_open_review(conn, review_id)
+        pending = pending_adjustment(conn, review_id)
+        if pending is None or (request_id is not None and pending.ops_action_id != request_id):
+            raise OpsRefused(f"review {review_id} has no such adjustment awaiting approval")
+        if _same_person(actor, pending):
+            raise OpsRefused(
+                f"{actor.name} asked for this adjustment (ops_action {pending.ops_action_id}): "
+                "another operator must approve it"
+            )
+        kind, reference, target, currency = _adjustable_target(conn, row, pending.currency)
+        approval = {"request_ops_action_id": pending.ops_action_id, "requested_by": pending.requested_by}
+        return _book(
+            conn, row, kind, reference, target, pending.amount_minor, currency, actor, note, now, approval=approval
+        )
+
+
+def decline_adjustment(
+    engine: Engine,
+    review_id: int,
+    *,
+    actor: Actor,
+    note: str,
+    request_id: int | None = None,
+    now: datetime | None = None,
+) -> Outcome:
+    """Decline (or, for whoever asked, withdraw) the pending oversized adjustment; the review stays open."""
+    note, now = clean_note(note), now or utcnow()
+    with engine.begin() as conn:
+        row = _lock_open_review(conn, review_id)
+        pending = pending_adjustment(conn, review_id)
+        if pending is None or (request_id is not None and pending.ops_action_id != request_id):
+            raise OpsRefused(f"review {review_id} has no such adjustment awaiting approval")
+        verb = "withdrawn" if _same_person(actor, pending) else "declined"
+        outcome = f"adjustment request ops_action {pending.ops_action_id} {verb}; nothing booked, the review stays open"
+        details = {"approval": DECLINED, "request_ops_action_id": pending.ops_action_id}
+        action_id = record(
+            conn,
+            action="adjust",
+            actor=actor,
+            subject=f"review:{review_id}",
+            reason=note,
+            outcome=outcome,
+            now=now,
+            manual_review_id=review_id,
+            callback_log_id=row["callback_log_id"],
+            payment_id=row["payment_id"],
+            refund_id=row["refund_id"],
+            details=details,
+        )
+    return Outcome("adjust", f"review:{review_id}", outcome, action_id, details)
 
 
 def _payment_of(conn: Connection, target: Mapping[str, Any]) -> dict[str, Any]:
@@ -955,7 +1191,8 @@ def check_adjustment(conn: Connection, target: Mapping[str, Any], amount_minor: 
     if abs(amount_minor) > int(pay["amount_minor"]):
         raise OpsRefused(
             f"an adjustment of {money(amount_minor, currency)} is more than payment {pay['payment_id']}'s "
-            f"{money(int(pay['amount_minor']), currency)}; at most the payment's amount either way"
+            f"{money(int(pay['amount_minor']), currency)}; at most the payment's amount either way, "
+            "unless a second operator approves it (request approval)"
         )
 
 
@@ -996,6 +1233,21 @@ def preview(
                 f"The provider {target['provider']} is queried now; its final answer is applied "
                 "if the state machine allows."
             )
+    elif action == "request_adjustment":
+        if target is None:
+            raise OpsRefused(f"review {review_id} names no payment or refund to adjust; close it with a note")
+        _check_amount(amount_minor)
+        code = (currency or target["currency"]).strip().upper()
+        pay = _payment_of(conn, target)
+        if code != pay["currency"] or abs(int(amount_minor)) <= int(pay["amount_minor"]):
+            check_adjustment(conn, target, amount_minor, code)  # another currency: refused
+            raise OpsRefused(f"{money(amount_minor, code)} is within the payment's amount: book it, no approval needed")
+        lines[0] = f"Review {review_id} stays open: nothing is booked now."
+        lines.append(
+            f"A request to book {money(amount_minor, code)}, more than the payment's "
+            f"{money(int(pay['amount_minor']), code)}, is recorded; another operator (not you) must approve it, "
+            "and then it is booked as a ReconciliationAdjusted ledger event."
+        )
     elif action == "adjust":
         if target is None:
             raise OpsRefused(f"review {review_id} names no payment or refund to adjust; close it with a note")

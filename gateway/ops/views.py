@@ -296,15 +296,34 @@ def resolve_review(review_id: int) -> Any:
     currency = request.form.get("currency") or None
     runtime = ext("runtime")
     page = url_for("ops.review", review_id=review_id)
+    # Over the payment's amount: not booked, but asked of a second operator (ops_actions.request_adjustment).
+    asks = action == "adjust" and request.form.get("approval") == "request"
     if not _confirmed():
         try:
             ops_actions.clean_note(request.form.get("note", ""))
             with _engine().connect() as conn:
-                lines = ops_actions.preview(conn, review_id, action, amount_minor=amount, currency=currency)
+                shown = "request_adjustment" if asks else action
+                lines = ops_actions.preview(conn, review_id, shown, amount_minor=amount, currency=currency)
         except OpsRefused as exc:
             flash(f"review {review_id}: {exc}", "error")
             return redirect(page)
-        return _confirm(f"{action} review {review_id}", lines, url_for("ops.resolve_review", review_id=review_id), page)
+        title = f"ask approval to adjust review {review_id}" if asks else f"{action} review {review_id}"
+        return _confirm(title, lines, url_for("ops.resolve_review", review_id=review_id), page)
+    if asks:
+        try:
+            result = ops_actions.request_adjustment(
+                runtime.engine,
+                review_id,
+                amount_minor=amount if amount is not None else 0,
+                currency=currency,
+                actor=_actor(),
+                note=request.form.get("note", ""),
+            )
+        except OpsRefused as exc:
+            flash(f"review {review_id}: {exc}", "error")
+        else:
+            flash(f"review {review_id}: {result.outcome}", "ok")
+        return redirect(page)
     try:
         result = ops_actions.resolve(
             runtime.engine,
@@ -324,6 +343,40 @@ def resolve_review(review_id: int) -> Any:
     else:
         flash(f"review {review_id}: {result.outcome}", "ok")
     return redirect(url_for("ops.review", review_id=review_id))
+
+
+@bp.post("/reviews/<int:review_id>/approval")
+def review_approval(review_id: int) -> Any:
+    """Approve (another operator: books it) or decline the review's pending oversized adjustment."""
+    decision = request.form.get("decision", "")
+    if decision not in ("approve", "decline"):
+        abort(400, description="decision must be approve or decline")
+    request_id = _int_arg("request_id", minimum=1)
+    page = url_for("ops.review", review_id=review_id)
+    note = request.form.get("note", "")
+    try:
+        if decision == "approve" and not _confirmed():
+            ops_actions.clean_note(note)
+            with _engine().connect() as conn:
+                pending = ops_actions.pending_adjustment(conn, review_id)
+            if pending is None or pending.ops_action_id != request_id:
+                raise OpsRefused(f"review {review_id} has no such adjustment awaiting approval")
+            lines = [
+                f"A ReconciliationAdjusted ledger event of {pending.as_dict()['shown']} is booked for review "
+                f"{review_id}, more than its payment's amount, as {pending.requested_by} asked "
+                f"(ops_action {pending.ops_action_id}: {pending.reason}).",
+                "The review is resolved. The ledger is append-only: undoing it is another adjustment.",
+            ]
+            return _confirm(f"approve the adjustment of review {review_id}", lines, request.path, page)
+        act = ops_actions.approve_adjustment if decision == "approve" else ops_actions.decline_adjustment
+        result = act(_engine(), review_id, actor=_actor(), note=note, request_id=request_id)
+    except OpsRefused as exc:
+        flash(f"review {review_id}: {exc}", "error")
+    except IntegrityError:
+        flash(f"review {review_id}: already adjusted (one adjustment per review)", "error")
+    else:
+        flash(f"review {review_id}: {result.outcome}", "ok")
+    return redirect(page)
 
 
 # ------------------------------------------------------------------------------------------- payments, refunds, recon
