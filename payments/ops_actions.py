@@ -35,7 +35,7 @@ import pwd
 import re
 import socket
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -58,6 +58,7 @@ from payments.errors import PaysyncError
 from payments.logs import scrub, scrub_value
 from payments.providers.base import ChargeRequest, Mismatch, Provider, reported_status
 from payments.providers.stripe_money import iso_exponent
+from payments.retention import REFUSED_RESULT_PREFIX
 from payments.schema import (
     alert,
     callback_attempt,
@@ -404,6 +405,163 @@ def _references(conn: Connection, payment_ids: list[str]) -> list[str]:
 def search_callbacks(conn: Connection, search: CallbackSearch) -> tuple[list[dict[str, Any]], int | None]:
     """One page of the callback log, newest first, and the ``before_id`` of the next page (None: last page)."""
     t = payment_callback_log
+    where = _callback_filters(conn, search)
+    limit = max(1, min(int(search.limit), 500))
+    columns = [c for c in t.c if c.name not in ("callback_data", "headers")]
+    rows = conn.execute(select(*columns).where(*where).order_by(t.c.id.desc()).limit(limit + 1)).mappings().all()
+    page = with_subjects(conn, [_callback_summary(r) for r in rows[:limit]])
+    return page, (rows[limit - 1]["id"] if len(rows) > limit else None)
+
+
+MAX_MATCHING = 5000
+"""Most rows one "replay all matching" takes (in batches of MAX_REPLAY); past it, run it again for the rest."""
+
+
+def describe_search(search: CallbackSearch) -> str:
+    """The filter as a person reads it, for the confirmation page and the audit row."""
+    parts = []
+    if search.status is not None:
+        parts.append(f"status {int(search.status)} {CallbackStatus(search.status).name.lower()}")
+    for name in ("provider", "order_no", "payment_id", "provider_event_id"):
+        if getattr(search, name):
+            parts.append(f"{name} {getattr(search, name)}")
+    if search.since is not None:
+        parts.append(f"received from {search.since.isoformat(timespec='seconds')}Z")
+    if search.until is not None:
+        parts.append(f"received before {search.until.isoformat(timespec='seconds')}Z")
+    return ", ".join(parts) or "every callback"
+
+
+def _replayable_where(conn: Connection, search: CallbackSearch, upto_id: int | None) -> list[Any]:
+    t = payment_callback_log
+    where = [*_callback_filters(conn, replace(search, before_id=None)), t.c.status.in_([int(s) for s in REPLAYABLE])]
+    # Refused for its source: never replayed (replay_callbacks says why), so never counted either.
+    where.append(or_(t.c.result.is_(None), ~t.c.result.startswith(REFUSED_RESULT_PREFIX, autoescape=True)))
+    if upto_id is not None:
+        where.append(t.c.id <= upto_id)
+    return where
+
+
+def count_replayable(conn: Connection, search: CallbackSearch, upto_id: int | None = None) -> dict[str, Any]:
+    """What "replay all matching" would take: the count by status, the total and the newest id (its bound)."""
+    t = payment_callback_log
+    rows = conn.execute(
+        select(t.c.status, func.count(), func.max(t.c.id))
+        .where(*_replayable_where(conn, search, upto_id))
+        .group_by(t.c.status)
+    ).all()
+    by_status = {CallbackStatus(s).name.lower(): int(n) for s, n, _ in rows}
+    newest = max((int(m) for _, _, m in rows), default=None)
+    return {"total": sum(by_status.values()), "by_status": by_status, "upto_id": newest}
+
+
+def preview_replay_matching(conn: Connection, search: CallbackSearch) -> tuple[list[str], dict[str, Any]]:
+    """The confirmation of "replay all matching": lines to show, and the count and id bound the person confirms."""
+    found = count_replayable(conn, search)
+    if not found["total"]:
+        raise OpsRefused(f"no failed, rejected or given-up callback matches {describe_search(search)}")
+    statuses = ", ".join(f"{n} {name}" for name, n in sorted(found["by_status"].items()))
+    taken = min(found["total"], MAX_MATCHING)
+    lines = [
+        f"{found['total']} callbacks match {describe_search(search)} ({statuses}), up to callback {found['upto_id']}.",
+        f"{taken} of them go back to status 0 (oldest first, {MAX_REPLAY} a batch, each row audited); "
+        "the consumer's sweep and the compensator process them on their usual round.",
+    ]
+    if found["total"] > MAX_MATCHING:
+        lines.append(f"Only {MAX_MATCHING} are taken at once: run it again for the rest.")
+    lines.append("Rows that match but arrive or change after this page are not included.")
+    return lines, {"expected": taken, "upto_id": found["upto_id"]}
+
+
+@dataclass
+class MatchingOutcome:
+    """What "replay all matching" did: how many rows it sent back, skipped, in how many batches, and its audit row."""
+
+    replayed: int
+    skipped: int
+    batches: int
+    ops_action_id: int
+    outcome: str
+
+
+def replay_matching(
+    engine: Engine,
+    search: CallbackSearch,
+    *,
+    actor: Actor,
+    note: str,
+    expected: int,
+    upto_id: int,
+    batch_size: int = MAX_REPLAY,
+) -> MatchingOutcome:
+    """Send every replayable row matching ``search`` (ids up to ``upto_id``) back to 0, in bounded batches.
+
+    At most ``expected`` rows (what the person confirmed, itself at most
+    MAX_MATCHING), oldest first, ``batch_size`` a batch through
+    ``replay_callbacks``: each row in its own guarded transaction with its own
+    audit row, so a row the sweep finished meanwhile is skipped, and a crash
+    half-way leaves every row either replayed or untouched. The rows are not
+    processed here (a web request is no place for thousands of callbacks):
+    the sweep takes them. One more audit row records the whole: filter, count, batches.
+    """
+    note = clean_note(note)
+    expected = max(0, min(int(expected), MAX_MATCHING))
+    if expected == 0:
+        raise OpsRefused("nothing confirmed to replay")
+    batch_size = max(1, min(int(batch_size), MAX_REPLAY))
+    t = payment_callback_log
+    replayed = skipped = batches = 0
+    after = 0
+    while replayed + skipped < expected:
+        with engine.connect() as conn:
+            ids = list(
+                conn.execute(
+                    select(t.c.id)
+                    .where(*_replayable_where(conn, search, upto_id), t.c.id > after)
+                    .order_by(t.c.id)
+                    .limit(min(batch_size, expected - replayed - skipped))
+                ).scalars()
+            )
+        if not ids:
+            break
+        batches += 1
+        after = ids[-1]
+        for result in replay_callbacks(engine, ids, actor=actor, note=note):
+            if result.ops_action_id is None:
+                skipped += 1
+            else:
+                replayed += 1
+    described = describe_search(search)
+    outcome = (
+        f"replay all matching {described}: {replayed} callbacks back to status 0 in {batches} batches"
+        + (f", {skipped} skipped (changed meanwhile)" if skipped else "")
+        + f"; {expected} confirmed, up to callback {upto_id}"
+    )
+    with engine.begin() as conn:
+        action_id = record(
+            conn,
+            action="replay",
+            actor=actor,
+            subject=f"callbacks matching {described}",
+            reason=note,
+            outcome=outcome,
+            now=utcnow(),
+            details={
+                "filter": described,
+                "confirmed": expected,
+                "upto_id": upto_id,
+                "replayed": replayed,
+                "skipped": skipped,
+                "batches": batches,
+            },
+        )
+    log.info("replay all matching by %s: %s", actor.name, outcome, extra={"ops_action_id": action_id})
+    return MatchingOutcome(replayed, skipped, batches, action_id, outcome)
+
+
+def _callback_filters(conn: Connection, search: CallbackSearch) -> list[Any]:
+    """The WHERE clauses of a callback search (every given filter must hold)."""
+    t = payment_callback_log
     where = []
     if search.order_no:
         ids = list(conn.execute(select(payment.c.payment_id).where(payment.c.order_no == search.order_no)).scalars())
@@ -422,11 +580,7 @@ def search_callbacks(conn: Connection, search: CallbackSearch) -> tuple[list[dic
         where.append(t.c.create_time < search.until)
     if search.before_id is not None:
         where.append(t.c.id < search.before_id)
-    limit = max(1, min(int(search.limit), 500))
-    columns = [c for c in t.c if c.name not in ("callback_data", "headers")]
-    rows = conn.execute(select(*columns).where(*where).order_by(t.c.id.desc()).limit(limit + 1)).mappings().all()
-    page = with_subjects(conn, [_callback_summary(r) for r in rows[:limit]])
-    return page, (rows[limit - 1]["id"] if len(rows) > limit else None)
+    return where
 
 
 def _callback_summary(row: Mapping[str, Any]) -> dict[str, Any]:

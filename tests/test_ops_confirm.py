@@ -232,3 +232,48 @@ def test_the_console_asks_a_second_operator_and_books_when_they_approve(engine):
     with engine.connect() as conn:
         audit = conn.execute(select(ops_action.c.actor, ops_action.c.outcome).order_by(ops_action.c.id)).all()
     assert [a for a, _ in audit] == ["carol", "dave"] and "approved by dave" in audit[1][1]
+
+
+# --- retry all matching ---------------------------------------------------------------------------------------
+
+
+def test_retry_all_matching_shows_the_count_and_filter_then_replays_in_bounded_batches_audited(engine):
+    ids = [given_up_callback(engine, f"pay_retryall0000000{i}") for i in range(5)]
+    client = _client(engine)
+    listing = client.get("/ops/callbacks?status=4")
+    assert '<span id="matching-count">5</span>' in listing.text
+    form = {"csrf": csrf(listing.text), "status": "4", "note": "provider outage over"}
+    page = client.post("/ops/callbacks/replay-matching", data=form)
+    assert page.status_code == 200 and "Confirm: replay all 5 matching callbacks" in page.text
+    assert "5 callbacks match status 4 gave_up (5 gave_up)" in page.text
+    assert 'name="expected" value="5"' in page.text and f'name="upto_id" value="{ids[-1]}"' in page.text
+    with engine.connect() as conn:
+        assert set(conn.execute(select(payment_callback_log.c.status)).scalars()) == {CallbackStatus.GAVE_UP}
+        assert conn.execute(select(ops_action)).first() is None
+    later = given_up_callback(engine, "pay_retryall00000009")  # after the count was confirmed: not taken
+    done = client.post(
+        "/ops/callbacks/replay-matching",
+        data={**form, "csrf": csrf(page.text), "confirmed": "yes", "expected": "5", "upto_id": str(ids[-1])},
+    )
+    assert done.status_code == 302 and "status=4" in done.headers["Location"]
+    with engine.connect() as conn:
+        status = dict(conn.execute(select(payment_callback_log.c.id, payment_callback_log.c.status)).all())
+        audit = conn.execute(select(ops_action.c.subject, ops_action.c.details).order_by(ops_action.c.id)).all()
+    assert [status[i] for i in ids] == [CallbackStatus.PENDING] * 5 and status[later] == CallbackStatus.GAVE_UP
+    assert [a.subject for a in audit] == [*(f"callback:{i}" for i in ids), "callbacks matching status 4 gave_up"]
+    assert '"replayed": 5' in audit[-1].details and '"confirmed": 5' in audit[-1].details
+
+
+def test_replay_matching_takes_at_most_what_was_confirmed_in_batches_of_the_given_size(engine):
+    from payments.ops_actions import CallbackSearch
+
+    ids = [given_up_callback(engine, f"pay_retrybatch00000{i}") for i in range(5)]
+    search = CallbackSearch(status=int(CallbackStatus.GAVE_UP))
+    done = ops_actions.replay_matching(engine, search, actor=ALICE, note="n", expected=4, upto_id=ids[-1], batch_size=3)
+    assert (done.replayed, done.skipped, done.batches) == (4, 0, 2)
+    with engine.connect() as conn:
+        left = conn.execute(select(payment_callback_log.c.id).where(payment_callback_log.c.status == 4)).scalars()
+        assert list(left) == [ids[-1]]  # oldest first: the fifth was not confirmed
+    with pytest.raises(OpsRefused, match="no failed, rejected or given-up callback matches"):
+        with engine.connect() as conn:
+            ops_actions.preview_replay_matching(conn, CallbackSearch(status=1))

@@ -11,7 +11,7 @@ from flask import abort, flash, g, redirect, render_template, request, session, 
 from sqlalchemy.exc import IntegrityError
 
 from gateway import ext
-from gateway.ops import SESSION_SECONDS, bp, client_addr, match_token, safe_next, throttle
+from gateway.ops import ROLE_OPERATOR, SESSION_SECONDS, bp, client_addr, match_token, safe_next, throttle
 from payments import aging, ops_actions, ops_sessions
 from payments.db import utcnow
 from payments.logs import scrub
@@ -46,7 +46,7 @@ def _int_arg(name: str, *, minimum: int | None = None, maximum: int | None = Non
 
 
 def _time_arg(name: str) -> datetime | None:
-    raw = request.args.get(name, "").strip()
+    raw = request.values.get(name, "").strip()
     if not raw:
         return None
     try:
@@ -58,7 +58,7 @@ def _time_arg(name: str) -> datetime | None:
 
 
 def _text_arg(name: str, limit: int = 128) -> str | None:
-    value = request.args.get(name, "").strip()
+    value = request.values.get(name, "").strip()
     return value[:limit] or None
 
 
@@ -67,14 +67,15 @@ def _confirmed() -> bool:
     return request.form.get("confirmed") == ops_actions.CONFIRMED
 
 
-def _confirm(title: str, lines: list[str], action_url: str, back: str) -> Any:
+def _confirm(title: str, lines: list[str], action_url: str, back: str, extra: dict[str, Any] | None = None) -> Any:
     """A page saying what the action will do, with a form that posts the same fields again, confirmed.
 
     A misclick or a stray Enter on adjust, apply, close or a bulk replay shows
     this page instead of acting: what it guards against is a slip, not an
     attacker (every POST needs the session and its CSRF token already).
     """
-    fields = [(k, v) for k, v in request.form.items(multi=True) if k not in ("csrf", "confirmed")]
+    fields = [(k, v) for k, v in request.form.items(multi=True) if k not in ("csrf", "confirmed", *(extra or {}))]
+    fields += [(k, str(v)) for k, v in (extra or {}).items()]
     return render_template(
         "ops/confirm.html", title=title, lines=lines, fields=fields, action_url=action_url, back=back
     )
@@ -188,10 +189,12 @@ def alert_page(alert_id: int) -> Any:
 # ------------------------------------------------------------------------------------------- callbacks
 
 
-@bp.get("/callbacks")
-def callbacks() -> Any:
-    """Search the callback log: order number, payment id, provider event id, status, time; paginated."""
-    search = CallbackSearch(
+FILTER_FIELDS = ("order_no", "payment_id", "provider_event_id", "status", "provider", "since", "until")
+"""The callback search's filters: the list's query string, and the fields "replay all matching" posts."""
+
+
+def _callback_search() -> CallbackSearch:
+    return CallbackSearch(
         order_no=_text_arg("order_no"),
         payment_id=_text_arg("payment_id"),
         provider_event_id=_text_arg("provider_event_id"),
@@ -201,12 +204,52 @@ def callbacks() -> Any:
         until=_time_arg("until"),
         before_id=_int_arg("before_id", minimum=1),
     )
+
+
+@bp.get("/callbacks")
+def callbacks() -> Any:
+    """Search the callback log: order number, payment id, provider event id, status, time; paginated."""
+    search = _callback_search()
     with _engine().connect() as conn:
         rows, next_before = ops_actions.search_callbacks(conn, search)
+        matching = ops_actions.count_replayable(conn, search)["total"] if g.ops_user["role"] == ROLE_OPERATOR else 0
     args = {k: v for k, v in request.args.items() if k != "before_id" and v}
     return render_template(
-        "ops/callbacks.html", rows=rows, next_before=next_before, args=args, statuses=list(CallbackStatus)
+        "ops/callbacks.html",
+        rows=rows,
+        next_before=next_before,
+        args=args,
+        statuses=list(CallbackStatus),
+        matching=matching,
+        filter_fields=FILTER_FIELDS,
     )
+
+
+@bp.post("/callbacks/replay-matching")
+def replay_matching() -> Any:
+    """Replay every failed, rejected or given-up row the filter matches: a count to confirm first, then in batches."""
+    search = _callback_search()
+    args = {k: request.form[k] for k in FILTER_FIELDS if request.form.get(k)}
+    back = url_for("ops.callbacks", **args)
+    try:
+        note = ops_actions.clean_note(request.form.get("note", ""))
+        if not _confirmed():
+            with _engine().connect() as conn:
+                lines, bound = ops_actions.preview_replay_matching(conn, search)
+            title = f"replay all {bound['expected']} matching callbacks"
+            return _confirm(title, lines, url_for("ops.replay_matching"), back, extra=bound)
+        expected = _int_arg("expected", minimum=1, maximum=ops_actions.MAX_MATCHING)
+        upto_id = _int_arg("upto_id", minimum=1)
+        if expected is None or upto_id is None:
+            abort(400, description="expected and upto_id come from the confirmation page")
+        done = ops_actions.replay_matching(
+            _engine(), search, actor=_actor(), note=note, expected=expected, upto_id=upto_id
+        )
+    except OpsRefused as exc:
+        flash(str(exc), "error")
+        return redirect(back)
+    flash(done.outcome, "ok" if done.replayed else "error")
+    return redirect(back)
 
 
 @bp.get("/callbacks/<int:log_id>")
