@@ -504,3 +504,21 @@ def test_a_callback_page_lists_every_attempt_and_what_processing_said_each_time(
     with sqlite.connect() as conn:  # one row per attempt, no more
         assert conn.execute(select(callback_attempt.c.id).where(callback_attempt.c.callback_log_id == log_id)).all()
         assert len(conn.execute(select(callback_attempt)).all()) == 4
+
+
+def test_a_page_refreshes_only_when_asked_and_only_through_the_consoles_own_script(app):
+    client = app.test_client()
+    _login(client)
+    plain = client.get("/ops/callbacks?status=4")
+    assert "data-refresh" not in plain.text and "ops.js" not in plain.text
+    assert 'href="/ops/callbacks?status=4&amp;refresh=30"' in plain.text  # the toggle keeps the filter
+    asked = client.get("/ops/callbacks?status=4&refresh=30")
+    assert '<body data-refresh="30">' in asked.text and '<script src="/ops/static/ops.js" defer>' in asked.text
+    assert '<a href="/ops/callbacks?status=4" id="refresh-off">stop</a>' in asked.text
+    assert "<script>" not in asked.text  # no inline script: the CSP would refuse it anyway
+    policy = asked.headers["Content-Security-Policy"]
+    assert "script-src 'self'" in policy and "unsafe" not in policy
+    assert '<body data-refresh="5">' in client.get("/ops/?refresh=1").text  # at most every 5 s
+    assert "data-refresh" not in client.get("/ops/?refresh=soon").text
+    script = client.get("/ops/static/ops.js").text
+    assert "activeElement" in script and '"input"' in script  # the pause while a form is being filled
