@@ -19,10 +19,12 @@ from sqlalchemy import select
 from werkzeug.serving import make_server
 
 from gateway import create_app
+from payments.callbacks import process_callback, store_callback
 from payments.schema import ops_action, payment
 from tests.conftest import IN_CI
-from tests.ops_support import given_up_callback, settled_review
-from tests.support import ROOT, create_payment, free_port, make_settings
+from tests.ops_support import GIVE_UP_AT_ONCE, given_up_callback, settled_review
+from tests.ops_support import providers as ops_providers
+from tests.support import ROOT, create_payment, free_port, make_settings, sandbox_event, signed
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTEFACTS = ROOT / "var" / "test-artefacts" / "ops-browser"
@@ -156,6 +158,18 @@ def _wide_world(engine) -> dict[str, int]:
     unknown = create_payment(engine, status="Unknown", amount=500, currency="JPY")
     review_id, _ = settled_review(engine, unknown, line_status="succeeded", amount=500, currency="JPY")
     create_payment(engine, status="Unknown", amount=1200, currency="USD")
+    # A delivery with long unbroken words (an event id, a reference), rejected: what stretches tables most.
+    long_ref = "pay_" + "L" * 36
+    body, headers = signed(sandbox_event(long_ref, event_id="evt_" + "W" * 120))
+    log_id_long = store_callback(
+        engine,
+        provider="sandbox",
+        body=body,
+        headers={**headers, "Sandbox-Signature": "t=1,v1=" + "0" * 64},
+        remote_addr="127.0.0.1",
+        index={"order_no": long_ref, "provider_event_id": "evt_" + "W" * 120},
+    )
+    process_callback(engine, ops_providers(), log_id_long, GIVE_UP_AT_ONCE)
     with engine.connect() as conn:
         alert_id = conn.execute(select(alert.c.id).where(alert.c.rule == "callback_gave_up")).scalar_one()
     return {"callback": log_id, "review": review_id, "alert": alert_id}
@@ -179,6 +193,7 @@ def test_the_overview_callback_review_and_alert_pages_fit_1280_px_with_humanized
     page = _login_page(browser, console)
     pages = {
         "overview": "/ops/",
+        "callbacks": "/ops/callbacks",
         "callback": f"/ops/callbacks/{ids['callback']}",
         "review": f"/ops/reviews/{ids['review']}",
         "alert": f"/ops/alerts/{ids['alert']}",
