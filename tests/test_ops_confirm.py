@@ -277,3 +277,16 @@ def test_replay_matching_takes_at_most_what_was_confirmed_in_batches_of_the_give
     with pytest.raises(OpsRefused, match="no failed, rejected or given-up callback matches"):
         with engine.connect() as conn:
             ops_actions.preview_replay_matching(conn, CallbackSearch(status=1))
+
+
+def test_the_command_line_asks_and_another_os_user_approves(engine, capsys, monkeypatch):
+    runtime = build_runtime(make_settings(database_url=db_url(engine)), engine=engine)
+    _, review_id = _adjustable(engine)
+    ask = ["request-adjustment", str(review_id), "--amount", "-500000", "--note", "refunded twice", "--actor", "ci"]
+    assert review_cli.main(ask, runtime) == 0 and "approval requested" in capsys.readouterr().out
+    approve = ["approve", str(review_id), "--note", "ok", "--actor", "ops2"]
+    # Same OS user as the one who asked: the same person, whatever name is typed.
+    assert review_cli.main(approve, runtime) == 1 and "another operator must approve" in capsys.readouterr().err
+    monkeypatch.setattr(ops_actions, "process_identity", lambda: "os user ops2 (uid 1002) on host")
+    assert review_cli.main(approve, runtime) == 0 and "approved by ops2" in capsys.readouterr().out
+    assert _review_status(engine, review_id) == "resolved" and len(_adjustments(engine)) == 1
