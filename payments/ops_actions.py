@@ -19,7 +19,12 @@ appends its ``ops_action`` row (who, when, why, what), or changes nothing:
   provider receivable by the amount given, the other side in
   ``suspense:reconciliation`` (``ledger.adjustment_entries``, as
   reconciliation books its own);
-- ``close_review``: resolve with a note.
+- ``close_review``: resolve with a note;
+- ``replay_matching``: every replayable row a callback search matches (a
+  count the person confirmed, ids up to a bound), back to 0 in batches;
+- ``request_adjustment`` / ``approve_adjustment`` / ``decline_adjustment``:
+  an adjustment over the payment's amount, asked by one person and booked
+  only when another approves (the request lives in the action log).
 
 Every action on a review resolves it (``review.resolve``, which also resolves
 its alert); an action that cannot be done raises ``OpsRefused`` and writes
