@@ -744,7 +744,9 @@ def _replay_one(engine: Engine, log_id: int, actor: Actor, note: str, now: datet
             .where(t.c.id == log_id, t.c.status == status)
             .values(
                 status=CallbackStatus.PENDING,
-                result=f"replayed by {actor.name} ({actor.via}) at {now.isoformat()}Z: {note}; {was}"[:500],
+                result=f"replayed by {actor.name} ({actor.via}) at {now.isoformat(timespec='seconds')}Z: {note}; {was}"[
+                    :500
+                ],
                 retry_count=0,
                 next_retry_at=now,
                 update_time=now,

@@ -396,6 +396,7 @@ def test_money_is_in_major_units_with_the_currency_and_times_are_ages_with_utc_o
     assert humanize.relative(datetime(2026, 12, 3, 14, 33, 40), now) == "in 3 min"
     assert humanize.relative(datetime(2026, 12, 3, 11, 25, 0), now) == "3 h 5 min ago"
     assert humanize.relative(datetime(2026, 12, 1, 10, 0, 0), now) == "2 d 4 h ago"
+    assert humanize.duration(272.4) == "4 min" and humanize.duration(42) == "42 s"
     stamp = str(humanize.time_html("2026-12-03T14:26:00.654321Z", now))
     assert stamp == '<time datetime="2026-12-03T14:26:00Z" title="2026-12-03 14:26:00 UTC">4 min ago</time>'
 
@@ -449,6 +450,9 @@ def test_the_pages_show_order_numbers_major_units_and_ages_and_no_link_404s(sqli
     facts = re.search(r'<p id="callback-facts">(.*?)</p>', gave_up, re.S).group(1)
     assert "next retry" not in facts and "last retry" in facts
     assert client.get(f"/ops/callbacks/{rejected}").status_code == 200
+    create_payment(sqlite, payment_id="pay_console000000011")
+    client.post("/ops/callbacks/replay", data={"csrf": _csrf(gave_up), "id": str(log_id), "note": "late payment"})
+    assert not MICROSECONDS.search(client.get(f"/ops/callbacks/{log_id}").text)  # the replay's own words too
     page = client.get(f"/ops/payments/{paid}").text
     assert '<span class="money" title="266400 minor units of CNY">¥2,664.00</span>' in page
     assert "CNY 266400" not in page and not MICROSECONDS.search(page)

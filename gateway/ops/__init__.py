@@ -333,6 +333,12 @@ def _amounts_filter(amounts: Any) -> Any:
     return humanize.amounts_html(amounts)
 
 
+@bp.app_template_filter("duration")
+def _duration_filter(seconds: Any) -> str:
+    """``{{ 272|duration }}``: ``4 min`` (``humanize``)."""
+    return humanize.duration(float(seconds or 0))
+
+
 @bp.app_template_filter("ago")
 def _ago_filter(value: Any, empty: str = "–") -> Any:
     """``{{ row.create_time|ago }}``: ``4 min ago``, the UTC time on hover (``humanize``)."""

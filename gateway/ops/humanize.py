@@ -105,17 +105,21 @@ def relative(when: datetime, now: datetime) -> str:
     future, seconds = seconds < 0, abs(seconds)
     if seconds < 5:
         return "just now"
+    return f"in {duration(seconds)}" if future else f"{duration(seconds)} ago"
+
+
+def duration(seconds: float) -> str:
+    """A span as people say it: ``42 s``, ``4 min``, ``3 h 5 min``, ``2 d 4 h`` (two units at most)."""
+    seconds = int(round(abs(seconds)))
     if seconds < 60:
-        span = f"{seconds} s"
-    elif seconds < 3600:
-        span = f"{seconds // 60} min"
-    elif seconds < 86400:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min"
+    if seconds < 86400:
         hours, minutes = divmod(seconds // 60, 60)
-        span = f"{hours} h" + (f" {minutes} min" if minutes else "")
-    else:
-        days, hours = divmod(seconds // 3600, 24)
-        span = f"{days} d" + (f" {hours} h" if hours else "")
-    return f"in {span}" if future else f"{span} ago"
+        return f"{hours} h" + (f" {minutes} min" if minutes else "")
+    days, hours = divmod(seconds // 3600, 24)
+    return f"{days} d" + (f" {hours} h" if hours else "")
 
 
 def time_html(value: Any, now: datetime | None = None, *, empty: str = "–") -> Markup:
