@@ -54,6 +54,19 @@ CREATE INDEX idx_alert_notification_group ON alert_notification (group_key, chan
 
 CREATE INDEX idx_alert_notification_grouped_into ON alert_notification (grouped_into);
 
+CREATE TABLE callback_attempt (
+	id BIGINT NOT NULL AUTO_INCREMENT,
+	callback_log_id BIGINT NOT NULL COMMENT 'payment_callback_log.id this attempt processed',
+	outcome VARCHAR(16) NOT NULL COMMENT 'what processing did: applied, noop, duplicate, conflict, rejected, retry, gave_up, replayed',
+	status SMALLINT NOT NULL COMMENT 'the row''s status after this attempt (0-4)',
+	result VARCHAR(500) COMMENT 'what processing said (the row''s result then)',
+	attempt_by VARCHAR(64) COMMENT 'who ran it: web, consumer, compensator, or the replayer',
+	created_at DATETIME(6) NOT NULL,
+	PRIMARY KEY (id)
+)ENGINE=InnoDB CHARSET=utf8mb4 COMMENT='Every processing attempt of a callback and what it said, one row each; only ever inserted.' COLLATE utf8mb4_bin;
+
+CREATE INDEX idx_callback_attempt_log ON callback_attempt (callback_log_id, id);
+
 CREATE TABLE event_delivery (
 	id BIGINT NOT NULL AUTO_INCREMENT,
 	event_id VARCHAR(40) NOT NULL COMMENT 'outbox.event_id of a domain event',

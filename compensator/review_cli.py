@@ -7,6 +7,10 @@
   as ``resolve --action apply|close``
 - ``review replay LOG_ID [LOG_ID …] --note TEXT --actor NAME``: callback rows (status 2, 3, 4) back to 0,
   then each processed at once, as the console's replay button does
+- ``review request-adjustment ID --amount MINOR [--currency CUR] --note TEXT --actor NAME``: an adjustment
+  over the payment's amount, asked of a second operator (nothing booked yet)
+- ``review approve ID [--request OPS_ACTION_ID] --note TEXT --actor NAME``: another person approves it (booked,
+  the review resolved); ``review decline ID …`` declines (or, for whoever asked, withdraws) it
 
 The actions are ``payments.ops_actions``'s, the console's own, recorded in
 ``ops_action`` with ``via = cli`` and, as the identity, the operating-system
@@ -55,6 +59,18 @@ def _parser() -> argparse.ArgumentParser:
         short.add_argument("--note", required=True, help="why (recorded)")
         short.add_argument("--actor", required=True, help="who (recorded)")
         short.add_argument("--format", choices=("text", "json"), default="text")
+    ask = sub.add_parser("request-adjustment", help="an adjustment over the payment's amount, for another to approve")
+    ask.add_argument("id", type=int)
+    ask.add_argument("--amount", type=int, required=True, help="signed minor units (positive: the provider holds more)")
+    ask.add_argument("--currency", help="the currency (default: the payment's)")
+    for decision in ("approve", "decline"):
+        answer = sub.add_parser(decision, help=f"{decision} the review's adjustment awaiting approval")
+        answer.add_argument("id", type=int)
+        answer.add_argument("--request", type=int, help="the ops_action id of the request (refused if another)")
+    for command in (ask, *(sub.choices[d] for d in ("approve", "decline"))):
+        command.add_argument("--note", required=True, help="why (recorded)")
+        command.add_argument("--actor", required=True, help="who (recorded)")
+        command.add_argument("--format", choices=("text", "json"), default="text")
     replay = sub.add_parser("replay", help="callback rows back to status 0, each processed at once (as the console)")
     replay.add_argument("ids", type=int, nargs="+", metavar="LOG_ID")
     replay.add_argument("--note", required=True, help="why (recorded)")
@@ -78,7 +94,7 @@ def main(argv: list[str], runtime: Runtime | None = None) -> int:
             parser.error("--action adjust needs --amount (signed minor units)")
         if args.action != "adjust" and (args.amount is not None or args.currency):
             parser.error("--amount and --currency go with --action adjust only")
-    if args.command in ("resolve", "replay"):
+    if args.command in ("resolve", "replay", *APPROVAL_COMMANDS):
         try:
             actor = Actor(args.actor, ops_actions.VIA_CLI)
             ops_actions.clean_note(args.note)
@@ -93,6 +109,8 @@ def main(argv: list[str], runtime: Runtime | None = None) -> int:
             return _show(runtime, args)
         if args.command == "replay":
             return _replay(runtime, args, actor)
+        if args.command in APPROVAL_COMMANDS:
+            return _approval(runtime, args, actor)
         return _resolve(runtime, args, actor)
     finally:
         if own:
@@ -195,6 +213,32 @@ def _resolve(runtime: Runtime, args: argparse.Namespace, actor: Actor) -> int:
         print(json.dumps(result.as_dict(), indent=2, sort_keys=True, default=str))
     else:
         print(f"review {args.id}: {result.action}: {result.outcome} (ops_action {result.ops_action_id})")
+    return 0
+
+
+APPROVAL_COMMANDS = ("request-adjustment", "approve", "decline")
+"""An adjustment over the payment's amount: asked by one person, approved or declined by another (ops_actions)."""
+
+
+def _approval(runtime: Runtime, args: argparse.Namespace, actor: Actor) -> int:
+    try:
+        if args.command == "request-adjustment":
+            result = ops_actions.request_adjustment(
+                runtime.engine, args.id, amount_minor=args.amount, currency=args.currency, actor=actor, note=args.note
+            )
+        else:
+            act = ops_actions.approve_adjustment if args.command == "approve" else ops_actions.decline_adjustment
+            result = act(runtime.engine, args.id, actor=actor, note=args.note, request_id=args.request)
+    except OpsRefused as exc:
+        print(f"review {args.id}: refused: {exc}", file=sys.stderr)
+        return 1
+    except IntegrityError:
+        print(f"review {args.id}: refused: already adjusted (one adjustment per review)", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        print(json.dumps(result.as_dict(), indent=2, sort_keys=True, default=str))
+    else:
+        print(f"review {args.id}: {args.command}: {result.outcome} (ops_action {result.ops_action_id})")
     return 0
 
 

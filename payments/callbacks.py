@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
@@ -33,11 +34,11 @@ from payments.errors import (
     UnsupportedContentType,
 )
 from payments.hints import HintLimits, hint_query
-from payments.logs import REQUEST_ID
+from payments.logs import REQUEST_ID, process_name
 from payments.providers import get_provider
 from payments.providers.base import CallbackEvent, Provider
 from payments.review import escalate
-from payments.schema import SOURCE_API, SOURCE_WEBHOOK, payment_callback_log, processed_event
+from payments.schema import SOURCE_API, SOURCE_WEBHOOK, callback_attempt, payment_callback_log, processed_event
 from payments.states import CALLBACK_RETRYABLE, CallbackStatus, PaymentStatus, Verdict, decide
 from payments.transitions import TARGETS, Target, apply_decision, apply_planned, plan_decision
 
@@ -108,6 +109,11 @@ _LOCK_TARGETS = {
     .with_for_update()
     for kind, spec in TARGETS.items()
 }
+_ATTEMPT = insert(callback_attempt)
+ATTEMPT_BY: ContextVar[str | None] = ContextVar("paysync_attempt_by", default=None)
+"""Who processes callbacks here, for ``callback_attempt.attempt_by`` (a replay sets it); else the process's name."""
+REPLAYED = "replayed"
+"""``callback_attempt.outcome`` of a person's replay (the row back to 0), beside the CallbackResult values."""
 BATCH_SAVEPOINT = "paysync_batch"
 """The savepoint the set-wise path writes under: rolled back to when the batch turns out unusual."""
 
@@ -215,6 +221,10 @@ def reject_callback(
             .where(payment_callback_log.c.id == log_id, payment_callback_log.c.status == CallbackStatus.PENDING)
             .values(status=CallbackStatus.REJECTED, result=f"rejected: {reason}"[:500], update_time=now)
         )
+        if result.rowcount == 1:
+            record_attempts(
+                conn, [(log_id, CallbackResult.REJECTED, CallbackStatus.REJECTED, f"rejected: {reason}")], now
+            )
         if result.rowcount == 1 and providers is not None:
             _hint(conn, providers, log_id, now, hints or HintLimits())
         return result.rowcount == 1
@@ -307,12 +317,14 @@ def process_locked(
         event = _verified_event(providers, row)
     except EventIgnored as exc:
         # Genuine, but about nothing we apply (another integration's object, an event type we do not act on).
-        _finish(conn, log_id, CallbackStatus.PROCESSED, f"ignored: {exc}", now)
+        _finish(conn, log_id, CallbackStatus.PROCESSED, f"ignored: {exc}", now, outcome=CallbackResult.NOOP)
         return CallbackResult.NOOP
     except (CallbackRejected, PaysyncError) as exc:
         if not exc.permanent:
             raise
-        _finish(conn, log_id, CallbackStatus.REJECTED, f"rejected: {exc.code}: {exc}", now)
+        _finish(
+            conn, log_id, CallbackStatus.REJECTED, f"rejected: {exc.code}: {exc}", now, outcome=CallbackResult.REJECTED
+        )
         if isinstance(exc, CallbackRejected):
             _hint(conn, providers, log_id, now, hints or HintLimits())
         return CallbackResult.REJECTED
@@ -340,11 +352,12 @@ def process_locked(
             f"duplicate: event {event.event_id} applied by callback {first}",
             now,
             indexed,
+            outcome=CallbackResult.DUPLICATE,
         )
         return CallbackResult.DUPLICATE
 
     outcome, result = _apply_event(conn, providers, event, log_id, now)
-    _finish(conn, log_id, CallbackStatus.PROCESSED, result, now, indexed)
+    _finish(conn, log_id, CallbackStatus.PROCESSED, result, now, indexed, outcome=outcome)
     if outcome is CallbackResult.APPLIED:
         metrics.callback_applied(row.provider, row.create_time, now)
     return outcome
@@ -502,6 +515,14 @@ def _apply_batch(
     retryable = [int(status) for status in CALLBACK_RETRYABLE]
     if update_each(conn, payment_callback_log, finished, payment_callback_log.c.status, retryable) != len(finished):
         raise _NotUsual("a callback row changed under its lock")
+    record_attempts(
+        conn,
+        [
+            (log_id, CallbackResult.NOOP if log_id in noops else CallbackResult.APPLIED, v["status"], v["result"])
+            for log_id, v in finished.items()
+        ],
+        now,
+    )
     return noops
 
 
@@ -602,9 +623,39 @@ def _finish(
     result: str,
     now: datetime,
     indexed: Mapping[str, str | None] | None = None,
+    *,
+    outcome: CallbackResult,
 ) -> None:
     conn.execute(
         _UPDATE_ROW, {"log_id": log_id, "status": status, "result": result[:500], "update_time": now, **(indexed or {})}
+    )
+    record_attempts(conn, [(log_id, outcome, status, result)], now)
+
+
+def record_attempts(
+    conn: Connection, attempts: Sequence[tuple[int, str, int, str | None]], now: datetime, by: str | None = None
+) -> None:
+    """Append (log id, outcome, status after, result) rows to ``callback_attempt`` in one INSERT, in the caller's tx.
+
+    Written beside the status change it describes, so an attempt rolled back
+    (a savepoint, a deadlock) leaves no row, and one that committed always has its row.
+    """
+    if not attempts:
+        return
+    who = (by or ATTEMPT_BY.get() or process_name() or "")[:64] or None
+    conn.execute(
+        _ATTEMPT,
+        [
+            {
+                "callback_log_id": log_id,
+                "outcome": str(outcome)[:16],
+                "status": int(status),
+                "result": (result or "")[:500] or None,
+                "attempt_by": who,
+                "created_at": now,
+            }
+            for log_id, outcome, status, result in attempts
+        ],
     )
 
 
@@ -666,6 +717,18 @@ def _record_failure(
                 callback_log_id=log_id,
                 details={"callback_log_id": log_id},
             )
+            record_attempts(
+                conn,
+                [
+                    (
+                        log_id,
+                        CallbackResult.GAVE_UP,
+                        CallbackStatus.GAVE_UP,
+                        f"gave up after {attempts} attempts: {reason}",
+                    )
+                ],
+                now,
+            )
             log.warning("callback %s gave up after %s attempts", log_id, attempts)
             return CallbackResult.GAVE_UP
         delay = policy.delay(attempts)
@@ -681,4 +744,5 @@ def _record_failure(
                 update_time=now,
             )
         )
+        record_attempts(conn, [(log_id, CallbackResult.RETRY, CallbackStatus.FAILED, reason)], now)
         return CallbackResult.RETRY

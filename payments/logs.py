@@ -219,8 +219,18 @@ def scrub_every_handler() -> int:
     return added
 
 
+_PROCESS: str | None = None
+
+
+def process_name() -> str | None:
+    """The name ``setup_logging`` was given (web, consumer, compensator), or None before it ran."""
+    return _PROCESS
+
+
 def setup_logging(level: str = "INFO", process: str | None = None) -> None:
     """Send JSON lines to stderr at ``level``; call once at process start."""
+    global _PROCESS  # noqa: PLW0603 - one name per process, set once at its start
+    _PROCESS = process or _PROCESS
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()

@@ -20,6 +20,11 @@ appends its ``ops_action`` row (who, when, why, what), or changes nothing:
   ``suspense:reconciliation`` (``ledger.adjustment_entries``, as
   reconciliation books its own);
 - ``close_review``: resolve with a note;
+- ``replay_matching``: every replayable row a callback search matches (a
+  count the person confirmed, ids up to a bound), back to 0 in batches;
+- ``request_adjustment`` / ``approve_adjustment`` / ``decline_adjustment``:
+  an adjustment over the payment's amount, asked by one person and booked
+  only when another approves (the request lives in the action log).
 - ack, silence and assign of an alert or review are ``payments/alert_actions.py``'s, recorded here too.
 
 Every action on a review resolves it (``review.resolve``, which also resolves
@@ -36,7 +41,7 @@ import pwd
 import re
 import socket
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -45,15 +50,24 @@ from sqlalchemy import Connection, Engine, and_, case, func, insert, literal, or
 from payments import ledger, monitoring, provider_calls, review
 from payments.alert_evaluators import callback_failure_counts
 from payments.backoff import RetryPolicy
-from payments.callbacks import CallbackResult, process_callback, refused_for_source
+from payments.callbacks import (
+    ATTEMPT_BY,
+    REPLAYED,
+    CallbackResult,
+    process_callback,
+    record_attempts,
+    refused_for_source,
+)
 from payments.calls import last_charge_send
 from payments.db import utcnow
 from payments.errors import PaysyncError
 from payments.logs import scrub, scrub_value
 from payments.providers.base import ChargeRequest, Mismatch, Provider, reported_status
 from payments.providers.stripe_money import iso_exponent
+from payments.retention import REFUSED_RESULT_PREFIX
 from payments.schema import (
     alert,
+    callback_attempt,
     ledger_entry,
     ledger_event,
     manual_review,
@@ -316,12 +330,48 @@ def overview(conn: Connection, now: datetime, window_seconds: int = 600) -> dict
             "compensation_success_rate": round(int(retried[1]) / int(retried[0]), 4) if retried[0] else None,
         },
         "alerts": [
-            {**_row(a), "details": _json(a["details"])}
+            {**_row(a), "details": _json(a["details"]), "subject": alert_subject({**a, "details": _json(a["details"])})}
             for a in open_alerts
             if a["status"] in (AlertStatus.FIRING, AlertStatus.PENDING)
         ],
         "unknown_payments_by_age": unknown_by_age(conn, now),
     }
+
+
+def alert_subject(row: Mapping[str, Any]) -> dict[str, Any]:
+    """What an alert is about, for a link: the review, callback, payment, refund or run it names, or a filtered list.
+
+    From its details (what ``review.escalate`` and the evaluators put there),
+    most specific first; ``kind`` is one of review, callback, payment, refund,
+    reconciliation_run, callbacks (a filtered list: ``args``), payments, or
+    None (nothing narrower than the overview).
+    """
+    details = row.get("details")
+    details = _json(details) if isinstance(details, str) else (details or {})
+    if not isinstance(details, dict):
+        details = {}
+    rule = str(row.get("rule") or "")
+    for key, kind in (
+        ("manual_review_id", "review"),
+        ("callback_log_id", "callback"),
+        ("refund_id", "refund"),
+        ("payment_id", "payment"),
+        ("run_id", "reconciliation_run"),
+    ):
+        value = details.get(key)
+        if value not in (None, ""):
+            return {"kind": kind, "ref": value, "label": f"{kind.replace('_', ' ')} {value}", "args": {}}
+    if rule in ("callback_backlog", "callback_failure_rate", "compensation_success_rate"):
+        status = int(CallbackStatus.FAILED)
+        return {"kind": "callbacks", "ref": None, "label": "failed callbacks", "args": {"status": status}}
+    if rule in ("signature_failures", "refused_sources"):
+        args: dict[str, Any] = {"status": int(CallbackStatus.REJECTED)}
+        if details.get("provider"):
+            args["provider"] = details["provider"]
+        return {"kind": "callbacks", "ref": None, "label": "rejected callbacks", "args": args}
+    if rule.startswith("past_deadline") or rule.startswith("unresolved_payment"):
+        return {"kind": "payments", "ref": None, "label": "Unknown payments", "args": {"status": "Unknown"}}
+    return {"kind": None, "ref": None, "label": "", "args": {}}
 
 
 # ------------------------------------------------------------------------------------------- callbacks
@@ -356,6 +406,163 @@ def _references(conn: Connection, payment_ids: list[str]) -> list[str]:
 def search_callbacks(conn: Connection, search: CallbackSearch) -> tuple[list[dict[str, Any]], int | None]:
     """One page of the callback log, newest first, and the ``before_id`` of the next page (None: last page)."""
     t = payment_callback_log
+    where = _callback_filters(conn, search)
+    limit = max(1, min(int(search.limit), 500))
+    columns = [c for c in t.c if c.name not in ("callback_data", "headers")]
+    rows = conn.execute(select(*columns).where(*where).order_by(t.c.id.desc()).limit(limit + 1)).mappings().all()
+    page = with_subjects(conn, [_callback_summary(r) for r in rows[:limit]])
+    return page, (rows[limit - 1]["id"] if len(rows) > limit else None)
+
+
+MAX_MATCHING = 5000
+"""Most rows one "replay all matching" takes (in batches of MAX_REPLAY); past it, run it again for the rest."""
+
+
+def describe_search(search: CallbackSearch) -> str:
+    """The filter as a person reads it, for the confirmation page and the audit row."""
+    parts = []
+    if search.status is not None:
+        parts.append(f"status {int(search.status)} {CallbackStatus(search.status).name.lower()}")
+    for name in ("provider", "order_no", "payment_id", "provider_event_id"):
+        if getattr(search, name):
+            parts.append(f"{name} {getattr(search, name)}")
+    if search.since is not None:
+        parts.append(f"received from {search.since.isoformat(timespec='seconds')}Z")
+    if search.until is not None:
+        parts.append(f"received before {search.until.isoformat(timespec='seconds')}Z")
+    return ", ".join(parts) or "every callback"
+
+
+def _replayable_where(conn: Connection, search: CallbackSearch, upto_id: int | None) -> list[Any]:
+    t = payment_callback_log
+    where = [*_callback_filters(conn, replace(search, before_id=None)), t.c.status.in_([int(s) for s in REPLAYABLE])]
+    # Refused for its source: never replayed (replay_callbacks says why), so never counted either.
+    where.append(or_(t.c.result.is_(None), ~t.c.result.startswith(REFUSED_RESULT_PREFIX, autoescape=True)))
+    if upto_id is not None:
+        where.append(t.c.id <= upto_id)
+    return where
+
+
+def count_replayable(conn: Connection, search: CallbackSearch, upto_id: int | None = None) -> dict[str, Any]:
+    """What "replay all matching" would take: the count by status, the total and the newest id (its bound)."""
+    t = payment_callback_log
+    rows = conn.execute(
+        select(t.c.status, func.count(), func.max(t.c.id))
+        .where(*_replayable_where(conn, search, upto_id))
+        .group_by(t.c.status)
+    ).all()
+    by_status = {CallbackStatus(s).name.lower(): int(n) for s, n, _ in rows}
+    newest = max((int(m) for _, _, m in rows), default=None)
+    return {"total": sum(by_status.values()), "by_status": by_status, "upto_id": newest}
+
+
+def preview_replay_matching(conn: Connection, search: CallbackSearch) -> tuple[list[str], dict[str, Any]]:
+    """The confirmation of "replay all matching": lines to show, and the count and id bound the person confirms."""
+    found = count_replayable(conn, search)
+    if not found["total"]:
+        raise OpsRefused(f"no failed, rejected or given-up callback matches {describe_search(search)}")
+    statuses = ", ".join(f"{n} {name}" for name, n in sorted(found["by_status"].items()))
+    taken = min(found["total"], MAX_MATCHING)
+    lines = [
+        f"{found['total']} callbacks match {describe_search(search)} ({statuses}), up to callback {found['upto_id']}.",
+        f"{taken} of them go back to status 0 (oldest first, {MAX_REPLAY} a batch, each row audited); "
+        "the consumer's sweep and the compensator process them on their usual round.",
+    ]
+    if found["total"] > MAX_MATCHING:
+        lines.append(f"Only {MAX_MATCHING} are taken at once: run it again for the rest.")
+    lines.append("Rows that match but arrive or change after this page are not included.")
+    return lines, {"expected": taken, "upto_id": found["upto_id"]}
+
+
+@dataclass
+class MatchingOutcome:
+    """What "replay all matching" did: how many rows it sent back, skipped, in how many batches, and its audit row."""
+
+    replayed: int
+    skipped: int
+    batches: int
+    ops_action_id: int
+    outcome: str
+
+
+def replay_matching(
+    engine: Engine,
+    search: CallbackSearch,
+    *,
+    actor: Actor,
+    note: str,
+    expected: int,
+    upto_id: int,
+    batch_size: int = MAX_REPLAY,
+) -> MatchingOutcome:
+    """Send every replayable row matching ``search`` (ids up to ``upto_id``) back to 0, in bounded batches.
+
+    At most ``expected`` rows (what the person confirmed, itself at most
+    MAX_MATCHING), oldest first, ``batch_size`` a batch through
+    ``replay_callbacks``: each row in its own guarded transaction with its own
+    audit row, so a row the sweep finished meanwhile is skipped, and a crash
+    half-way leaves every row either replayed or untouched. The rows are not
+    processed here (a web request is no place for thousands of callbacks):
+    the sweep takes them. One more audit row records the whole: filter, count, batches.
+    """
+    note = clean_note(note)
+    expected = max(0, min(int(expected), MAX_MATCHING))
+    if expected == 0:
+        raise OpsRefused("nothing confirmed to replay")
+    batch_size = max(1, min(int(batch_size), MAX_REPLAY))
+    t = payment_callback_log
+    replayed = skipped = batches = 0
+    after = 0
+    while replayed + skipped < expected:
+        with engine.connect() as conn:
+            ids = list(
+                conn.execute(
+                    select(t.c.id)
+                    .where(*_replayable_where(conn, search, upto_id), t.c.id > after)
+                    .order_by(t.c.id)
+                    .limit(min(batch_size, expected - replayed - skipped))
+                ).scalars()
+            )
+        if not ids:
+            break
+        batches += 1
+        after = ids[-1]
+        for result in replay_callbacks(engine, ids, actor=actor, note=note):
+            if result.ops_action_id is None:
+                skipped += 1
+            else:
+                replayed += 1
+    described = describe_search(search)
+    outcome = (
+        f"replay all matching {described}: {replayed} callbacks back to status 0 in {batches} batches"
+        + (f", {skipped} skipped (changed meanwhile)" if skipped else "")
+        + f"; {expected} confirmed, up to callback {upto_id}"
+    )
+    with engine.begin() as conn:
+        action_id = record(
+            conn,
+            action="replay",
+            actor=actor,
+            subject=f"callbacks matching {described}",
+            reason=note,
+            outcome=outcome,
+            now=utcnow(),
+            details={
+                "filter": described,
+                "confirmed": expected,
+                "upto_id": upto_id,
+                "replayed": replayed,
+                "skipped": skipped,
+                "batches": batches,
+            },
+        )
+    log.info("replay all matching by %s: %s", actor.name, outcome, extra={"ops_action_id": action_id})
+    return MatchingOutcome(replayed, skipped, batches, action_id, outcome)
+
+
+def _callback_filters(conn: Connection, search: CallbackSearch) -> list[Any]:
+    """The WHERE clauses of a callback search (every given filter must hold)."""
+    t = payment_callback_log
     where = []
     if search.order_no:
         ids = list(conn.execute(select(payment.c.payment_id).where(payment.c.order_no == search.order_no)).scalars())
@@ -374,18 +581,49 @@ def search_callbacks(conn: Connection, search: CallbackSearch) -> tuple[list[dic
         where.append(t.c.create_time < search.until)
     if search.before_id is not None:
         where.append(t.c.id < search.before_id)
-    limit = max(1, min(int(search.limit), 500))
-    columns = [c for c in t.c if c.name not in ("callback_data", "headers")]
-    rows = conn.execute(select(*columns).where(*where).order_by(t.c.id.desc()).limit(limit + 1)).mappings().all()
-    page = [_callback_summary(r) for r in rows[:limit]]
-    return page, (rows[limit - 1]["id"] if len(rows) > limit else None)
+    return where
 
 
 def _callback_summary(row: Mapping[str, Any]) -> dict[str, Any]:
     out = _row(row)
     out["status_name"] = CallbackStatus(row["status"]).name.lower()
     out["result"] = scrub(row["result"]) if row["result"] else None
+    # A gave-up, rejected or processed row is not retried by the sweep: its next_retry_at is history, not a plan.
+    out["retries_next"] = row["status"] in (CallbackStatus.PENDING, CallbackStatus.FAILED)
     return out
+
+
+def with_subjects(conn: Connection, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Callback summaries with what their ``order_no`` names, if it exists: our payment or refund, the merchant's order.
+
+    ``payment_callback_log.order_no`` holds our reference as the delivery gave
+    it (``pay_…`` or a refund id), unverified on a rejected row: a row is
+    linked to a payment (``payment_id``) or refund (``refund_id``) only when
+    that row exists, and ``merchant_order_no`` is the payment's ``order_no``
+    (what the merchant calls it). Two queries for the whole page.
+    """
+    refs = sorted({r["order_no"] for r in rows if r.get("order_no")})
+    if not refs:
+        for r in rows:
+            r.update(payment_id=None, refund_id=None, merchant_order_no=None)
+        return rows
+    refunds = dict(
+        conn.execute(select(refund.c.refund_id, refund.c.payment_id).where(refund.c.refund_id.in_(refs))).all()
+    )
+    wanted = sorted({*refs, *refunds.values()})
+    orders = dict(
+        conn.execute(select(payment.c.payment_id, payment.c.order_no).where(payment.c.payment_id.in_(wanted))).all()
+    )
+    for r in rows:
+        ref = r.get("order_no")
+        pay = refunds.get(ref) if ref in refunds else ref
+        known = pay in orders
+        r.update(
+            payment_id=pay if known else None,
+            refund_id=ref if ref in refunds else None,
+            merchant_order_no=orders.get(pay) if known else None,
+        )
+    return rows
 
 
 _JSON_STRING_OR_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
@@ -431,13 +669,30 @@ def callback(conn: Connection, log_id: int) -> dict[str, Any] | None:
     row = conn.execute(select(payment_callback_log).where(payment_callback_log.c.id == log_id)).mappings().first()
     if row is None:
         return None
-    out = _callback_summary({k: v for k, v in row.items() if k not in ("callback_data", "headers")})
+    out = with_subjects(
+        conn, [_callback_summary({k: v for k, v in row.items() if k not in ("callback_data", "headers")})]
+    )[0]
     out["body"] = show_body(bytes(row["callback_data"]))
     headers = _json(row["headers"])
     out["headers"] = scrub_value(headers) if isinstance(headers, dict) else scrub(str(headers or ""))
     out["actions"] = actions(conn, callback_log_id=log_id)
+    out["attempts"] = attempts(conn, log_id)
     out["replayable"] = row["status"] in REPLAYABLE and not refused_for_source(row["result"])
     return out
+
+
+def attempts(conn: Connection, log_id: int, limit: int = 500) -> list[dict[str, Any]]:
+    """Every processing attempt of a callback, oldest first, and what processing said each time (scrubbed)."""
+    t = callback_attempt
+    rows = conn.execute(select(t).where(t.c.callback_log_id == log_id).order_by(t.c.id).limit(limit)).mappings()
+    return [
+        {
+            **_row(r),
+            "status_name": CallbackStatus(r["status"]).name.lower(),
+            "result": scrub(r["result"]) if r["result"] else None,
+        }
+        for r in rows
+    ]
 
 
 def replay_callbacks(
@@ -485,7 +740,9 @@ def _replay_one(engine: Engine, log_id: int, actor: Actor, note: str, now: datet
             .where(t.c.id == log_id, t.c.status == status)
             .values(
                 status=CallbackStatus.PENDING,
-                result=f"replayed by {actor.name} ({actor.via}) at {now.isoformat()}Z: {note}; {was}"[:500],
+                result=f"replayed by {actor.name} ({actor.via}) at {now.isoformat(timespec='seconds')}Z: {note}; {was}"[
+                    :500
+                ],
                 retry_count=0,
                 next_retry_at=now,
                 update_time=now,
@@ -493,6 +750,9 @@ def _replay_one(engine: Engine, log_id: int, actor: Actor, note: str, now: datet
         ).rowcount
         if moved != 1:  # cannot happen under the row lock; the guard is the rule, not the lock
             return Outcome("replay", subject, "skipped: the row changed under us", ok=False)
+        record_attempts(
+            conn, [(log_id, REPLAYED, CallbackStatus.PENDING, f"replayed: {note}; {was}")], now, by=_replayer(actor)
+        )
         resolved = _resolve_open(conn, f"callback_gave_up:{subject}", f"replayed: {note}", actor, now)
         outcome = f"replayed: status {int(status)} -> 0" + (f"; review {resolved} resolved" if resolved else "")
         details = {"previous_status": int(status), "previous_result": row.result, "manual_review_id": resolved}
@@ -542,9 +802,17 @@ def replay_and_process(
             continue
         log_id = int(replayed.subject.split(":")[1])
         # The row is status 0 now, committed: processing it here only saves waiting for the consumer or the sweep.
-        done = process_callback(engine, dict(providers), log_id, policy)
+        token = ATTEMPT_BY.set(_replayer(actor))
+        try:
+            done = process_callback(engine, dict(providers), log_id, policy)
+        finally:
+            ATTEMPT_BY.reset(token)
         out.append(_record_processing(engine, log_id, replayed, done, actor, note))
     return out
+
+
+def _replayer(actor: Actor) -> str:
+    return f"replay by {actor.name} ({actor.via})"[:64]
 
 
 def _record_processing(
@@ -669,7 +937,7 @@ def review_detail(conn: Connection, review_id: int) -> dict[str, Any] | None:
     if cb_where:
         columns = [c for c in cb.c if c.name not in ("callback_data", "headers")]
         found = conn.execute(select(*columns).where(or_(*cb_where)).order_by(cb.c.id).limit(100)).mappings()
-        callbacks = [_callback_summary(r) for r in found]
+        callbacks = with_subjects(conn, [_callback_summary(r) for r in found])
     calls = _calls(conn, payment_id, row["refund_id"]) if payment_id or row["refund_id"] else []
     return {
         **_row(row),
@@ -684,6 +952,7 @@ def review_detail(conn: Connection, review_id: int) -> dict[str, Any] | None:
             "reconciliation_items": _review_items(conn, row),
         },
         "actions": actions(conn, manual_review_id=review_id),
+        "pending_adjustment": (p.as_dict() if (p := pending_adjustment(conn, review_id)) else None),
     }
 
 
@@ -755,6 +1024,77 @@ def close_review(engine: Engine, review_id: int, *, actor: Actor, note: str, now
         return _finish_review(conn, row, "close", actor, note, "closed with a note", now)
 
 
+def _adjustable_target(conn: Connection, row: Mapping[str, Any], currency: str | None) -> tuple[str, str, dict, str]:
+    """(kind, reference, target row, currency) of the review's subject an adjustment would be booked on."""
+    review_id = row["id"]
+    subject = _subject_of(conn, row)
+    if subject is None:
+        raise OpsRefused(f"review {review_id} names no payment or refund to adjust; close it with a note")
+    kind, reference = subject
+    target = _target(conn, kind, reference)
+    if target is None:
+        raise OpsRefused(f"review {review_id} names {kind} {reference}, which does not exist")
+    code = (currency or target["currency"]).strip().upper()
+    if len(code) != 3 or not code.isalpha() or not code.isascii():
+        raise OpsRefused("the currency must be a three-letter code such as CNY")
+    return kind, reference, target, code
+
+
+def _check_amount(amount_minor: Any) -> None:
+    if isinstance(amount_minor, bool) or not isinstance(amount_minor, int):
+        raise OpsRefused("the amount must be a whole number of minor units")
+    if amount_minor == 0 or abs(amount_minor) > MAX_ADJUSTMENT:
+        raise OpsRefused("the amount must be a non-zero number of minor units")
+
+
+def _book(
+    conn: Connection,
+    row: Mapping[str, Any],
+    kind: str,
+    reference: str,
+    target: Mapping[str, Any],
+    amount_minor: int,
+    currency: str,
+    actor: Actor,
+    note: str,
+    now: datetime,
+    *,
+    approval: dict[str, Any] | None = None,
+) -> Outcome:
+    """The ledger event of an adjustment and the review resolved with it, in the caller's transaction."""
+    review_id = row["id"]
+    event_id = ledger.append(
+        conn,
+        event_type=ledger.RECONCILIATION_ADJUSTED,
+        # One adjustment per review: the review is resolved in this transaction, and the key is UNIQUE.
+        dedupe_key=f"{ledger.RECONCILIATION_ADJUSTED}:ops:review:{review_id}",
+        amount_minor=abs(amount_minor),
+        currency=currency,
+        source_type="ops",
+        source_id=f"review:{review_id}",
+        now=now,
+        entries=ledger.adjustment_entries(target["provider"], amount_minor),
+        payment_id=target["payment_id"],
+        refund_id=reference if kind == "refund" else None,
+        details={
+            "manual_review_id": review_id,
+            "delta": amount_minor,
+            "actor": actor.name,
+            "note": note,
+            **({"approval": approval} if approval else {}),
+        },
+    )
+    outcome = (
+        f"ReconciliationAdjusted {amount_minor:+d} {currency} on {ledger.provider_account(target['provider'])}, "
+        f"{-amount_minor:+d} on {ledger.SUSPENSE_RECONCILIATION} (ledger event {event_id})"
+    )
+    details: dict[str, Any] = {"ledger_event_id": event_id, "delta": amount_minor, "currency": currency}
+    if approval:
+        outcome += f"; over the payment's amount, requested by {approval['requested_by']}, approved by {actor.name}"
+        details.update(approval=APPROVED, request_ops_action_id=approval["request_ops_action_id"])
+    return _finish_review(conn, row, "adjust", actor, note, outcome, now, details=details)
+
+
 def book_adjustment(
     engine: Engine,
     review_id: int,
@@ -770,47 +1110,211 @@ def book_adjustment(
     Positive: the provider holds that much more for us than our ledger says
     (its receivable is debited); negative: less. The other side goes to
     ``suspense:reconciliation``, as reconciliation's own adjustments do. The
-    currency is the payment's unless given.
+    currency is the payment's unless given. More than the payment's amount is
+    refused here: that takes ``request_adjustment`` and a second operator's
+    ``approve_adjustment``.
     """
     note, now = clean_note(note), now or utcnow()
-    if isinstance(amount_minor, bool) or not isinstance(amount_minor, int):
-        raise OpsRefused("the amount must be a whole number of minor units")
-    if amount_minor == 0 or abs(amount_minor) > MAX_ADJUSTMENT:
-        raise OpsRefused("the amount must be a non-zero number of minor units")
+    _check_amount(amount_minor)
     with engine.begin() as conn:
         row = _lock_open_review(conn, review_id)
-        subject = _subject_of(conn, row)
-        if subject is None:
-            raise OpsRefused(f"review {review_id} names no payment or refund to adjust; close it with a note")
-        kind, reference = subject
-        target = _target(conn, kind, reference)
-        if target is None:
-            raise OpsRefused(f"review {review_id} names {kind} {reference}, which does not exist")
-        currency = (currency or target["currency"]).strip().upper()
-        if len(currency) != 3 or not currency.isalpha() or not currency.isascii():
-            raise OpsRefused("the currency must be a three-letter code such as CNY")
+        kind, reference, target, currency = _adjustable_target(conn, row, currency)
         check_adjustment(conn, target, amount_minor, currency)
-        event_id = ledger.append(
-            conn,
-            event_type=ledger.RECONCILIATION_ADJUSTED,
-            # One adjustment per review: the review is resolved in this transaction, and the key is UNIQUE.
-            dedupe_key=f"{ledger.RECONCILIATION_ADJUSTED}:ops:review:{review_id}",
-            amount_minor=abs(amount_minor),
-            currency=currency,
-            source_type="ops",
-            source_id=f"review:{review_id}",
-            now=now,
-            entries=ledger.adjustment_entries(target["provider"], amount_minor),
-            payment_id=target["payment_id"],
-            refund_id=reference if kind == "refund" else None,
-            details={"manual_review_id": review_id, "delta": amount_minor, "actor": actor.name, "note": note},
-        )
+        return _book(conn, row, kind, reference, target, amount_minor, currency, actor, note, now)
+
+
+REQUESTED, APPROVED, DECLINED = "requested", "approved", "declined"
+"""``ops_action.details["approval"]`` of an adjustment over its payment's amount: asked, then approved or declined."""
+
+
+@dataclass(frozen=True)
+class PendingAdjustment:
+    """An adjustment over its payment's amount, asked for and not yet approved or declined (its ops_action row)."""
+
+    ops_action_id: int
+    review_id: int
+    amount_minor: int
+    currency: str
+    requested_by: str
+    identity: str | None
+    requested_at: str
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """For pages and JSON."""
+        return {**self.__dict__, "shown": money(self.amount_minor, self.currency)}
+
+
+def pending_adjustment(conn: Connection, review_id: int) -> PendingAdjustment | None:
+    """The review's open request for an oversized adjustment, from the append-only action log, or None.
+
+    A request is open until a later ``adjust`` row of the review approves or
+    declines it (or the review is resolved some other way, which ends it too).
+    """
+    rows = actions(conn, manual_review_id=review_id, limit=200)  # newest first
+    ended: set[int] = set()
+    for r in rows:
+        details = r["details"] if isinstance(r["details"], dict) else {}
+        approval = details.get("approval")
+        if r["action"] != "adjust" or approval is None:
+            if r["action"] in ("apply", "close", "adjust"):
+                return None  # resolved after (or instead of) any request: nothing is pending
+            continue
+        if approval in (APPROVED, DECLINED):
+            ended.add(int(details.get("request_ops_action_id") or 0))
+            continue
+        if approval == REQUESTED and r["id"] not in ended:
+            return PendingAdjustment(
+                r["id"],
+                review_id,
+                int(details["delta"]),
+                str(details["currency"]),
+                r["actor"],
+                r["identity"],
+                r["created_at"],
+                r["reason"],
+            )
+        if approval == REQUESTED:
+            return None  # the newest request was answered: nothing is pending
+    return None
+
+
+def request_adjustment(
+    engine: Engine,
+    review_id: int,
+    *,
+    amount_minor: int,
+    actor: Actor,
+    note: str,
+    currency: str | None = None,
+    now: datetime | None = None,
+) -> Outcome:
+    """Ask a second operator to approve an adjustment over the payment's amount; nothing is booked yet.
+
+    Records an ``adjust`` action whose details say ``approval: requested``;
+    the review stays open until another person ``approve_adjustment``s it
+    (or anyone declines it). An amount within the bound needs no approval:
+    book it with ``book_adjustment``.
+    """
+    note, now = clean_note(note), now or utcnow()
+    _check_amount(amount_minor)
+    with engine.begin() as conn:
+        row = _lock_open_review(conn, review_id)
+        _, _, target, currency = _adjustable_target(conn, row, currency)
+        pay = _payment_of(conn, target)
+        if currency != pay["currency"]:
+            check_adjustment(conn, target, amount_minor, currency)  # raises: another currency is never approved
+        if abs(amount_minor) <= int(pay["amount_minor"]):
+            raise OpsRefused(
+                f"{money(amount_minor, currency)} is within payment {pay['payment_id']}'s "
+                f"{money(int(pay['amount_minor']), currency)}: book it, it needs no approval"
+            )
+        pending = pending_adjustment(conn, review_id)
+        if pending is not None:
+            raise OpsRefused(
+                f"review {review_id} already has an adjustment awaiting approval (ops_action {pending.ops_action_id}, "
+                f"{pending.as_dict()['shown']} by {pending.requested_by}): approve or decline it first"
+            )
         outcome = (
-            f"ReconciliationAdjusted {amount_minor:+d} {currency} on {ledger.provider_account(target['provider'])}, "
-            f"{-amount_minor:+d} on {ledger.SUSPENSE_RECONCILIATION} (ledger event {event_id})"
+            f"approval requested: {money(amount_minor, currency)} is more than payment {pay['payment_id']}'s "
+            f"{money(int(pay['amount_minor']), currency)}; nothing booked until another operator approves"
         )
-        details = {"ledger_event_id": event_id, "delta": amount_minor, "currency": currency}
-        return _finish_review(conn, row, "adjust", actor, note, outcome, now, details=details)
+        details = {"approval": REQUESTED, "delta": amount_minor, "currency": currency}
+        action_id = record(
+            conn,
+            action="adjust",
+            actor=actor,
+            subject=f"review:{review_id}",
+            reason=note,
+            outcome=outcome,
+            now=now,
+            manual_review_id=review_id,
+            callback_log_id=row["callback_log_id"],
+            payment_id=row["payment_id"],
+            refund_id=row["refund_id"],
+            details=details,
+        )
+    log.info(
+        "review %s: oversized adjustment requested by %s", review_id, actor.name, extra={"ops_action_id": action_id}
+    )
+    return Outcome("adjust", f"review:{review_id}", outcome, action_id, details)
+
+
+def _same_person(actor: Actor, pending: PendingAdjustment) -> bool:
+    """True when ``actor`` is (or logged in as) whoever asked: the same name, or the same vouched identity."""
+    same_name = actor.name.casefold() == pending.requested_by.casefold()
+    return same_name or (bool(pending.identity) and actor.identity == pending.identity)
+
+
+def approve_adjustment(
+    engine: Engine,
+    review_id: int,
+    *,
+    actor: Actor,
+    note: str,
+    request_id: int | None = None,
+    now: datetime | None = None,
+) -> Outcome:
+    """A second operator approves the pending oversized adjustment: it is booked and the review resolved.
+
+    Refused for the person who asked (by name or by the identity that vouched
+    for them), for a request that is no longer the pending one (``request_id``
+    names what the approver saw), and for a review no longer open. The review
+    row is locked first, so two approvals cannot both book (and the ledger's
+    dedupe key allows one adjustment per review anyway).
+    """
+    note, now = clean_note(note), now or utcnow()
+    with engine.begin() as conn:
+        row = _lock_open_review(conn, review_id)
+        pending = pending_adjustment(conn, review_id)
+        if pending is None or (request_id is not None and pending.ops_action_id != request_id):
+            raise OpsRefused(f"review {review_id} has no such adjustment awaiting approval")
+        if _same_person(actor, pending):
+            raise OpsRefused(
+                f"{actor.name} asked for this adjustment (ops_action {pending.ops_action_id}): "
+                "another operator must approve it"
+            )
+        kind, reference, target, currency = _adjustable_target(conn, row, pending.currency)
+        approval = {"request_ops_action_id": pending.ops_action_id, "requested_by": pending.requested_by}
+        return _book(
+            conn, row, kind, reference, target, pending.amount_minor, currency, actor, note, now, approval=approval
+        )
+
+
+def decline_adjustment(
+    engine: Engine,
+    review_id: int,
+    *,
+    actor: Actor,
+    note: str,
+    request_id: int | None = None,
+    now: datetime | None = None,
+) -> Outcome:
+    """Decline (or, for whoever asked, withdraw) the pending oversized adjustment; the review stays open."""
+    note, now = clean_note(note), now or utcnow()
+    with engine.begin() as conn:
+        row = _lock_open_review(conn, review_id)
+        pending = pending_adjustment(conn, review_id)
+        if pending is None or (request_id is not None and pending.ops_action_id != request_id):
+            raise OpsRefused(f"review {review_id} has no such adjustment awaiting approval")
+        verb = "withdrawn" if _same_person(actor, pending) else "declined"
+        outcome = f"adjustment request ops_action {pending.ops_action_id} {verb}; nothing booked, the review stays open"
+        details = {"approval": DECLINED, "request_ops_action_id": pending.ops_action_id}
+        action_id = record(
+            conn,
+            action="adjust",
+            actor=actor,
+            subject=f"review:{review_id}",
+            reason=note,
+            outcome=outcome,
+            now=now,
+            manual_review_id=review_id,
+            callback_log_id=row["callback_log_id"],
+            payment_id=row["payment_id"],
+            refund_id=row["refund_id"],
+            details=details,
+        )
+    return Outcome("adjust", f"review:{review_id}", outcome, action_id, details)
 
 
 def _payment_of(conn: Connection, target: Mapping[str, Any]) -> dict[str, Any]:
@@ -844,7 +1348,8 @@ def check_adjustment(conn: Connection, target: Mapping[str, Any], amount_minor: 
     if abs(amount_minor) > int(pay["amount_minor"]):
         raise OpsRefused(
             f"an adjustment of {money(amount_minor, currency)} is more than payment {pay['payment_id']}'s "
-            f"{money(int(pay['amount_minor']), currency)}; at most the payment's amount either way"
+            f"{money(int(pay['amount_minor']), currency)}; at most the payment's amount either way, "
+            "unless a second operator approves it (request approval)"
         )
 
 
@@ -885,6 +1390,21 @@ def preview(
                 f"The provider {target['provider']} is queried now; its final answer is applied "
                 "if the state machine allows."
             )
+    elif action == "request_adjustment":
+        if target is None:
+            raise OpsRefused(f"review {review_id} names no payment or refund to adjust; close it with a note")
+        _check_amount(amount_minor)
+        code = (currency or target["currency"]).strip().upper()
+        pay = _payment_of(conn, target)
+        if code != pay["currency"] or abs(int(amount_minor)) <= int(pay["amount_minor"]):
+            check_adjustment(conn, target, amount_minor, code)  # another currency: refused
+            raise OpsRefused(f"{money(amount_minor, code)} is within the payment's amount: book it, no approval needed")
+        lines[0] = f"Review {review_id} stays open: nothing is booked now."
+        lines.append(
+            f"A request to book {money(amount_minor, code)}, more than the payment's "
+            f"{money(int(pay['amount_minor']), code)}, is recorded; another operator (not you) must approve it, "
+            "and then it is booked as a ReconciliationAdjusted ledger event."
+        )
     elif action == "adjust":
         if target is None:
             raise OpsRefused(f"review {review_id} names no payment or refund to adjust; close it with a note")
@@ -1150,7 +1670,7 @@ def payment_detail(conn: Connection, payment_id: str) -> dict[str, Any] | None:
         "ledger": ledger.history(conn, payment_id),
         "balance": ledger.payment_balance(conn, payment_id),
         "provider_calls": _calls(conn, payment_id, None),
-        "callbacks": [_callback_summary(r) for r in callbacks],
+        "callbacks": with_subjects(conn, [_callback_summary(r) for r in callbacks]),
         "reviews": [_row(r) for r in reviews],
         "actions": actions(conn, payment_id=payment_id),
     }

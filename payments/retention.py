@@ -47,7 +47,7 @@ from sqlalchemy import Connection, Engine, delete, exists, func, or_, select
 
 from payments import failpoints
 from payments.errors import SourceNotAllowed
-from payments.schema import manual_review, payment_callback_log
+from payments.schema import callback_attempt, manual_review, payment_callback_log
 from payments.states import CallbackStatus
 
 ARCHIVE_FORMAT = 1
@@ -248,4 +248,6 @@ def archive_batch(engine: Engine, kind: Kind, now: datetime, batch_size: int, di
         deleted = conn.execute(delete(t).where(t.c.id.in_([r["id"] for r in rows]), t.c.status == kind.status))
         if deleted.rowcount != len(rows):
             raise RuntimeError(f"cleanup: deleted {deleted.rowcount} of {len(rows)} archived rows; rolled back")
+        # A row's attempts go with it: the archived row keeps its last result, and nothing would show the rest.
+        conn.execute(delete(callback_attempt).where(callback_attempt.c.callback_log_id.in_([r["id"] for r in rows])))
     return len(rows)

@@ -699,6 +699,26 @@ alert_notification = Table(
     **MYSQL,
 )
 
+callback_attempt = Table(
+    "callback_attempt",
+    metadata,
+    Column("id", ID, primary_key=True, autoincrement=True),
+    Column("callback_log_id", BigInteger, nullable=False, comment="payment_callback_log.id this attempt processed"),
+    Column(
+        "outcome",
+        String(16),
+        nullable=False,
+        comment="what processing did: applied, noop, duplicate, conflict, rejected, retry, gave_up, replayed",
+    ),
+    Column("status", SmallInteger, nullable=False, comment="the row's status after this attempt (0-4)"),
+    Column("result", String(500), nullable=True, comment="what processing said (the row's result then)"),
+    Column("attempt_by", String(64), nullable=True, comment="who ran it: web, consumer, compensator, or the replayer"),
+    Column("created_at", TS, nullable=False),
+    Index("idx_callback_attempt_log", "callback_log_id", "id"),
+    comment="Every processing attempt of a callback and what it said, one row each; only ever inserted.",
+    **MYSQL,
+)
+
 ops_session = Table(
     "ops_session",
     metadata,

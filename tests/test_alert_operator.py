@@ -172,7 +172,9 @@ def test_without_a_console_url_a_notice_names_the_page_and_the_runbook_but_links
 
 
 def test_every_rule_has_its_runbook_page_saying_what_it_means_what_to_check_and_what_to_do():
-    rules = {*SHIPPED.rules, *alert_evaluators.EVALUATORS, *alert_evaluators.EVALUATED_ELSEWHERE}
+    from tests.test_prometheus_rules import PROMETHEUS_ONLY  # alerts of Prometheus's own (up, absent), runbooks too
+
+    rules = {*SHIPPED.rules, *alert_evaluators.EVALUATORS, *alert_evaluators.EVALUATED_ELSEWHERE, *PROMETHEUS_ONLY}
     pages = {p.stem for p in links.RUNBOOKS_DIR.glob("*.md")}
     assert rules - pages == set(), "write docs/runbooks/<rule>.md for these"
     assert pages - rules == set(), "runbooks of rules that do not exist"

@@ -373,3 +373,156 @@ def test_an_action_records_the_session_and_token_that_vouch_for_the_typed_name(e
             assert row.identity == f"console session {session_row.id} (operator, token {fingerprint(OPS)[:12]})"
     assert rows[4].via == "cli" and rows[4].ops_session_id is None
     assert rows[4].identity.startswith("os user ") and f"(uid {os.getuid()})" in rows[4].identity
+
+
+# ------------------------------------------------------------------------------------------- a console for 3 a.m.
+
+
+def test_money_is_in_major_units_with_the_currency_and_times_are_ages_with_utc_on_hover():
+    from datetime import datetime
+
+    from gateway.ops import humanize
+
+    assert humanize.major(266400, "CNY") == "¥2,664.00"
+    assert humanize.major(1200, "USD") == "$12.00"
+    assert humanize.major(500, "JPY") == "JPY ¥500"  # zero-decimal: the code says which yen
+    assert humanize.major(-500000, "CNY") == "-¥5,000.00"
+    assert humanize.major(1250, "KWD") == "KWD 1.250"  # three decimals, no symbol here
+    assert humanize.major(150, "chf") == "CHF 1.50"
+    html = str(humanize.money_html(266400, "CNY"))
+    assert html == '<span class="money" title="266400 minor units of CNY">¥2,664.00</span>'
+    now = datetime(2026, 12, 3, 14, 30, 29, 123456)
+    assert humanize.relative(datetime(2026, 12, 3, 14, 26, 0), now) == "4 min ago"
+    assert humanize.relative(datetime(2026, 12, 3, 14, 33, 40), now) == "in 3 min"
+    assert humanize.relative(datetime(2026, 12, 3, 11, 25, 0), now) == "3 h 5 min ago"
+    assert humanize.relative(datetime(2026, 12, 1, 10, 0, 0), now) == "2 d 4 h ago"
+    assert humanize.duration(272.4) == "4 min" and humanize.duration(42) == "42 s"
+    stamp = str(humanize.time_html("2026-12-03T14:26:00.654321Z", now))
+    assert stamp == '<time datetime="2026-12-03T14:26:00Z" title="2026-12-03 14:26:00 UTC">4 min ago</time>'
+
+
+MICROSECONDS = re.compile(r"\d{2}:\d{2}:\d{2}\.\d{3,6}")
+
+
+def _rejected_callback(engine, reference: str) -> int:
+    """A delivery naming ``reference`` whose signature fails: stored, then rejected by processing (status 3)."""
+    from payments.callbacks import process_callback, store_callback
+    from tests.ops_support import GIVE_UP_AT_ONCE, providers
+    from tests.support import sandbox_event, signed
+
+    body, headers = signed(sandbox_event(reference))
+    forged = {**headers, **{k: "0" * 64 for k in headers if "signature" in k.lower()}}
+    log_id = store_callback(
+        engine, provider="sandbox", body=body, headers=forged, remote_addr="127.0.0.1", index={"order_no": reference}
+    )
+    assert process_callback(engine, providers(), log_id, GIVE_UP_AT_ONCE).value == "rejected"
+    return log_id
+
+
+def _applied_callback(engine, payment_id: str, amount: int) -> int:
+    from payments.callbacks import process_callback, store_callback
+    from tests.ops_support import GIVE_UP_AT_ONCE, providers
+    from tests.support import sandbox_event, signed
+
+    body, headers = signed(sandbox_event(payment_id, amount=amount))
+    log_id = store_callback(engine, provider="sandbox", body=body, headers=headers, remote_addr="127.0.0.1")
+    assert process_callback(engine, providers(), log_id, GIVE_UP_AT_ONCE).value == "applied"
+    return log_id
+
+
+def test_the_pages_show_order_numbers_major_units_and_ages_and_no_link_404s(sqlite):
+    app = _app(sqlite)
+    paid = create_payment(sqlite, payment_id="pay_console000000010", amount=266400, currency="CNY")
+    log_id = given_up_callback(sqlite, "pay_console000000011", amount=1200)
+    rejected = _rejected_callback(sqlite, "pay_nosuchpayment0001")
+    _applied_callback(sqlite, paid, amount=266400)
+    client = app.test_client()
+    _login(client)
+    listing = client.get("/ops/callbacks").text
+    order_nos = re.findall(r'<td class="order-no">([^<]*)</td>', listing)
+    assert "order-00000010" in order_nos and not any(o.startswith("pay_") for o in order_nos)
+    assert not MICROSECONDS.search(listing) and re.search(r"<time datetime=\"[^\"]+Z\" title=\"[^\"]+ UTC\">", listing)
+    # Every link on the list, the rejected row's included, opens a page.
+    for href in set(re.findall(r'href="(/ops/[^"#]*)"', listing)):
+        assert client.get(href.replace("&amp;", "&")).status_code == 200, href
+    assert 'href="/ops/payments/pay_nosuchpayment0001"' not in listing
+    gave_up = client.get(f"/ops/callbacks/{log_id}").text
+    facts = re.search(r'<p id="callback-facts">(.*?)</p>', gave_up, re.S).group(1)
+    assert "next retry" not in facts and "last retry" in facts
+    assert client.get(f"/ops/callbacks/{rejected}").status_code == 200
+    create_payment(sqlite, payment_id="pay_console000000011")
+    client.post("/ops/callbacks/replay", data={"csrf": _csrf(gave_up), "id": str(log_id), "note": "late payment"})
+    assert not MICROSECONDS.search(client.get(f"/ops/callbacks/{log_id}").text)  # the replay's own words too
+    page = client.get(f"/ops/payments/{paid}").text
+    assert '<span class="money" title="266400 minor units of CNY">¥2,664.00</span>' in page
+    assert "CNY 266400" not in page and not MICROSECONDS.search(page)
+
+
+def test_an_alert_links_to_its_subject_from_the_overview_and_its_own_page(sqlite):
+    from payments.schema import alert
+
+    log_id = given_up_callback(sqlite, "pay_console000000012")
+    review_id = review_for(sqlite, callback_log_id=log_id)
+    client = _app(sqlite).test_client()
+    _login(client)
+    overview = client.get("/ops/").text
+    with sqlite.connect() as conn:
+        alert_id = conn.execute(select(alert.c.id).where(alert.c.rule == "callback_gave_up")).scalar_one()
+    assert f'href="/ops/alerts/{alert_id}"' in overview
+    assert f'href="/ops/reviews/{review_id}"' in overview  # the alert's row names its review
+    page = client.get(f"/ops/alerts/{alert_id}")
+    assert page.status_code == 200 and "callback_gave_up" in page.text
+    subject = re.search(r'<td id="alert-subject">(.*?)</td>', page.text, re.S).group(1)
+    assert f'href="/ops/reviews/{review_id}"' in subject
+    assert client.get("/ops/alerts/999999").status_code == 404
+
+
+def test_a_callback_page_lists_every_attempt_and_what_processing_said_each_time(sqlite):
+    from payments.backoff import RetryPolicy
+    from payments.callbacks import process_callback, store_callback
+    from payments.schema import callback_attempt
+    from tests.ops_support import providers
+    from tests.support import sandbox_event, signed
+
+    late = "pay_console000000020"
+    body, headers = signed(sandbox_event(late))
+    log_id = store_callback(sqlite, provider="sandbox", body=body, headers=headers, remote_addr="127.0.0.1")
+    twice = RetryPolicy(max_retries=2, base_seconds=0.01, max_seconds=0.01)
+    assert process_callback(sqlite, providers(), log_id, twice).value == "retry"
+    assert process_callback(sqlite, providers(), log_id, twice).value == "gave_up"
+    create_payment(sqlite, payment_id=late)
+    client = _app(sqlite).test_client()
+    _login(client, name="erin")
+    page = client.get(f"/ops/callbacks/{log_id}")
+    client.post(
+        "/ops/callbacks/replay", data={"csrf": _csrf(page.text), "id": str(log_id), "note": "payment arrived late"}
+    )
+    page = client.get(f"/ops/callbacks/{log_id}").text
+    table = re.search(r'<table id="attempts".*?</table>', page, re.S).group(0)
+    rows = re.findall(r'<tr class="attempt-row outcome-([a-z_]+)">(.*?)</tr>', table, re.S)
+    assert [outcome for outcome, _ in rows] == ["retry", "gave_up", "replayed", "applied"]
+    said = [cells for _, cells in rows]
+    assert "target_not_found" in said[0] and "gave up after 2 attempts" in said[1]
+    assert "replay by erin (console)" in said[2] and "payment arrived late" in said[2]
+    assert "replay by erin (console)" in said[3] and "applied: Pending -&gt; Succeeded" in said[3]
+    with sqlite.connect() as conn:  # one row per attempt, no more
+        assert conn.execute(select(callback_attempt.c.id).where(callback_attempt.c.callback_log_id == log_id)).all()
+        assert len(conn.execute(select(callback_attempt)).all()) == 4
+
+
+def test_a_page_refreshes_only_when_asked_and_only_through_the_consoles_own_script(app):
+    client = app.test_client()
+    _login(client)
+    plain = client.get("/ops/callbacks?status=4")
+    assert "data-refresh" not in plain.text and "ops.js" not in plain.text
+    assert 'href="/ops/callbacks?status=4&amp;refresh=30"' in plain.text  # the toggle keeps the filter
+    asked = client.get("/ops/callbacks?status=4&refresh=30")
+    assert '<body data-refresh="30">' in asked.text and '<script src="/ops/static/ops.js" defer>' in asked.text
+    assert '<a href="/ops/callbacks?status=4" id="refresh-off">stop</a>' in asked.text
+    assert "<script>" not in asked.text  # no inline script: the CSP would refuse it anyway
+    policy = asked.headers["Content-Security-Policy"]
+    assert "script-src 'self'" in policy and "unsafe" not in policy
+    assert '<body data-refresh="5">' in client.get("/ops/?refresh=1").text  # at most every 5 s
+    assert "data-refresh" not in client.get("/ops/?refresh=soon").text
+    script = client.get("/ops/static/ops.js").text
+    assert "activeElement" in script and '"input"' in script  # the pause while a form is being filled

@@ -249,6 +249,17 @@ def test_a_usual_batch_is_written_set_wise_with_every_effect_each_row_gets_alone
     assert batch[6]["row"]["result"] == "noop: already Succeeded" and batch[6]["ledger"] == []
     assert all(len(effect["inbox"]) == 1 for effect in batch)
     assert [len(effect["outbox"]) for effect in batch] == [1] * 6 + [0, 1]
+    # The set-wise path records each row's attempt too (one multi-row INSERT), as the per-row path does.
+    assert _attempts(engine, batch_ids) == _attempts(engine, alone_ids) == [[o.value] for o in expected]
+
+
+def _attempts(engine, ids) -> list[list[str]]:
+    from payments.schema import callback_attempt
+
+    t = callback_attempt
+    with engine.connect() as conn:
+        rows = conn.execute(select(t.c.callback_log_id, t.c.outcome).order_by(t.c.id)).all()
+    return [[outcome for log_id, outcome in rows if log_id == i] for i in ids]
 
 
 def test_a_batch_with_unusual_rows_goes_row_by_row_and_each_row_gets_its_own_outcome(engine, monkeypatch):
@@ -298,6 +309,8 @@ def test_a_batch_with_unusual_rows_goes_row_by_row_and_each_row_gets_its_own_out
     assert rows[forged].status == CallbackStatus.REJECTED
     assert (rows[ids[3]].status, rows[ids[3]].retry_count) == (CallbackStatus.FAILED, 1)
     assert {rows[i].status for i in (ids[0], ids[2], ids[4], ids[5], ids[6])} == {CallbackStatus.PROCESSED}
+    # One attempt row per message, with its own outcome: the failed one's savepoint took nothing else with it.
+    assert _attempts(engine, ids) == [[o.value] for _, o in outcomes]
 
 
 def test_a_duplicate_found_only_by_the_inbox_sends_the_batch_row_by_row_with_nothing_applied_twice(engine, monkeypatch):

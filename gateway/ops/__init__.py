@@ -41,6 +41,7 @@ from flask.sessions import SecureCookieSession, SecureCookieSessionInterface
 from itsdangerous import BadSignature
 from werkzeug.exceptions import HTTPException
 
+from gateway.ops import humanize
 from payments import ops_sessions
 from payments.settings import Settings
 from payments.sources import client_address, in_networks
@@ -268,16 +269,43 @@ def _guard() -> Any:
 
 @bp.after_request
 def _headers(response: Any) -> Any:
-    """Pages that hold payment data: never cached, never framed, no scripts, forms post only here."""
+    """Pages that hold payment data: never cached, never framed, no inline script, forms post only here.
+
+    The one script allowed is the console's own file (``static/ops.js``,
+    auto-refresh): ``script-src 'self'``, so nothing injected into a page runs.
+    """
     response.headers["Cache-Control"] = "no-store"
     response.headers["X-Frame-Options"] = "DENY"
     response.headers["X-Content-Type-Options"] = "nosniff"
     response.headers["Referrer-Policy"] = "same-origin"
     response.headers["Content-Security-Policy"] = (
-        "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; "
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; form-action 'self'; "
+        "frame-ancestors 'none'; "
         "base-uri 'none'"
     )
     return response
+
+
+REFRESH_CHOICES = (10, 30, 60, 300)
+"""What the header's auto-refresh toggle offers, in seconds; ``?refresh=N`` takes any N from 5 to 3600."""
+
+
+def refresh_seconds() -> int:
+    """This page's auto-refresh period from ``?refresh=N`` (GET pages only; 0: off)."""
+    if request.method != "GET":
+        return 0
+    raw = request.args.get("refresh", "")
+    return min(max(int(raw), 5), 3600) if raw.isdigit() and int(raw) > 0 else 0
+
+
+def _refresh_url(seconds: int) -> str | None:
+    """This page with auto-refresh set to ``seconds`` (0: off), its other query arguments kept."""
+    if request.method != "GET" or not request.endpoint or request.endpoint in PUBLIC_ENDPOINTS:
+        return None
+    args = {k: v for k, v in request.args.items() if k != "refresh"}
+    if seconds:
+        args["refresh"] = str(seconds)
+    return url_for(request.endpoint, **(request.view_args or {}), **args)
 
 
 @bp.context_processor
@@ -287,7 +315,34 @@ def _template_globals() -> dict[str, Any]:
         "csrf_token": csrf_token,
         "user": user,
         "can_act": bool(user and user["role"] == ROLE_OPERATOR),
+        "refresh": refresh_seconds(),
+        "refresh_url": _refresh_url,
+        "refresh_choices": REFRESH_CHOICES,
     }
+
+
+@bp.app_template_filter("money")
+def _money_filter(amount_minor: Any, currency: str | None) -> Any:
+    """``{{ p.amount_minor|money(p.currency) }}``: ``¥2,664.00``, minor units on hover (``humanize``)."""
+    return humanize.money_html(amount_minor, currency)
+
+
+@bp.app_template_filter("amounts")
+def _amounts_filter(amounts: Any) -> Any:
+    """``{{ {"CNY": 266400}|amounts }}``: amounts by currency (``humanize``)."""
+    return humanize.amounts_html(amounts)
+
+
+@bp.app_template_filter("duration")
+def _duration_filter(seconds: Any) -> str:
+    """``{{ 272|duration }}``: ``4 min`` (``humanize``)."""
+    return humanize.duration(float(seconds or 0))
+
+
+@bp.app_template_filter("ago")
+def _ago_filter(value: Any, empty: str = "–") -> Any:
+    """``{{ row.create_time|ago }}``: ``4 min ago``, the UTC time on hover (``humanize``)."""
+    return humanize.time_html(value, empty=empty)
 
 
 @bp.errorhandler(HTTPException)

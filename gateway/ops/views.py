@@ -12,7 +12,7 @@ from flask import abort, flash, g, redirect, render_template, request, session, 
 from sqlalchemy.exc import IntegrityError
 
 from gateway import ext
-from gateway.ops import SESSION_SECONDS, bp, client_addr, match_token, safe_next, throttle
+from gateway.ops import ROLE_OPERATOR, SESSION_SECONDS, bp, client_addr, match_token, safe_next, throttle
 from payments import aging, alert_actions, ops_actions, ops_sessions
 from payments.db import utcnow
 from payments.logs import scrub
@@ -49,7 +49,7 @@ def _int_arg(name: str, *, minimum: int | None = None, maximum: int | None = Non
 
 
 def _time_arg(name: str) -> datetime | None:
-    raw = request.args.get(name, "").strip()
+    raw = request.values.get(name, "").strip()
     if not raw:
         return None
     try:
@@ -61,7 +61,7 @@ def _time_arg(name: str) -> datetime | None:
 
 
 def _text_arg(name: str, limit: int = 128) -> str | None:
-    value = request.args.get(name, "").strip()
+    value = request.values.get(name, "").strip()
     return value[:limit] or None
 
 
@@ -70,14 +70,15 @@ def _confirmed() -> bool:
     return request.form.get("confirmed") == ops_actions.CONFIRMED
 
 
-def _confirm(title: str, lines: list[str], action_url: str, back: str) -> Any:
+def _confirm(title: str, lines: list[str], action_url: str, back: str, extra: dict[str, Any] | None = None) -> Any:
     """A page saying what the action will do, with a form that posts the same fields again, confirmed.
 
     A misclick or a stray Enter on adjust, apply, close or a bulk replay shows
     this page instead of acting: what it guards against is a slip, not an
     attacker (every POST needs the session and its CSRF token already).
     """
-    fields = [(k, v) for k, v in request.form.items(multi=True) if k not in ("csrf", "confirmed")]
+    fields = [(k, v) for k, v in request.form.items(multi=True) if k not in ("csrf", "confirmed", *(extra or {}))]
+    fields += [(k, str(v)) for k, v in (extra or {}).items()]
     return render_template(
         "ops/confirm.html", title=title, lines=lines, fields=fields, action_url=action_url, back=back
     )
@@ -181,10 +182,12 @@ def action_log() -> Any:
 # ------------------------------------------------------------------------------------------- callbacks
 
 
-@bp.get("/callbacks")
-def callbacks() -> Any:
-    """Search the callback log: order number, payment id, provider event id, status, time; paginated."""
-    search = CallbackSearch(
+FILTER_FIELDS = ("order_no", "payment_id", "provider_event_id", "status", "provider", "since", "until")
+"""The callback search's filters: the list's query string, and the fields "replay all matching" posts."""
+
+
+def _callback_search() -> CallbackSearch:
+    return CallbackSearch(
         order_no=_text_arg("order_no"),
         payment_id=_text_arg("payment_id"),
         provider_event_id=_text_arg("provider_event_id"),
@@ -194,12 +197,52 @@ def callbacks() -> Any:
         until=_time_arg("until"),
         before_id=_int_arg("before_id", minimum=1),
     )
+
+
+@bp.get("/callbacks")
+def callbacks() -> Any:
+    """Search the callback log: order number, payment id, provider event id, status, time; paginated."""
+    search = _callback_search()
     with _engine().connect() as conn:
         rows, next_before = ops_actions.search_callbacks(conn, search)
+        matching = ops_actions.count_replayable(conn, search)["total"] if g.ops_user["role"] == ROLE_OPERATOR else 0
     args = {k: v for k, v in request.args.items() if k != "before_id" and v}
     return render_template(
-        "ops/callbacks.html", rows=rows, next_before=next_before, args=args, statuses=list(CallbackStatus)
+        "ops/callbacks.html",
+        rows=rows,
+        next_before=next_before,
+        args=args,
+        statuses=list(CallbackStatus),
+        matching=matching,
+        filter_fields=FILTER_FIELDS,
     )
+
+
+@bp.post("/callbacks/replay-matching")
+def replay_matching() -> Any:
+    """Replay every failed, rejected or given-up row the filter matches: a count to confirm first, then in batches."""
+    search = _callback_search()
+    args = {k: request.form[k] for k in FILTER_FIELDS if request.form.get(k)}
+    back = url_for("ops.callbacks", **args)
+    try:
+        note = ops_actions.clean_note(request.form.get("note", ""))
+        if not _confirmed():
+            with _engine().connect() as conn:
+                lines, bound = ops_actions.preview_replay_matching(conn, search)
+            title = f"replay all {bound['expected']} matching callbacks"
+            return _confirm(title, lines, url_for("ops.replay_matching"), back, extra=bound)
+        expected = _int_arg("expected", minimum=1, maximum=ops_actions.MAX_MATCHING)
+        upto_id = _int_arg("upto_id", minimum=1)
+        if expected is None or upto_id is None:
+            abort(400, description="expected and upto_id come from the confirmation page")
+        done = ops_actions.replay_matching(
+            _engine(), search, actor=_actor(), note=note, expected=expected, upto_id=upto_id
+        )
+    except OpsRefused as exc:
+        flash(str(exc), "error")
+        return redirect(back)
+    flash(done.outcome, "ok" if done.replayed else "error")
+    return redirect(back)
 
 
 @bp.get("/callbacks/<int:log_id>")
@@ -292,15 +335,34 @@ def resolve_review(review_id: int) -> Any:
     currency = request.form.get("currency") or None
     runtime = ext("runtime")
     page = url_for("ops.review", review_id=review_id)
+    # Over the payment's amount: not booked, but asked of a second operator (ops_actions.request_adjustment).
+    asks = action == "adjust" and request.form.get("approval") == "request"
     if not _confirmed():
         try:
             ops_actions.clean_note(request.form.get("note", ""))
             with _engine().connect() as conn:
-                lines = ops_actions.preview(conn, review_id, action, amount_minor=amount, currency=currency)
+                shown = "request_adjustment" if asks else action
+                lines = ops_actions.preview(conn, review_id, shown, amount_minor=amount, currency=currency)
         except OpsRefused as exc:
             flash(f"review {review_id}: {exc}", "error")
             return redirect(page)
-        return _confirm(f"{action} review {review_id}", lines, url_for("ops.resolve_review", review_id=review_id), page)
+        title = f"ask approval to adjust review {review_id}" if asks else f"{action} review {review_id}"
+        return _confirm(title, lines, url_for("ops.resolve_review", review_id=review_id), page)
+    if asks:
+        try:
+            result = ops_actions.request_adjustment(
+                runtime.engine,
+                review_id,
+                amount_minor=amount if amount is not None else 0,
+                currency=currency,
+                actor=_actor(),
+                note=request.form.get("note", ""),
+            )
+        except OpsRefused as exc:
+            flash(f"review {review_id}: {exc}", "error")
+        else:
+            flash(f"review {review_id}: {result.outcome}", "ok")
+        return redirect(page)
     try:
         result = ops_actions.resolve(
             runtime.engine,
@@ -320,6 +382,40 @@ def resolve_review(review_id: int) -> Any:
     else:
         flash(f"review {review_id}: {result.outcome}", "ok")
     return redirect(url_for("ops.review", review_id=review_id))
+
+
+@bp.post("/reviews/<int:review_id>/approval")
+def review_approval(review_id: int) -> Any:
+    """Approve (another operator: books it) or decline the review's pending oversized adjustment."""
+    decision = request.form.get("decision", "")
+    if decision not in ("approve", "decline"):
+        abort(400, description="decision must be approve or decline")
+    request_id = _int_arg("request_id", minimum=1)
+    page = url_for("ops.review", review_id=review_id)
+    note = request.form.get("note", "")
+    try:
+        if decision == "approve" and not _confirmed():
+            ops_actions.clean_note(note)
+            with _engine().connect() as conn:
+                pending = ops_actions.pending_adjustment(conn, review_id)
+            if pending is None or pending.ops_action_id != request_id:
+                raise OpsRefused(f"review {review_id} has no such adjustment awaiting approval")
+            lines = [
+                f"A ReconciliationAdjusted ledger event of {pending.as_dict()['shown']} is booked for review "
+                f"{review_id}, more than its payment's amount, as {pending.requested_by} asked "
+                f"(ops_action {pending.ops_action_id}: {pending.reason}).",
+                "The review is resolved. The ledger is append-only: undoing it is another adjustment.",
+            ]
+            return _confirm(f"approve the adjustment of review {review_id}", lines, request.path, page)
+        act = ops_actions.approve_adjustment if decision == "approve" else ops_actions.decline_adjustment
+        result = act(_engine(), review_id, actor=_actor(), note=note, request_id=request_id)
+    except OpsRefused as exc:
+        flash(f"review {review_id}: {exc}", "error")
+    except IntegrityError:
+        flash(f"review {review_id}: already adjusted (one adjustment per review)", "error")
+    else:
+        flash(f"review {review_id}: {result.outcome}", "ok")
+    return redirect(page)
 
 
 # ------------------------------------------------------------------------------------------- payments, refunds, recon
@@ -412,11 +508,13 @@ def alerts() -> Any:
 
 @bp.get("/alerts/<int:alert_id>")
 def alert(alert_id: int) -> Any:
-    """One alert: where each notification went and whether the channel took it; ack, silence, assign."""
+    """One alert, open or resolved: what it is about, where each notification went and whether the channel took it;
+    ack, silence, assign."""
     with _engine().connect() as conn:
         item = alert_actions.alert_detail(conn, alert_id)
     if item is None:
         abort(404, description=f"no alert {alert_id}")
+    item["subject"] = ops_actions.alert_subject(item)
     return render_template("ops/alert.html", item=item, max_minutes=alert_actions.MAX_SILENCE_MINUTES)
 
 
