@@ -88,6 +88,8 @@ def test_a_dingtalk_only_setup_hears_the_backlog_the_failure_rate_and_the_manual
         evaluate_alerts.run_once(runtime, now=t0)
         evaluate_alerts.run_once(runtime, now=t0 + timedelta(seconds=301))
         notify_alerts.run_once(runtime, now=t0 + timedelta(seconds=301))
+        # unresolved_payment's group (deadline) gathers for 60 s before its one notice goes.
+        notify_alerts.run_once(runtime, now=t0 + timedelta(seconds=362))
     heard = " ".join(json.dumps(r.data, ensure_ascii=False) for r in robot.received)
     for rule in ("callback_backlog", "callback_failure_rate", "callback_gave_up", "unresolved_payment"):
         assert rule in heard, rule

@@ -29,9 +29,10 @@ def test_the_gateway_says_where_it_listens_in_one_line(tmp_path):
         wait_until(lambda: "gateway listening on" in web.output(), timeout=20, message="the gateway's line")
         lines = _lines(web.output())
     said = [json.loads(line) for line in lines]
-    # Development's one warning about its defaults, then one line: where, how many workers and threads.
+    # Development's one warning about its defaults, then one line: where (the loopback, as development binds),
+    # how many workers and threads.
     assert [(line["level"], line["logger"]) for line in said] == [("WARNING", "paysync.web"), ("INFO", "paysync.web")]
-    assert said[1]["msg"] == f"gateway listening on http://0.0.0.0:{port} (2 workers, 16 threads each)"
+    assert said[1]["msg"] == f"gateway listening on http://127.0.0.1:{port} (2 workers, 16 threads each)"
 
 
 def test_log_level_debug_brings_gunicorns_own_lines_back(tmp_path):
