@@ -3,7 +3,7 @@
 Takes payments that are Unknown, or Pending past QUERY_PENDING_AFTER_SECONDS,
 whose ``next_query_at`` is due; claims them with ``FOR UPDATE SKIP LOCKED``
 and a lease, and queries each by our business number
-(``payments.query.query_payment``). Found → applied through the state
+(``payments.outbound_protocol.query_payment``). Found → applied through the state
 machine. Not found → sent again with the same idempotency key, if the
 provider's capabilities make that safe. Still unresolved at the payment's
 deadline → manual review and an alert. Backoff between queries is exponential
@@ -11,7 +11,7 @@ with jitter (QUERY_BASE_SECONDS … QUERY_MAX_SECONDS). While a provider's
 circuit breaker is open, each run may still send BREAKER_QUERY_BUDGET queries
 to it; their answers are the probes that close it. Refunds (Unknown, or
 Pending past the same setting) are claimed once no payment is left due, and
-queried by our refund number (``payments.query.query_refund``).
+queried by our refund number (``payments.outbound_protocol.query_refund``).
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from sqlalchemy import Engine, select
 from compensator.relay_outbox import throttle
 from compensator.workpool import drain
 from payments import breaker
-from payments.calls import Context, Result
 from payments.db import claim_rows, utcnow
-from payments.query import due_for_query, due_refunds_for_query, query_payment, query_refund
+from payments.outbound_protocol import Context, Result, due_for_query, query_payment, query_refund
 from payments.runtime import Runtime
 from payments.schema import payment, refund
 from payments.states import BreakerState
@@ -42,7 +41,7 @@ def claim_batch(
     """Claim up to ``limit`` payments (then refunds) due for a query; return (number, provider, lease token, kind).
 
     The lease token is the ``next_query_at`` the claim wrote: the query goes
-    out only while the payment (or refund) still carries it (``payments.query``).
+    out only while the payment (or refund) still carries it (``payments.outbound_protocol``).
     """
     query = (
         select(payment.c.id, payment.c.payment_id, payment.c.provider)
@@ -56,7 +55,7 @@ def claim_batch(
     if len(claimed) < limit:
         query = (
             select(refund.c.id, refund.c.refund_id, refund.c.provider)
-            .where(due_refunds_for_query(now, pending_after_seconds))
+            .where(due_for_query(now, pending_after_seconds, refund))
             .order_by(refund.c.next_query_at, refund.c.id)
             .limit(limit - len(claimed))
         )

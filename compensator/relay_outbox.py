@@ -6,7 +6,7 @@ provider call (``Settings.call_lease_seconds``), in one short transaction, so
 any number of compensators share the queue; a row whose worker dies comes
 back when the lease runs out and is sent again with the same idempotency key.
 The lease is also the worker's token: a worker that finds another's token on
-the row when it prepares the call sends nothing. Each row is handled by ``payments.relay.relay_charge``
+the row when it prepares the call sends nothing. Each row is handled by ``payments.outbound_protocol.relay_charge``
 or ``relay_refund``, by its event type (prepare, call, apply: see there). Up to RELAY_CONCURRENCY calls are in flight
 at once (256: a slot is a thread asleep on its socket, so calls hanging until
 PROVIDER_TIMEOUT_SECONDS hold cheap slots, not the queue), at most
@@ -38,13 +38,12 @@ from sqlalchemy import Engine, select
 
 from compensator.ratelimit import RateLimiter
 from compensator.workpool import drain
-from payments.calls import Context, Result
 from payments.charges import CHARGE_REQUESTED
 from payments.db import claim_rows, utcnow
 from payments.group_commit import GroupCommit
+from payments.outbound_protocol import Context, Result, relay_charge, relay_refund
 from payments.providers.base import QueryOutcome
 from payments.refunds import REFUND_REQUESTED
-from payments.relay import relay_charge, relay_refund
 from payments.relay_batch import PreparedCharge, apply_charges, prepare_charges, send_prepared
 from payments.runtime import Runtime
 from payments.schema import outbox as outbox_table
@@ -96,7 +95,7 @@ def claim_batch(
     """Claim up to ``limit`` due command rows; return (outbox id, provider name, lease token, event type) tuples.
 
     The lease token is the ``next_attempt_at`` the claim wrote: the relay
-    sends only while the row still carries it (``payments.relay``).
+    sends only while the row still carries it (``payments.outbound_protocol``).
     """
     t = outbox_table
     query = (

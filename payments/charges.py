@@ -172,7 +172,7 @@ def create_payment(
 
     ``send_now``, for a provider the payer pays by scanning a QR code, sends
     the committed ChargeRequested row (by event id) at once and says whether
-    that finished in time (``payments.relay.relay_charge_inline``): if it did
+    that finished in time (``payments.send_pool.relay_charge_inline``): if it did
     and the payment is Pending with a QR code, that is the answer.
     """
     now = now or utcnow()

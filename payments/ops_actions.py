@@ -45,10 +45,10 @@ from payments import ledger, monitoring, provider_calls, review
 from payments.alert_evaluators import callback_failure_counts
 from payments.backoff import RetryPolicy
 from payments.callbacks import CallbackResult, process_callback, refused_for_source
-from payments.calls import last_charge_send
 from payments.db import utcnow
 from payments.errors import PaysyncError
 from payments.logs import scrub, scrub_value
+from payments.outbound_protocol import last_charge_send
 from payments.providers.base import ChargeRequest, Mismatch, Provider, reported_status
 from payments.providers.stripe_money import iso_exponent
 from payments.schema import (

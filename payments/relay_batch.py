@@ -1,6 +1,6 @@
 """Charges relayed in groups: the usual first send prepared and applied set-wise, anything else one by one.
 
-``payments.relay.relay_charge`` sends one ChargeRequested row with a
+``payments.outbound_protocol.relay_charge`` sends one ChargeRequested row with a
 transaction of its own before the call (prepare) and one after it (apply):
 about fifteen statements and two COMMITs per payment. Under load nearly every
 row is the same simple case, so ``relay_outbox`` hands its claimed rows here:
@@ -8,7 +8,7 @@ row is the same simple case, so ``relay_outbox`` hands its claimed rows here:
 - ``prepare_charges``: in one transaction for the whole claim, the rows that
   are a first send of a Created payment (no earlier charge call, deadline not
   passed, adapter present, breaker closed, a provider that dedupes a re-send:
-  ``_plain_first_send``) get what ``relay.relay_charge``'s
+  ``_plain_first_send``) get what ``outbound_protocol.relay_charge``'s
   prepare gives them: the provider_call row, Created → Pending naming it, the
   lease renewed for the call and the attempt counted. A handful of statements
   whatever the count. Every other row is left to ``relay_charge``, which
@@ -44,12 +44,20 @@ from typing import Any
 from sqlalchemy import bindparam, select, update
 
 from payments import breaker, provider_calls
-from payments.calls import Context, Result, assess, count, lock_payment
 from payments.charges import CHARGE_REQUESTED
 from payments.db import utcnow
 from payments.group_commit import GroupCommit
+from payments.outbound_protocol import (
+    Context,
+    Result,
+    apply_call,
+    assess,
+    charge_params,
+    count,
+    lock_payment,
+    send_charge,
+)
 from payments.providers.base import Failed, Provider, QueryOutcome
-from payments.relay import apply_call, charge_params, send_charge
 from payments.schema import outbox, payment, provider_call
 from payments.states import TERMINAL, BreakerState, OutboxStatus, PaymentStatus, Verdict, decide
 from payments.transitions import PlannedChange, apply_planned, plan_decision
@@ -121,7 +129,7 @@ def prepare_charges(
     """Prepare the plain first sends among claimed (outbox id, provider, lease token) rows in one transaction.
 
     Returns the prepared charges and the outbox ids of the other rows, which
-    are still claimed (under their lease) and go to ``relay.relay_charge``.
+    are still claimed (under their lease) and go to ``outbound_protocol.relay_charge``.
     """
     now = utcnow()
     gates: dict[str, breaker.Gate] = {}
@@ -312,7 +320,7 @@ def apply_charges(ctx: Context, finished: Sequence[tuple[PreparedCharge, QueryOu
 def _plain_apply(
     ctx: Context, charge: PreparedCharge, outcome: QueryOutcome, current: dict[str, Any] | None, now: datetime
 ) -> tuple[Result | None, PlannedChange | None]:
-    """What ``calls.apply_outcome`` would do, when it is plain: (APPLIED, plan) or (UNCHANGED, None).
+    """What ``outbound_protocol.apply_outcome`` would do, when it is plain: (APPLIED, plan) or (UNCHANGED, None).
 
     (None, None) when it is not: the per-row apply takes it.
     """

@@ -15,10 +15,9 @@ from sqlalchemy import insert, select, update
 
 from compensator import query_unresolved, relay_outbox
 from payments import breaker
-from payments.calls import Context, Result
 from payments.db import utcnow
+from payments.outbound_protocol import Context, Result, relay_charge
 from payments.providers.base import Capabilities, Dedupe, Unknown
-from payments.relay import relay_charge
 from payments.runtime import build_runtime
 from payments.schema import alert, outbox, payment, provider_breaker
 from payments.states import BreakerState, OutboxStatus
@@ -112,7 +111,7 @@ def test_a_probe_slot_taken_for_a_query_that_is_not_sent_is_given_back(mariadb):
     with rt.engine.begin() as conn:
         conn.execute(provider_breaker.delete())
     open_breaker(rt.engine, "fake", retry_in=-1)
-    from payments.query import query_payment
+    from payments.outbound_protocol import query_payment
 
     assert query_payment(Context(rt.engine, rt.providers, rt.settings), payment_id, provider, lease) == Result.SKIPPED
     assert breaker_row(rt.engine)["retry_at"] <= utcnow()

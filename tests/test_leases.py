@@ -15,11 +15,9 @@ from dataclasses import replace
 from sqlalchemy import update
 
 from compensator import query_unresolved, relay_outbox
-from payments.calls import Context, Result
 from payments.db import utcnow
+from payments.outbound_protocol import Context, Result, query_payment, relay_charge
 from payments.providers.base import Capabilities, Dedupe, Succeeded, Unknown
-from payments.query import query_payment
-from payments.relay import relay_charge
 from payments.runtime import build_runtime
 from payments.schema import outbox, payment
 from tests.fake_provider import FakeProvider
