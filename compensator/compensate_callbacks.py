@@ -5,7 +5,7 @@ Takes rows with status 0 or 2 that are older than the grace period and due
 ``SELECT … FOR UPDATE SKIP LOCKED`` and leased by pushing ``next_retry_at``
 out, in one short transaction, so any number of compensators share the
 backlog without taking the same row. The claimed rows are then processed
-``ROWS_PER_TRANSACTION`` at a time by ``payments.delivery.process_batch``,
+``ROWS_PER_TRANSACTION`` at a time by ``payments.callback_processing.process_batch``,
 as the consumer processes its micro-batches: the common chunk set-wise (a
 few multi-row statements and one COMMIT for all its rows), any chunk with
 something unusual in it row by row, a savepoint each, with retries and
@@ -25,9 +25,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import Engine, select
 
 from compensator.ratelimit import RateLimiter
+from payments.callback_processing import process_batch
 from payments.callbacks import CallbackResult
 from payments.db import claim_rows, is_sqlite, utcnow
-from payments.delivery import process_batch
 from payments.hints import HintLimits
 from payments.runtime import Runtime
 from payments.schema import payment_callback_log
