@@ -19,49 +19,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from datetime import datetime, timedelta
-
-from sqlalchemy import Engine, select
+from datetime import datetime
 
 from compensator.relay_outbox import throttle
 from compensator.workpool import drain
 from payments import breaker
-from payments.db import claim_rows, utcnow
-from payments.outbound_protocol import Context, Result, due_for_query, query_payment, query_refund
+from payments.db import utcnow
+from payments.outbound_protocol import Context, Result, claim_queries, query_payment, query_refund
 from payments.runtime import Runtime
-from payments.schema import payment, refund
 from payments.states import BreakerState
 
 log = logging.getLogger("paysync.compensator.query")
-
-
-def claim_batch(
-    engine: Engine, now: datetime, limit: int, lease_seconds: float, pending_after_seconds: float
-) -> list[tuple[str, str, datetime, str]]:
-    """Claim up to ``limit`` payments (then refunds) due for a query; return (number, provider, lease token, kind).
-
-    The lease token is the ``next_query_at`` the claim wrote: the query goes
-    out only while the payment (or refund) still carries it (``payments.outbound_protocol``).
-    """
-    query = (
-        select(payment.c.id, payment.c.payment_id, payment.c.provider)
-        .where(due_for_query(now, pending_after_seconds))
-        .order_by(payment.c.next_query_at, payment.c.id)
-        .limit(limit)
-    )
-    lease_until = now + timedelta(seconds=lease_seconds)
-    rows = claim_rows(engine, query, payment, payment.c.next_query_at, lease_until)
-    claimed = [(r.payment_id, r.provider, lease_until, "payment") for r in rows]
-    if len(claimed) < limit:
-        query = (
-            select(refund.c.id, refund.c.refund_id, refund.c.provider)
-            .where(due_for_query(now, pending_after_seconds, refund))
-            .order_by(refund.c.next_query_at, refund.c.id)
-            .limit(limit - len(claimed))
-        )
-        rows = claim_rows(engine, query, refund, refund.c.next_query_at, lease_until)
-        claimed += [(r.refund_id, r.provider, lease_until, "refund") for r in rows]
-    return claimed
 
 
 def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
@@ -84,7 +52,7 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
         return query(ctx, number, provider, lease_until, budget_ok=budget_ok)
 
     results = drain(
-        lambda n: claim_batch(runtime.engine, utcnow(), n, lease, settings.query_pending_after_seconds),
+        lambda n: claim_queries(runtime.engine, utcnow(), n, lease, settings.query_pending_after_seconds),
         work,
         concurrency=settings.relay_concurrency,
         max_seconds=settings.relay_max_seconds if max_seconds is None else max_seconds,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any, NamedTuple
 
@@ -52,14 +52,14 @@ from payments.callbacks import (
     process_locked_batch,
     record_failure,
 )
-from payments.db import utcnow
+from payments.db import claim_rows, utcnow
 from payments.delivery import Delivery, ForgedMessage, UnreadableMessage, body_digest, decode_messages
 from payments.hints import HintLimits
 from payments.logs import REQUEST_ID
 from payments.providers.base import Provider
 from payments.runtime import Runtime
 from payments.schema import SOURCE_WEBHOOK, payment_callback_log
-from payments.states import CallbackStatus
+from payments.states import CALLBACK_RETRYABLE, CallbackStatus
 
 log = logging.getLogger("paysync.delivery")  # the lines keep the name they had before processing moved here
 consumer_log = logging.getLogger("paysync.consumer")
@@ -268,6 +268,23 @@ def _one(
     if isinstance(message, int):
         return message, process_callback(engine, providers, message, policy, hints=hints)
     return process_delivery(engine, providers, message, policy, hints)
+
+
+def claim_retries(engine: Engine, now: datetime, grace_seconds: float, batch_size: int, lease: float) -> list[int]:
+    """The sweep's claim: up to ``batch_size`` due callbacks, leased ``lease`` seconds; their ids, oldest first."""
+    t = payment_callback_log
+    query = (
+        select(t.c.id)
+        .where(
+            t.c.status.in_(CALLBACK_RETRYABLE),
+            t.c.next_retry_at <= now,
+            t.c.create_time <= now - timedelta(seconds=grace_seconds),
+        )
+        .order_by(t.c.id)
+        .limit(batch_size)
+    )
+    rows = claim_rows(engine, query, t, t.c.next_retry_at, now + timedelta(seconds=lease))
+    return [r.id for r in rows]
 
 
 # --- the consumer: messages in, what to tell the broker out ---------------------------------------------------

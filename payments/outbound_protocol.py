@@ -53,7 +53,7 @@ from sqlalchemy import Connection, Engine, Row, Table, and_, bindparam, exists, 
 from payments import breaker, failpoints, outbox, provider_calls
 from payments.backoff import compute_backoff
 from payments.charges import CHARGE_REQUESTED
-from payments.db import utcnow
+from payments.db import claim_rows, utcnow
 from payments.providers.base import (
     REVIEW_PREFIX,
     ChargeRequest,
@@ -587,6 +587,30 @@ def _retry_after_breaker(gate: breaker.Gate, now: datetime) -> datetime:
 
 # --- sends: the relay's ChargeRequested and RefundRequested rows ------------------------------------------------
 
+SENDS = (CHARGE_REQUESTED, REFUND_REQUESTED)
+"""The outbox commands the relay sends (``relay_charge``, ``relay_refund``), in the order its claim lists them."""
+
+
+def claim_sends(
+    engine: Engine, now: datetime, limit: int, lease_seconds: float
+) -> list[tuple[int, str, datetime, str]]:
+    """The relay's claim: up to ``limit`` due command rows, leased; (outbox id, provider, lease token, event type) each.
+
+    The lease token is the ``next_attempt_at`` the claim wrote: the relay
+    sends only while the row still carries it (``relay_charge``, ``relay_refund``).
+    """
+    t = outbox_table
+    query = (
+        select(t.c.id, t.c.payload, t.c.event_type)
+        .where(t.c.status == OutboxStatus.PENDING, t.c.next_attempt_at <= now, t.c.event_type.in_(SENDS))
+        .order_by(t.c.next_attempt_at, t.c.id)
+        .limit(limit)
+    )
+    lease_until = now + timedelta(seconds=lease_seconds)
+    rows = claim_rows(engine, query, t, t.c.next_attempt_at, lease_until)
+    return [(r.id, json.loads(r.payload).get("provider", ""), lease_until, r.event_type) for r in rows]
+
+
 # Every send runs these: built once (SET columns come with the parameters), not rebuilt per row.
 _LOCK_OUTBOX = select(outbox_table).where(outbox_table.c.id == bindparam("p_outbox_id")).with_for_update()
 _UPDATE_OUTBOX = update(outbox_table).where(outbox_table.c.id == bindparam("p_outbox_id"))
@@ -892,6 +916,35 @@ def due_for_query(now: datetime, pending_after_seconds: float, table: Table = pa
             table.c.updated_at <= now - timedelta(seconds=pending_after_seconds),
         ),
     )
+
+
+def claim_queries(
+    engine: Engine, now: datetime, limit: int, lease_seconds: float, pending_after_seconds: float
+) -> list[tuple[str, str, datetime, str]]:
+    """The query job's claim: up to ``limit`` due payments (then refunds), leased: (number, provider, lease, kind).
+
+    The lease token is the ``next_query_at`` the claim wrote: the query goes
+    out only while the payment (or refund) still carries it (``query_payment``, ``query_refund``).
+    """
+    query = (
+        select(payment.c.id, payment.c.payment_id, payment.c.provider)
+        .where(due_for_query(now, pending_after_seconds))
+        .order_by(payment.c.next_query_at, payment.c.id)
+        .limit(limit)
+    )
+    lease_until = now + timedelta(seconds=lease_seconds)
+    rows = claim_rows(engine, query, payment, payment.c.next_query_at, lease_until)
+    claimed = [(r.payment_id, r.provider, lease_until, "payment") for r in rows]
+    if len(claimed) < limit:
+        query = (
+            select(refund.c.id, refund.c.refund_id, refund.c.provider)
+            .where(due_for_query(now, pending_after_seconds, refund))
+            .order_by(refund.c.next_query_at, refund.c.id)
+            .limit(limit - len(claimed))
+        )
+        rows = claim_rows(engine, query, refund, refund.c.next_query_at, lease_until)
+        claimed += [(r.refund_id, r.provider, lease_until, "refund") for r in rows]
+    return claimed
 
 
 class _PreparedQuery(NamedTuple):

@@ -14,7 +14,7 @@ from datetime import timedelta
 from sqlalchemy import insert, select, update
 
 from compensator import query_unresolved, relay_outbox
-from payments import breaker
+from payments import breaker, outbound_protocol
 from payments.db import utcnow
 from payments.outbound_protocol import Context, Result, relay_charge
 from payments.providers.base import Capabilities, Dedupe, Unknown
@@ -83,7 +83,7 @@ def test_a_probe_slot_taken_for_a_charge_that_is_not_sent_is_given_back(mariadb)
         conn.execute(update(payment).where(payment.c.payment_id == done).values(status="Succeeded"))
         conn.execute(update(payment).where(payment.c.payment_id == late).values(deadline_at=utcnow()))
     ctx = Context(rt.engine, rt.providers, rt.settings)
-    claimed = {r[0]: r for r in relay_outbox.claim_batch(rt.engine, utcnow(), 10, 30)}
+    claimed = {r[0]: r for r in outbound_protocol.claim_sends(rt.engine, utcnow(), 10, 30)}
     by_payment = dict(zip((done, late), sorted(claimed), strict=True))
     open_breaker(rt.engine, "fake", retry_in=-1)
 
@@ -105,7 +105,7 @@ def test_a_probe_slot_taken_for_a_query_that_is_not_sent_is_given_back(mariadb):
     payment_id = new_payment(rt, provider="fake")
     relay_outbox.run_once(rt)
     make_due(rt, payment_id)
-    [(_, provider, lease, _)] = query_unresolved.claim_batch(rt.engine, utcnow(), 10, 30, 60)
+    [(_, provider, lease, _)] = outbound_protocol.claim_queries(rt.engine, utcnow(), 10, 30, 60)
     with rt.engine.begin() as conn:  # the payment was settled meanwhile (a callback, say)
         conn.execute(update(payment).where(payment.c.payment_id == payment_id).values(status="Succeeded"))
     with rt.engine.begin() as conn:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from compensator import relay_outbox
+from payments import outbound_protocol
 from payments.db import utcnow
 from payments.outbound_protocol import Context, Result, relay_charge
 from payments.providers.base import Capabilities, Dedupe
@@ -30,7 +30,7 @@ def _traced_charge(engine):
     rt = replace(rt, providers={**rt.providers, fake.name: fake})
     ctx = Context(rt.engine, rt.providers, rt.settings)
     new_payment(rt, provider="fake")
-    [(outbox_id, provider, lease, _)] = relay_outbox.claim_batch(rt.engine, utcnow(), 10, 30)
+    [(outbox_id, provider, lease, _)] = outbound_protocol.claim_sends(rt.engine, utcnow(), 10, 30)
     return trace(lambda: relay_charge(ctx, outbox_id, provider, lease))
 
 

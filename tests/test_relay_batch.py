@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import event, select, update
 
 from compensator import relay_outbox
-from payments import breaker, provider_calls
+from payments import breaker, outbound_protocol, provider_calls
 from payments.db import utcnow
 from payments.group_commit import GroupCommit
 from payments.outbound_protocol import Context, Result, charge_params, relay_charge
@@ -79,7 +79,7 @@ def keyed(**kwargs) -> FakeProvider:
 
 def claimed(rt, n=1000):
     """Claim every due relay row as relay_outbox does: (outbox id, provider, lease token) for the charges."""
-    rows = relay_outbox.claim_batch(rt.engine, utcnow(), n, rt.settings.call_lease_seconds)
+    rows = outbound_protocol.claim_sends(rt.engine, utcnow(), n, rt.settings.call_lease_seconds)
     return [(outbox_id, provider, lease) for outbox_id, provider, lease, _ in rows]
 
 
