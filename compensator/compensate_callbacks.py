@@ -5,7 +5,7 @@ Takes rows with status 0 or 2 that are older than the grace period and due
 ``SELECT … FOR UPDATE SKIP LOCKED`` and leased by pushing ``next_retry_at``
 out, in one short transaction, so any number of compensators share the
 backlog without taking the same row. The claimed rows are then processed
-``ROWS_PER_TRANSACTION`` at a time by ``payments.delivery.process_batch``,
+``ROWS_PER_TRANSACTION`` at a time by ``payments.callback_processing.process_batch``,
 as the consumer processes its micro-batches: the common chunk set-wise (a
 few multi-row statements and one COMMIT for all its rows), any chunk with
 something unusual in it row by row, a savepoint each, with retries and
@@ -20,19 +20,14 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta
-
-from sqlalchemy import Engine, select
 
 from compensator.ratelimit import RateLimiter
+from payments.callback_processing import claim_retries, process_batch
 from payments.callbacks import CallbackResult
-from payments.db import claim_rows, is_sqlite, utcnow
-from payments.delivery import process_batch
+from payments.db import is_sqlite, utcnow
 from payments.hints import HintLimits
 from payments.runtime import Runtime
-from payments.schema import payment_callback_log
 from payments.settings import Settings
-from payments.states import CALLBACK_RETRYABLE
 
 log = logging.getLogger("paysync.compensator.callbacks")
 
@@ -49,23 +44,6 @@ def lease_seconds(settings: Settings) -> float:
     return max(
         settings.compensator_lease_seconds, 2 * settings.compensator_batch_size / settings.compensator_rate_limit
     )
-
-
-def claim_batch(engine: Engine, now: datetime, grace_seconds: float, batch_size: int, lease: float) -> list[int]:
-    """Claim up to ``batch_size`` due rows, leased for ``lease`` seconds; return their ids, oldest first."""
-    t = payment_callback_log
-    query = (
-        select(t.c.id)
-        .where(
-            t.c.status.in_(CALLBACK_RETRYABLE),
-            t.c.next_retry_at <= now,
-            t.c.create_time <= now - timedelta(seconds=grace_seconds),
-        )
-        .order_by(t.c.id)
-        .limit(batch_size)
-    )
-    rows = claim_rows(engine, query, t, t.c.next_retry_at, now + timedelta(seconds=lease))
-    return [r.id for r in rows]
 
 
 def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
@@ -88,7 +66,7 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
 
     try:
         while time.monotonic() - started < budget:
-            ids = claim_batch(
+            ids = claim_retries(
                 runtime.engine,
                 utcnow(),
                 settings.effective_grace_seconds,

@@ -3,7 +3,7 @@
 Takes payments that are Unknown, or Pending past QUERY_PENDING_AFTER_SECONDS,
 whose ``next_query_at`` is due; claims them with ``FOR UPDATE SKIP LOCKED``
 and a lease, and queries each by our business number
-(``payments.query.query_payment``). Found → applied through the state
+(``payments.outbound_protocol.query_payment``). Found → applied through the state
 machine. Not found → sent again with the same idempotency key, if the
 provider's capabilities make that safe. Still unresolved at the payment's
 deadline → manual review and an alert. Backoff between queries is exponential
@@ -11,7 +11,7 @@ with jitter (QUERY_BASE_SECONDS … QUERY_MAX_SECONDS). While a provider's
 circuit breaker is open, each run may still send BREAKER_QUERY_BUDGET queries
 to it; their answers are the probes that close it. Refunds (Unknown, or
 Pending past the same setting) are claimed once no payment is left due, and
-queried by our refund number (``payments.query.query_refund``).
+queried by our refund number (``payments.outbound_protocol.query_refund``).
 """
 
 from __future__ import annotations
@@ -19,50 +19,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from datetime import datetime, timedelta
-
-from sqlalchemy import Engine, select
+from datetime import datetime
 
 from compensator.relay_outbox import throttle
 from compensator.workpool import drain
 from payments import breaker
-from payments.calls import Context, Result
-from payments.db import claim_rows, utcnow
-from payments.query import due_for_query, due_refunds_for_query, query_payment, query_refund
+from payments.db import utcnow
+from payments.outbound_protocol import Context, Result, claim_queries, query_payment, query_refund
 from payments.runtime import Runtime
-from payments.schema import payment, refund
 from payments.states import BreakerState
 
 log = logging.getLogger("paysync.compensator.query")
-
-
-def claim_batch(
-    engine: Engine, now: datetime, limit: int, lease_seconds: float, pending_after_seconds: float
-) -> list[tuple[str, str, datetime, str]]:
-    """Claim up to ``limit`` payments (then refunds) due for a query; return (number, provider, lease token, kind).
-
-    The lease token is the ``next_query_at`` the claim wrote: the query goes
-    out only while the payment (or refund) still carries it (``payments.query``).
-    """
-    query = (
-        select(payment.c.id, payment.c.payment_id, payment.c.provider)
-        .where(due_for_query(now, pending_after_seconds))
-        .order_by(payment.c.next_query_at, payment.c.id)
-        .limit(limit)
-    )
-    lease_until = now + timedelta(seconds=lease_seconds)
-    rows = claim_rows(engine, query, payment, payment.c.next_query_at, lease_until)
-    claimed = [(r.payment_id, r.provider, lease_until, "payment") for r in rows]
-    if len(claimed) < limit:
-        query = (
-            select(refund.c.id, refund.c.refund_id, refund.c.provider)
-            .where(due_refunds_for_query(now, pending_after_seconds))
-            .order_by(refund.c.next_query_at, refund.c.id)
-            .limit(limit - len(claimed))
-        )
-        rows = claim_rows(engine, query, refund, refund.c.next_query_at, lease_until)
-        claimed += [(r.refund_id, r.provider, lease_until, "refund") for r in rows]
-    return claimed
 
 
 def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
@@ -85,7 +52,7 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
         return query(ctx, number, provider, lease_until, budget_ok=budget_ok)
 
     results = drain(
-        lambda n: claim_batch(runtime.engine, utcnow(), n, lease, settings.query_pending_after_seconds),
+        lambda n: claim_queries(runtime.engine, utcnow(), n, lease, settings.query_pending_after_seconds),
         work,
         concurrency=settings.relay_concurrency,
         max_seconds=settings.relay_max_seconds if max_seconds is None else max_seconds,

@@ -6,7 +6,7 @@ provider call (``Settings.call_lease_seconds``), in one short transaction, so
 any number of compensators share the queue; a row whose worker dies comes
 back when the lease runs out and is sent again with the same idempotency key.
 The lease is also the worker's token: a worker that finds another's token on
-the row when it prepares the call sends nothing. Each row is handled by ``payments.relay.relay_charge``
+the row when it prepares the call sends nothing. Each row is handled by ``payments.outbound_protocol.relay_charge``
 or ``relay_refund``, by its event type (prepare, call, apply: see there). Up to RELAY_CONCURRENCY calls are in flight
 at once (256: a slot is a thread asleep on its socket, so calls hanging until
 PROVIDER_TIMEOUT_SECONDS hold cheap slots, not the queue), at most
@@ -27,28 +27,22 @@ latency low. Claims are batched (``workpool.drain``).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from datetime import datetime, timedelta
-
-from sqlalchemy import Engine, select
+from datetime import datetime
 
 from compensator.ratelimit import RateLimiter
 from compensator.workpool import drain
-from payments.calls import Context, Result
 from payments.charges import CHARGE_REQUESTED
-from payments.db import claim_rows, utcnow
+from payments.db import utcnow
 from payments.group_commit import GroupCommit
+from payments.outbound_protocol import Context, Result, claim_sends, relay_charge, relay_refund
 from payments.providers.base import QueryOutcome
 from payments.refunds import REFUND_REQUESTED
-from payments.relay import relay_charge, relay_refund
 from payments.relay_batch import PreparedCharge, apply_charges, prepare_charges, send_prepared
 from payments.runtime import Runtime
-from payments.schema import outbox as outbox_table
-from payments.states import OutboxStatus
 
 log = logging.getLogger("paysync.compensator.relay")
 
@@ -87,27 +81,7 @@ def throttle(provider: str, rate: float) -> None:
 
 
 RELAYS = {CHARGE_REQUESTED: relay_charge, REFUND_REQUESTED: relay_refund}
-"""The outbox commands this job sends, and what sends each."""
-
-
-def claim_batch(
-    engine: Engine, now: datetime, limit: int, lease_seconds: float
-) -> list[tuple[int, str, datetime, str]]:
-    """Claim up to ``limit`` due command rows; return (outbox id, provider name, lease token, event type) tuples.
-
-    The lease token is the ``next_attempt_at`` the claim wrote: the relay
-    sends only while the row still carries it (``payments.relay``).
-    """
-    t = outbox_table
-    query = (
-        select(t.c.id, t.c.payload, t.c.event_type)
-        .where(t.c.status == OutboxStatus.PENDING, t.c.next_attempt_at <= now, t.c.event_type.in_(sorted(RELAYS)))
-        .order_by(t.c.next_attempt_at, t.c.id)
-        .limit(limit)
-    )
-    lease_until = now + timedelta(seconds=lease_seconds)
-    rows = claim_rows(engine, query, t, t.c.next_attempt_at, lease_until)
-    return [(r.id, json.loads(r.payload).get("provider", ""), lease_until, r.event_type) for r in rows]
+"""The outbox commands this job sends (``outbound_protocol.SENDS``, claimed by ``claim_sends``), and what sends each."""
 
 
 POLL_SECONDS = 0.05
@@ -168,7 +142,7 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None, linger_secon
 
     def claim(n: int) -> list[PreparedCharge | tuple[int, str, datetime, str]]:
         with turns:
-            rows = claim_batch(runtime.engine, utcnow(), n, lease)
+            rows = claim_sends(runtime.engine, utcnow(), n, lease)
             charges = [(r[0], r[1], r[2]) for r in rows if r[3] == CHARGE_REQUESTED]
             prepared, others = prepare_charges(ctx, charges) if charges else ([], [])
         rest = set(others)

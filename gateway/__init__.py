@@ -3,7 +3,8 @@
 ``create_app`` builds the process's runtime the way the consumer and the
 compensator do (``payments.runtime``: engine, adapters, retry policy,
 failpoints armed), plus the gateway's own pieces: the callback publisher
-(``broker.publisher``) and, with CALLBACK_PROCESS_INLINE, the inline processor.
+(``broker.publisher``), with CALLBACK_PROCESS_INLINE the inline processor, and the
+pool that sends POST /payments's inline charges (``payments.send_pool``; ``shutdown`` stops it).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def create_app(
     from gateway.inline import InlineProcessor
     from payments.delivery import encode_batch, max_message_bytes
     from payments.metrics import publish_failed  # not `metrics`: gateway.metrics (the blueprint) takes that name
+    from payments.send_pool import SendPool
 
     if runtime is None:
         runtime = build_runtime(settings or load_settings(), engine)
@@ -73,6 +75,8 @@ def create_app(
             batch_bytes=max_message_bytes(settings.callback_max_body_bytes) - PACKING_BYTES,
         ),
         "inline": InlineProcessor(runtime) if settings.process_inline else None,
+        # POST /payments's inline charges: one bounded pool per process, never a thread per request (send_pool).
+        "send_pool": SendPool(settings.web_threads, settings.web_threads, name="charge-inline"),
         "limits": CallbackLimits.from_settings(settings),
     }
 
@@ -106,6 +110,11 @@ def create_app(
         return error_response("internal_error", "internal error", 500)
 
     return app
+
+
+def shutdown(app: Flask) -> None:
+    """Stop the process's own workers: the inline charges' pool lets its running sends finish (at worker_exit)."""
+    app.extensions["paysync"]["send_pool"].shutdown()
 
 
 def _request_ids(app: Flask) -> None:

@@ -1,6 +1,7 @@
-"""``POST /callbacks/<provider>``: store first, verify second, publish third, acknowledge last.
+"""``POST /callbacks/<provider>``: HTTP framing around one call into the core (``payments.callback_intake``).
 
-Before any of it, the source: a client past its per-source rate (``payments.ratelimit``) is
+The core stores first, verifies second, publishes third and acknowledges
+last. Before any of it, here, the source: a client past its per-source rate (``payments.ratelimit``) is
 answered 429 with nothing read or stored, and one outside the provider's allow-list is stored
 small (headers and the first REFUSED_BODY_BYTES) and refused.
 
@@ -26,19 +27,15 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from flask import Blueprint, Response, current_app, g, request
-from sqlalchemy.exc import SQLAlchemyError
 from werkzeug.datastructures import EnvironHeaders
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 from werkzeug.wsgi import get_content_length
 
 from gateway import error_body, http_error
-from payments import failpoints, metrics
-from payments.callbacks import hint_rejected, reject_callback, store_callback, verify_callback
-from payments.db import utcnow
-from payments.delivery import encode_message
-from payments.errors import BodyTooLarge, CallbackRejected, EventIgnored, SourceNotAllowed
-from payments.hints import HintLimits
+from payments import metrics
+from payments.callback_intake import Incoming, Refusal, receive_callback
+from payments.errors import SourceNotAllowed
 from payments.logs import REQUEST_ID, new_request_id, sane_request_id
 from payments.ratelimit import SourceLimiter
 from payments.settings import PROVIDERS, env_name, source_cidrs
@@ -83,106 +80,44 @@ def error_answer(code: str, message: str, status: int, headers: Mapping[str, str
 def receive_delivery(
     paysync: Mapping[str, Any], provider_name: str, environ: Mapping[str, Any], request_id: str | None
 ) -> Answer:
-    """Receive one provider notification (see docs/design.md section 1 for the order of work).
+    """Receive one provider notification: HTTP framing around ``payments.callback_intake.receive_callback``
+    (docs/design.md section 1 has the order of work).
 
     ``paysync`` is what ``create_app`` put in ``app.extensions["paysync"]``.
     Raises ClientDisconnected for a request cut short (nothing is stored).
     """
-    providers, settings, engine = paysync["providers"], paysync["settings"], paysync["engine"]
-    provider = providers.get(provider_name)
+    settings = paysync["settings"]
+    provider = paysync["providers"].get(provider_name)
     if provider is None:
         return error_answer("unknown_provider", f"no provider named {provider_name[:32]!r}", 404)
     request_headers = EnvironHeaders(environ)
     headers = {name: request_headers[name] for name in provider.callback_headers if name in request_headers}
     remote_addr, refused = _source(settings, provider_name, environ.get("REMOTE_ADDR"), request_headers)
-
-    # 0. A source past its rate is answered before its body is read: nothing stored, nothing acknowledged, so a
-    #    provider retries it later; a flood costs neither a row nor a body's worth of reading.
-    limits: CallbackLimits = paysync["limits"]
-    held = None if limits.every.allow(remote_addr) else limits.every
-    if held is None and refused is not None and not limits.refused.allow(remote_addr):
-        held = limits.refused
+    held = _held(paysync["limits"], remote_addr, refused)
     if held is not None:
+        # A source past its rate is answered before its body is read: nothing stored, nothing acknowledged, so a
+        # provider retries it later; a flood costs neither a row nor a body's worth of reading.
         metrics.callback_refused(provider_name, "rate_limited")
         retry = {"Retry-After": str(held.retry_after())}
         return error_answer("rate_limited", "too many callbacks from this source; retry later", 429, retry)
     # One from elsewhere is evidence, not a delivery: its headers and its first bytes are enough to tell what it was.
     limit = settings.refused_body_bytes if refused is not None else settings.callback_max_body_bytes
     body, too_large = _read_body(environ, limit)
-
-    # 1. The raw delivery is committed before anything else may fail (one from elsewhere: committed as refused).
-    received_at = utcnow()
-    reason = None
-    if refused is not None:
-        reason = f"{refused.code}: {refused}" + (f"; body cut to its first {limit} bytes" if too_large else "")
-        metrics.callback_refused(provider_name, refused.code)
-    try:
-        log_id = store_callback(
-            engine,
-            provider=provider_name,
-            body=body,
-            headers=headers,
-            remote_addr=remote_addr,
-            index={} if too_large else provider.peek_callback(body),
-            now=received_at,
-            rejected=reason,
-            request_id=request_id,
-        )
-    except SQLAlchemyError as exc:
-        log.error("callback not stored, answering 503: %s", type(exc).__name__)
-        return error_answer("storage_unavailable", "callback not stored; retry later", 503, {"Retry-After": "5"})
-    failpoints.hit("gateway.after_store")
-
-    if refused is not None:
-        log.info("callback %s refused: %s", log_id, refused.code)
-        _hint_quietly(engine, providers, log_id, HintLimits.from_settings(settings))
-        answer = provider.reject(refused)
-        return _in_dialect(answer)
-
-    # 2. Verify. A rejected row stays for audit (status 3); the payment it names may be queried (a hint).
-    try:
-        if too_large:
-            raise BodyTooLarge(f"body over {len(body)} bytes (CALLBACK_MAX_BODY_BYTES): only the first were kept")
-        verify_callback(provider, body, headers, now=time.time())
-    except CallbackRejected as exc:
-        log.info("callback %s rejected: %s", log_id, exc.code)
-        try:
-            hints = HintLimits.from_settings(settings)
-            reject_callback(engine, log_id, f"{exc.code}: {exc}", providers=providers, hints=hints)
-        except SQLAlchemyError:
-            # The row stays status 0; the sweep re-verifies it and rejects it then.
-            log.warning("callback %s rejected but not marked; the sweep will", log_id)
-        if too_large:  # our JSON error, not the provider's dialect: no provider sends such a body
-            return error_answer(exc.code, str(exc), 413)
-        answer = provider.reject(exc)
-        return _in_dialect(answer)
-    except EventIgnored:
-        pass  # genuine but not ours to apply: acknowledged, and processing records it as ignored
-
-    # 3. The delivery itself to the broker: the consumer's fast path, and a copy that outlives a lost row.
-    publisher = paysync["publisher"]
-    if publisher.enabled:
-        message = encode_message(
-            log_id,
-            provider_name,
-            received_at,
-            body,
-            headers,
-            remote_addr,
-            request_id,
-            key=settings.broker_message_secret[0],
-        )
-        if not publisher.publish(log_id, message):
-            metrics.publish_failed("dropped")
-
-    # 3b. Processed here, within the budget; whatever happens, the row is already safe.
-    inline = paysync["inline"]
-    if inline is not None:
-        inline.process(log_id)
-
-    # 4. Acknowledge in the provider's dialect.
-    answer = provider.ack()
+    incoming = Incoming(provider_name, body, headers, remote_addr, refused, too_large, limit, request_id)
+    engine, providers = paysync["engine"], paysync["providers"]
+    answer = receive_callback(engine, providers, settings, provider, incoming, paysync["publisher"], paysync["inline"])
+    if isinstance(answer, Refusal):
+        return Answer(answer.status, error_body(answer.code, answer.message), "application/json", answer.headers)
     return _in_dialect(answer)
+
+
+def _held(limits: CallbackLimits, remote_addr: str | None, refused: SourceNotAllowed | None) -> SourceLimiter | None:
+    """The per-source limit a client is past (every callback's, or the refused ones'), or None."""
+    if not limits.every.allow(remote_addr):
+        return limits.every
+    if refused is not None and not limits.refused.allow(remote_addr):
+        return limits.refused
+    return None
 
 
 def _in_dialect(answer: Any) -> Answer:
@@ -277,14 +212,6 @@ def _source(
     if source_allowed(client, source_cidrs(settings, provider_name)):
         return client, None
     return client, SourceNotAllowed(f"source {client!s:.64} is outside {env_name(spec.sources)}")
-
-
-def _hint_quietly(engine: Any, providers: Mapping[str, Any], log_id: int, hints: HintLimits) -> None:
-    """The hint of a refused delivery; it is only a hint, so a database error loses nothing that matters."""
-    try:
-        hint_rejected(engine, providers, log_id, hints)
-    except SQLAlchemyError:
-        log.warning("callback %s refused; its hint was not recorded", log_id)
 
 
 def _read_body(environ: Mapping[str, Any], limit: int) -> tuple[bytes, bool]:

@@ -102,6 +102,17 @@ def post_worker_init(_worker) -> None:  # noqa: ANN001 - gunicorn's hook signatu
     scrub_every_handler()
 
 
+def worker_exit(_server, _worker) -> None:  # noqa: ANN001 - gunicorn's hook signature
+    """A worker is stopping: its inline-charge pool finishes the sends it runs, then stops (``gateway.shutdown``)."""
+    import sys
+
+    wsgi = sys.modules.get("gateway.wsgi")  # only a worker that loaded the app has a pool to stop
+    if wsgi is not None:
+        from gateway import shutdown
+
+        shutdown(wsgi.app)
+
+
 def child_exit(_server, worker) -> None:  # noqa: ANN001 - gunicorn's hook signature
     """A worker is gone: its live-gauge files no longer count (its counters and histograms still do)."""
     from prometheus_client import multiprocess

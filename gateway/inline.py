@@ -16,7 +16,7 @@ behind them.
 
 Callbacks that arrive while another is being processed are processed
 together, in one transaction (``payments.group_commit`` with
-``delivery.process_batch``, as the consumer processes a batch of messages:
+``callback_processing.process_batch``, as the consumer processes a batch of messages:
 set-wise when they are the usual reports, a savepoint each otherwise), each
 with exactly the effects it would get alone.
 """
@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from payments.callback_processing import process_batch
 from payments.callbacks import CallbackResult
-from payments.delivery import process_batch
 from payments.group_commit import GroupCommit
 from payments.hints import HintLimits
 from payments.runtime import Runtime

@@ -14,11 +14,11 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from gateway import error_response, ext
 from gateway.auth import bearer_ok
-from payments.calls import Context
 from payments.charges import InvalidRequest, check_key, create_payment, get_payment, parse_create
 from payments.idempotency import Answer
+from payments.outbound_protocol import Context
 from payments.refunds import create_refund, get_refund, parse_refund
-from payments.relay import relay_charge_inline
+from payments.send_pool import relay_charge_inline
 
 bp = Blueprint("payments_api", __name__)
 log = logging.getLogger("paysync.gateway.payments")
@@ -105,7 +105,8 @@ def _send_now(provider: str) -> Callable[[str], bool] | None:
     def throttle(name: str) -> bool:
         return _calls.take(name, settings.provider_rate_limit)
 
-    return lambda event_id: relay_charge_inline(ctx, event_id, provider, budget, throttle)
+    pool = ext("send_pool")
+    return lambda event_id: relay_charge_inline(ctx, pool, event_id, provider, budget, throttle)
 
 
 def _body(limit: int) -> bytes:

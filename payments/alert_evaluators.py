@@ -328,14 +328,15 @@ EVALUATORS: dict[str, Evaluator] = {
 
 EVALUATED_ELSEWHERE: dict[str, str] = {
     "callback_gave_up": "payments/callbacks.py (review.escalate), one per callback that exhausted its retries",
-    "conflicting_report": "payments/callbacks.py and payments/calls.py (review.escalate), one per subject",
-    "unresolved_payment": "payments/relay.py and payments/query.py (review.escalate), one per payment at its deadline",
-    "unresolved_refund": "payments/relay.py and payments/query.py (review.escalate), one per refund at its deadline",
-    "unresolved_not_resendable": "payments/calls.py (review.escalate), one per payment that may be neither "
+    "conflicting_report": "payments/callbacks.py and payments/outbound_protocol.py (review.escalate), one per subject",
+    "unresolved_payment": "payments/outbound_protocol.py (review.escalate), one per payment at its deadline",
+    "unresolved_refund": "payments/outbound_protocol.py (review.escalate), one per refund at its deadline",
+    "unresolved_not_resendable": "payments/outbound_protocol.py (review.escalate), one per payment that may be neither "
     "re-sent nor queried",
-    "provider_answer_needs_review": "payments/calls.py (review.escalate), one per payment whose provider answer "
-    "needs a person",
-    "unknown_provider": "payments/relay.py (review.escalate), one per payment whose provider has no adapter",
+    "provider_answer_needs_review": "payments/outbound_protocol.py (review.escalate), one per payment whose provider "
+    "answer needs a person",
+    "unknown_provider": "payments/outbound_protocol.py (review.escalate), one per payment whose provider has no "
+    "adapter",
     "event_delivery_gave_up": "payments/events.py (review.escalate), one per event and destination that gave up",
     "event_delivery_failing": "payments/events.py (publish_events), while a destination keeps failing",
     "alert_channel_failing": "compensator/notify_alerts.py, when a notification gives up on a channel",

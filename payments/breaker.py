@@ -185,6 +185,29 @@ def record(
         _record(engine, provider, healthy=healthy, probe=probe, snapshot=snapshot, settings=settings, now=now)
 
 
+def record_call(
+    engine: Engine,
+    provider: str,
+    gate: Gate,
+    *,
+    healthy: bool,
+    settings: Settings,
+    now: datetime,
+    turn: Turn = nullcontext,
+) -> None:
+    """Count the result of a call ``gate`` let through (``record``, with the gate's probe and snapshot)."""
+    record(
+        engine,
+        provider,
+        healthy=healthy,
+        probe=gate.probe,
+        snapshot=gate.snapshot,
+        settings=settings,
+        now=now,
+        turn=turn,
+    )
+
+
 def _record(
     engine: Engine, provider: str, *, healthy: bool, probe: bool, snapshot: Snapshot, settings: Settings, now: datetime
 ) -> None:

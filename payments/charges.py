@@ -172,7 +172,7 @@ def create_payment(
 
     ``send_now``, for a provider the payer pays by scanning a QR code, sends
     the committed ChargeRequested row (by event id) at once and says whether
-    that finished in time (``payments.relay.relay_charge_inline``): if it did
+    that finished in time (``payments.send_pool.relay_charge_inline``): if it did
     and the payment is Pending with a QR code, that is the answer.
     """
     now = now or utcnow()
@@ -199,20 +199,7 @@ def create_payment(
         return idempotency.Stored(201, text, payment_id)
 
     def then(created: idempotency.Stored) -> idempotency.Stored:
-        try:
-            if send_now is None or not send_now(event_id):
-                return created  # over the budget: the charge goes on, and the relay finishes what is left
-            with engine.connect() as conn:
-                row = conn.execute(
-                    select(payment.c.status, payment.c.qr_code).where(payment.c.payment_id == payment_id)
-                ).first()
-        except Exception:  # noqa: BLE001 - the payment is committed; the answer is the one it had without this
-            log.warning("inline charge not read back; answering Created", extra={"payment_id": payment_id})
-            return created
-        if row is None or row.status != PaymentStatus.PENDING or not row.qr_code:
-            return created
-        pending = {**body, "status": PaymentStatus.PENDING.value, "qr_code": row.qr_code}
-        return idempotency.Stored(201, json.dumps(pending, sort_keys=True), payment_id)
+        return _after_send(engine, send_now, event_id, body, created)
 
     answer = idempotency.run(
         engine,
@@ -227,6 +214,31 @@ def create_payment(
     if not answer.replayed:
         log.info("payment created", extra={"payment_id": payment_id, "provider": request.provider})
     return answer
+
+
+def _after_send(
+    engine: Engine,
+    send_now: Callable[[str], bool] | None,
+    event_id: str,
+    body: dict[str, Any],
+    created: idempotency.Stored,
+) -> idempotency.Stored:
+    """The answer once ChargeRequested ``event_id`` was sent at once: Pending with its QR code, or as created."""
+    payment_id = body["payment_id"]
+    try:
+        if send_now is None or not send_now(event_id):
+            return created  # over the budget: the charge goes on, and the relay finishes what is left
+        with engine.connect() as conn:
+            row = conn.execute(
+                select(payment.c.status, payment.c.qr_code).where(payment.c.payment_id == payment_id)
+            ).first()
+    except Exception:  # noqa: BLE001 - the payment is committed; the answer is the one it had without this
+        log.warning("inline charge not read back; answering Created", extra={"payment_id": payment_id})
+        return created
+    if row is None or row.status != PaymentStatus.PENDING or not row.qr_code:
+        return created
+    pending = {**body, "status": PaymentStatus.PENDING.value, "qr_code": row.qr_code}
+    return idempotency.Stored(201, json.dumps(pending, sort_keys=True), payment_id)
 
 
 _INSERT_PAYMENT = insert(payment)

@@ -11,16 +11,9 @@ truth; the message makes an acknowledged callback survive the database losing
 its last transactions (a failover to a replica that missed them, a restore
 from backup): docs/design.md invariant 12.
 
-``process_delivery`` is what the consumer does with one message:
-
-- the row ``log_id`` exists and holds this delivery (same body digest and
-  receipt time): process it, as before;
-- the row is missing, or holds another delivery (the AUTO_INCREMENT id was
-  handed out again after the loss): store the delivery again from the message
-  (``restore_callback``) and process that row. A redelivered message finds the
-  row it restored before (same provider, event id or receipt time, and digest)
-  instead of storing a second copy, and the inbox (``processed_event``) keeps
-  the business effect to one, whichever copy gets there first.
+What the consumer does with a message (process the row it names, restoring
+the row from the message when the database lost it) is
+``payments.callback_processing``.
 
 Several deliveries may share one message, ``{"deliveries": [<message>, ...]}``
 (``encode_batch``: the gateway's publisher packs what arrived within
@@ -44,15 +37,6 @@ processed by its id (a row is always verified again); one of the format
 before messages were signed, with no ``sig``, is dead-lettered like any
 unsigned message, and the sweep processes its row. One without
 ``request_id`` (or with one that is not sane) is read as having none.
-
-``process_batch`` does the same for several messages in ONE transaction and
-one COMMIT (and the consumer one multiple ack). The common batch, every
-message a fresh report that moves its payment on, is written set-wise
-(``callbacks.process_locked_batch``: a few multi-row statements whatever its
-size); any batch with something unusual in it (a rejected or duplicate
-event, a conflict, a missing payment, a failure) goes message by message
-instead, a savepoint each, so a message that fails rolls back only its own
-work.
 """
 
 from __future__ import annotations
@@ -62,37 +46,15 @@ import binascii
 import hashlib
 import hmac
 import json
-import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, insert, select
-
-from payments import metrics
-from payments.backoff import RetryPolicy
-from payments.callbacks import (
-    CallbackResult,
-    lock_rows,
-    process_callback,
-    process_locked,
-    process_locked_batch,
-    record_failure,
-)
-from payments.db import utcnow
-from payments.hints import HintLimits
-from payments.logs import REQUEST_ID, sane_request_id
-from payments.providers.base import Provider
-from payments.schema import SOURCE_WEBHOOK, payment_callback_log
-from payments.states import CallbackStatus
-
-log = logging.getLogger("paysync.delivery")
+from payments.logs import sane_request_id
 
 HEADERS_BUDGET_BYTES = 64 * 1024
 """Room a message allows for everything but the body (headers, provider, address, field names)."""
-RESTORE_CANDIDATES = 100
-"""Rows sharing the delivery's event id (or receipt time) compared against it when looking for an earlier copy."""
 
 
 class UnreadableMessage(ValueError):
@@ -298,204 +260,3 @@ def _delivery(doc: Any, max_body_bytes: int, keys: Sequence[str]) -> Delivery | 
     return Delivery(
         log_id, provider, received_at, body, headers, remote_addr, digest, sane_request_id(doc.get("request_id"))
     )
-
-
-def _earlier_copy(conn: Any, delivery: Delivery, event_id: str | None) -> int | None:
-    """The id of a row already holding exactly this delivery (restored by an earlier attempt), or None."""
-    t = payment_callback_log
-    if event_id:
-        where = (t.c.provider == delivery.provider, t.c.provider_event_id == event_id)
-    else:
-        where = (t.c.provider == delivery.provider, t.c.create_time == delivery.received_at)
-    rows = conn.execute(
-        select(t.c.id, t.c.create_time, t.c.callback_data).where(*where).order_by(t.c.id).limit(RESTORE_CANDIDATES)
-    )
-    for row in rows:
-        if row.create_time == delivery.received_at and body_digest(bytes(row.callback_data)) == delivery.body_sha256:
-            return row.id
-    return None
-
-
-def restore_callback(engine: Engine, providers: Mapping[str, Provider], delivery: Delivery) -> int:
-    """Store ``delivery`` again (status 0, its original receipt time) unless a row already holds it; return the id."""
-    provider = providers.get(delivery.provider)
-    index = provider.peek_callback(delivery.body) if provider is not None else {}
-    now = utcnow()
-    with engine.begin() as conn:
-        existing = _earlier_copy(conn, delivery, index.get("provider_event_id"))
-        if existing is not None:
-            return existing
-        result = conn.execute(
-            insert(payment_callback_log).values(
-                provider=delivery.provider,
-                callback_data=delivery.body,
-                headers=json.dumps(delivery.headers, sort_keys=True, ensure_ascii=False),
-                remote_addr=(delivery.remote_addr or "")[:64] or None,
-                source=SOURCE_WEBHOOK,  # only the gateway publishes messages: every one is a webhook delivery
-                order_no=index.get("order_no"),
-                payment_order_no=index.get("payment_order_no"),
-                provider_event_id=index.get("provider_event_id"),
-                event_type=index.get("event_type"),
-                status=CallbackStatus.PENDING,
-                result=f"restored from the broker's copy of callback {delivery.log_id}",
-                retry_count=0,
-                next_retry_at=now,
-                create_time=delivery.received_at,
-                update_time=now,
-                request_id=delivery.request_id,
-            )
-        )
-        log_id = int(result.inserted_primary_key[0])
-    log.warning(
-        "callback %s was not in the database: restored from its message as callback %s",
-        delivery.log_id,
-        log_id,
-        extra={"provider": delivery.provider, "provider_event_id": index.get("provider_event_id")},
-    )
-    return log_id
-
-
-def process_delivery(
-    engine: Engine,
-    providers: dict[str, Provider],
-    delivery: Delivery,
-    policy: RetryPolicy,
-    hints: HintLimits | None = None,
-) -> tuple[int, CallbackResult]:
-    """Process the row holding ``delivery``, restoring it first if the database lost it; return (row id, outcome)."""
-    expect = (delivery.body_sha256, delivery.received_at)
-    outcome = process_callback(engine, providers, delivery.log_id, policy, expect=expect, hints=hints)
-    if outcome is not CallbackResult.MISSING:
-        return delivery.log_id, outcome
-    log_id = restore_callback(engine, providers, delivery)
-    return log_id, process_callback(engine, providers, log_id, policy, expect=expect, hints=hints)
-
-
-def process_batch(
-    engine: Engine,
-    providers: dict[str, Provider],
-    messages: list[Delivery | int],
-    policy: RetryPolicy,
-    stop: Callable[[], bool] | None = None,
-    hints: HintLimits | None = None,
-) -> list[tuple[int, CallbackResult | None]]:
-    """Process ``messages`` in one transaction, set-wise or a savepoint each; return (row id, outcome) per message.
-
-    Once ``stop()`` is true no further message is started: those not started
-    have the outcome None (hand them back), and the finished ones commit.
-
-    Each message gets exactly what ``process_delivery`` gives it: a failure
-    rolls back to its savepoint and is recorded (retry count, backoff) after
-    the batch committed, in its own transaction; a missing row is restored and
-    processed on its own. If the transaction itself is lost (a deadlock rolls
-    back all of it, the connection dies), every message is processed again
-    one by one. Raises only when even that cannot reach the database.
-    """
-    now = utcnow()
-    outcomes: list[CallbackResult | None] = [None] * len(messages)
-    failures: dict[int, Exception] = {}
-    try:
-        with engine.begin() as conn:
-            locked = lock_rows(conn, sorted({_target(m)[0] for m in messages}))
-            request_ids = {log_id: row.request_id for log_id, row in locked.items() if row.request_id}
-            # The whole batch at once when it is the common case; else a savepoint per message.
-            done = None if stop is not None and stop() else _set_wise(conn, providers, messages, now, locked)
-            if done is not None:
-                outcomes = done
-            else:
-                _message_by_message(conn, providers, messages, now, locked, hints, stop, outcomes, failures)
-    except Exception as exc:  # noqa: BLE001 - the batch as a whole is gone: nothing of it committed
-        log.info("batch of %s rolled back (%s); processing its messages one by one", len(messages), type(exc).__name__)
-        return [_one(engine, providers, message, policy, hints) for message in messages]
-    results = []
-    for i, message in enumerate(messages):
-        log_id, _ = _target(message)
-        outcome = outcomes[i]
-        if outcome is None and i not in failures:
-            pass  # not started (stop): handed back
-        elif i in failures:
-            # Its lines name the gateway request that stored the row, as process_callback's do.
-            token = REQUEST_ID.set(request_ids.get(log_id, REQUEST_ID.get()))
-            try:
-                outcome = record_failure(engine, log_id, failures[i], policy, now)
-            finally:
-                REQUEST_ID.reset(token)
-            metrics.callback_processed(outcome)
-        elif outcome is CallbackResult.MISSING and isinstance(message, Delivery):
-            log_id, outcome = process_delivery(engine, providers, message, policy, hints)  # counted by process_callback
-        else:
-            metrics.callback_processed(outcome)
-        results.append((log_id, outcome))
-    return results
-
-
-def _message_by_message(
-    conn: Any,
-    providers: dict[str, Provider],
-    messages: list[Delivery | int],
-    now: datetime,
-    locked: Mapping[int, Any],
-    hints: HintLimits | None,
-    stop: Callable[[], bool] | None,
-    outcomes: list[CallbackResult | None],
-    failures: dict[int, Exception],
-) -> None:
-    """``process_locked`` for each message under its own savepoint; fills ``outcomes`` and ``failures``."""
-    seen: set[tuple[int, tuple[str, datetime] | None]] = set()
-    for i, message in enumerate(messages):
-        if i and stop is not None and stop():
-            break
-        log_id, expect = _target(message)
-        if (log_id, expect) in seen:
-            # A redelivery in the same batch: the row was read once, before the first copy changed it.
-            # (Another delivery naming the same id, after a loss, is compared with the row as usual.)
-            outcomes[i] = CallbackResult.SKIPPED
-            continue
-        seen.add((log_id, expect))
-        # One name, set again for each message (MySQL and SQLite both allow it) and never released:
-        # COMMIT releases them all, and a RELEASE per message would be one more round trip.
-        conn.exec_driver_sql("SAVEPOINT paysync_message")
-        # process_locked binds the row's request id for its log lines; each message gets its own.
-        token = REQUEST_ID.set(REQUEST_ID.get())
-        try:
-            outcomes[i] = process_locked(conn, providers, log_id, now, expect, hints, locked=locked)
-        except Exception as exc:  # noqa: BLE001 - recorded on the row by process_batch, as process_callback does
-            # Raises if the server already rolled everything back (a deadlock): the batch is redone.
-            conn.exec_driver_sql("ROLLBACK TO SAVEPOINT paysync_message")
-            failures[i] = exc
-        finally:
-            REQUEST_ID.reset(token)
-
-
-def _set_wise(
-    conn: Any, providers: dict[str, Provider], messages: list[Delivery | int], now: datetime, locked: Mapping[int, Any]
-) -> list[CallbackResult | None] | None:
-    """Every message's outcome from ``process_locked_batch``, or None: the batch goes message by message."""
-    firsts: dict[tuple[int, tuple[str, datetime] | None], int] = {}
-    for i, message in enumerate(messages):
-        firsts.setdefault(_target(message), i)
-    done = process_locked_batch(conn, providers, list(firsts), now, locked)
-    if done is None:
-        return None
-    outcomes: list[CallbackResult | None] = [CallbackResult.SKIPPED] * len(messages)  # redeliveries in the batch
-    for i, outcome in zip(firsts.values(), done, strict=True):
-        outcomes[i] = outcome
-    return outcomes
-
-
-def _target(message: Delivery | int) -> tuple[int, tuple[str, datetime] | None]:
-    if isinstance(message, int):
-        return message, None
-    return message.log_id, (message.body_sha256, message.received_at)
-
-
-def _one(
-    engine: Engine,
-    providers: dict[str, Provider],
-    message: Delivery | int,
-    policy: RetryPolicy,
-    hints: HintLimits | None = None,
-) -> tuple[int, CallbackResult]:
-    if isinstance(message, int):
-        return message, process_callback(engine, providers, message, policy, hints=hints)
-    return process_delivery(engine, providers, message, policy, hints)

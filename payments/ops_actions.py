@@ -58,10 +58,10 @@ from payments.callbacks import (
     record_attempts,
     refused_for_source,
 )
-from payments.calls import last_charge_send
 from payments.db import utcnow
 from payments.errors import PaysyncError
 from payments.logs import scrub, scrub_value
+from payments.outbound_protocol import last_charge_send
 from payments.providers.base import ChargeRequest, Mismatch, Provider, reported_status
 from payments.providers.stripe_money import iso_exponent
 from payments.retention import REFUSED_RESULT_PREFIX

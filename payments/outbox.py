@@ -2,7 +2,7 @@
 
 Two jobs claim due rows: ``relay_outbox`` takes the commands
 (``ChargeRequested`` and ``RefundRequested``, sent to the provider by
-``payments.relay``) and
+``payments.outbound_protocol``) and
 ``publish_events`` the domain events (``payments.events``). Each marks a row
 done in the same transaction as the effect of sending it, so a crash anywhere
 means the row is simply claimed again.

@@ -1,6 +1,6 @@
 """Charges relayed in groups: the usual first send prepared and applied set-wise, anything else one by one.
 
-``payments.relay.relay_charge`` sends one ChargeRequested row with a
+``payments.outbound_protocol.relay_charge`` sends one ChargeRequested row with a
 transaction of its own before the call (prepare) and one after it (apply):
 about fifteen statements and two COMMITs per payment. Under load nearly every
 row is the same simple case, so ``relay_outbox`` hands its claimed rows here:
@@ -8,7 +8,7 @@ row is the same simple case, so ``relay_outbox`` hands its claimed rows here:
 - ``prepare_charges``: in one transaction for the whole claim, the rows that
   are a first send of a Created payment (no earlier charge call, deadline not
   passed, adapter present, breaker closed, a provider that dedupes a re-send:
-  ``_plain_first_send``) get what ``relay.relay_charge``'s
+  ``_plain_first_send``) get what ``outbound_protocol.relay_charge``'s
   prepare gives them: the provider_call row, Created → Pending naming it, the
   lease renewed for the call and the attempt counted. A handful of statements
   whatever the count. Every other row is left to ``relay_charge``, which
@@ -34,22 +34,30 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import Connection, bindparam, select, update
 
 from payments import breaker, provider_calls
-from payments.calls import Context, Result, assess, count, lock_payment
 from payments.charges import CHARGE_REQUESTED
 from payments.db import utcnow
 from payments.group_commit import GroupCommit
+from payments.outbound_protocol import (
+    Context,
+    Result,
+    apply_call,
+    assess,
+    charge_params,
+    count,
+    lock_payment,
+    send_charge,
+)
 from payments.providers.base import Failed, Provider, QueryOutcome
-from payments.relay import apply_call, charge_params, send_charge
 from payments.schema import outbox, payment, provider_call
 from payments.states import TERMINAL, BreakerState, OutboxStatus, PaymentStatus, Verdict, decide
 from payments.transitions import PlannedChange, apply_planned, plan_decision
@@ -121,9 +129,32 @@ def prepare_charges(
     """Prepare the plain first sends among claimed (outbox id, provider, lease token) rows in one transaction.
 
     Returns the prepared charges and the outbox ids of the other rows, which
-    are still claimed (under their lease) and go to ``relay.relay_charge``.
+    are still claimed (under their lease) and go to ``outbound_protocol.relay_charge``.
     """
     now = utcnow()
+    gates = _closed_gates(ctx, claimed)
+    tokens = {outbox_id: lease for outbox_id, name, lease in claimed if name in gates}
+    everyone = [outbox_id for outbox_id, _, _ in claimed]
+    if not tokens:
+        return [], everyone
+    lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
+    names = {outbox_id: name for outbox_id, name, _ in claimed}
+    prepared: list[PreparedCharge] = []
+    try:
+        with ctx.engine.begin() as conn:
+            plain = _plain_rows(ctx, conn, tokens, names, now)
+            if not plain:
+                return [], everyone
+            prepared = _start_sends(ctx, conn, plain, gates, lease, now)
+    except Exception:  # noqa: BLE001 - nothing was written: every row goes the per-row way, which judges it afresh
+        log.warning("preparing %s charges together failed; each goes on its own", len(tokens), exc_info=True)
+        return [], everyone
+    done = {p.outbox_id for p in prepared}
+    return prepared, [outbox_id for outbox_id in everyone if outbox_id not in done]
+
+
+def _closed_gates(ctx: Context, claimed: Sequence[tuple[int, str, datetime]]) -> dict[str, breaker.Gate]:
+    """An ALLOW gate for each claimed row's provider whose breaker is closed (only those are sent together)."""
     gates: dict[str, breaker.Gate] = {}
     for name in {provider_name for _, provider_name, _ in claimed}:
         provider = ctx.providers.get(name)
@@ -131,64 +162,64 @@ def prepare_charges(
             snapshot = breaker.read(ctx.engine, name)
             if snapshot.state == BreakerState.CLOSED:
                 gates[name] = breaker.Gate(breaker.Admission.ALLOW, snapshot)
-    tokens = {outbox_id: lease for outbox_id, name, lease in claimed if name in gates}
-    if not tokens:
-        return [], [outbox_id for outbox_id, _, _ in claimed]
-    lease = now + timedelta(seconds=ctx.settings.call_lease_seconds)
-    names = {outbox_id: name for outbox_id, name, _ in claimed}
-    prepared: list[PreparedCharge] = []
-    try:
-        with ctx.engine.begin() as conn:
-            wanted: dict[int, str] = {}  # outbox id -> payment id
-            for row in conn.execute(_LOCK_OUTBOX_ROWS, {"ids": sorted(tokens)}):
-                if (
-                    row.status == OutboxStatus.PENDING
-                    and row.next_attempt_at == tokens[row.id]
-                    and row.event_type == CHARGE_REQUESTED
-                ):
-                    wanted[row.id] = json.loads(row.payload)["payment_id"]
-            payment_ids = sorted(set(wanted.values()))
-            if not payment_ids:
-                return [], [outbox_id for outbox_id, _, _ in claimed]
-            currents = {
-                p["payment_id"]: dict(p) for p in conn.execute(_LOCK_PAYMENTS, {"payment_ids": payment_ids}).mappings()
-            }
-            charged = set(conn.execute(_CHARGED_BEFORE, {"payment_ids": payment_ids}).scalars())
-            plain: list[tuple[int, dict[str, Any], Provider]] = []
-            for outbox_id, payment_id in wanted.items():
-                current = currents.get(payment_id)
-                provider = ctx.providers[names[outbox_id]]
-                if _plain_first_send(current, provider, now) and payment_id not in charged:
-                    charged.add(payment_id)  # a second row for the same payment goes one by one
-                    plain.append((outbox_id, current, provider))  # type: ignore[arg-type]
-            if not plain:
-                return [], [outbox_id for outbox_id, _, _ in claimed]
-            call_ids = provider_calls.start_first_charges(
-                conn,
-                [(c["payment_id"], provider.name, c["idempotency_key"], charge_params(c)) for _, c, provider in plain],
-                now,
-            )
-            pending = decide(PaymentStatus.CREATED, PaymentStatus.PENDING)
-            apply_planned(
-                conn,
-                [
-                    plan_decision("payment", c, pending, source=f"call:{call_ids[c['payment_id']]}", now=now)
-                    for _, c, _ in plain
-                ],
-                now,
-            )
-            conn.execute(
-                _LEASE_FOR_CALLS, {"ids": [outbox_id for outbox_id, _, _ in plain], "p_lease": lease, "p_now": now}
-            )
-            prepared = [
-                PreparedCharge(outbox_id, call_ids[c["payment_id"]], c, provider, gates[provider.name], lease)
-                for outbox_id, c, provider in plain
-            ]
-    except Exception:  # noqa: BLE001 - nothing was written: every row goes the per-row way, which judges it afresh
-        log.warning("preparing %s charges together failed; each goes on its own", len(tokens), exc_info=True)
-        return [], [outbox_id for outbox_id, _, _ in claimed]
-    done = {p.outbox_id for p in prepared}
-    return prepared, [outbox_id for outbox_id, _, _ in claimed if outbox_id not in done]
+    return gates
+
+
+def _plain_rows(
+    ctx: Context, conn: Connection, tokens: Mapping[int, datetime], names: Mapping[int, str], now: datetime
+) -> list[tuple[int, dict[str, Any], Provider]]:
+    """Lock the rows still ours and their payments; the (outbox id, payment, adapter) of each plain first send."""
+    wanted: dict[int, str] = {}  # outbox id -> payment id
+    for row in conn.execute(_LOCK_OUTBOX_ROWS, {"ids": sorted(tokens)}):
+        if (
+            row.status == OutboxStatus.PENDING
+            and row.next_attempt_at == tokens[row.id]
+            and row.event_type == CHARGE_REQUESTED
+        ):
+            wanted[row.id] = json.loads(row.payload)["payment_id"]
+    payment_ids = sorted(set(wanted.values()))
+    if not payment_ids:
+        return []
+    currents = {p["payment_id"]: dict(p) for p in conn.execute(_LOCK_PAYMENTS, {"payment_ids": payment_ids}).mappings()}
+    charged = set(conn.execute(_CHARGED_BEFORE, {"payment_ids": payment_ids}).scalars())
+    plain: list[tuple[int, dict[str, Any], Provider]] = []
+    for outbox_id, payment_id in wanted.items():
+        current = currents.get(payment_id)
+        provider = ctx.providers[names[outbox_id]]
+        if _plain_first_send(current, provider, now) and payment_id not in charged:
+            charged.add(payment_id)  # a second row for the same payment goes one by one
+            plain.append((outbox_id, current, provider))  # type: ignore[arg-type]
+    return plain
+
+
+def _start_sends(
+    ctx: Context,
+    conn: Connection,
+    plain: list[tuple[int, dict[str, Any], Provider]],
+    gates: Mapping[str, breaker.Gate],
+    lease: datetime,
+    now: datetime,
+) -> list[PreparedCharge]:
+    """Record the plain sends' calls, move their payments Created -> Pending and lease their rows for the call."""
+    call_ids = provider_calls.start_first_charges(
+        conn,
+        [(c["payment_id"], provider.name, c["idempotency_key"], charge_params(c)) for _, c, provider in plain],
+        now,
+    )
+    pending = decide(PaymentStatus.CREATED, PaymentStatus.PENDING)
+    apply_planned(
+        conn,
+        [
+            plan_decision("payment", c, pending, source=f"call:{call_ids[c['payment_id']]}", now=now)
+            for _, c, _ in plain
+        ],
+        now,
+    )
+    conn.execute(_LEASE_FOR_CALLS, {"ids": [outbox_id for outbox_id, _, _ in plain], "p_lease": lease, "p_now": now})
+    return [
+        PreparedCharge(outbox_id, call_ids[c["payment_id"]], c, provider, gates[provider.name], lease)
+        for outbox_id, c, provider in plain
+    ]
 
 
 def _plain_first_send(current: dict[str, Any] | None, provider: Provider, now: datetime) -> bool:
@@ -312,7 +343,7 @@ def apply_charges(ctx: Context, finished: Sequence[tuple[PreparedCharge, QueryOu
 def _plain_apply(
     ctx: Context, charge: PreparedCharge, outcome: QueryOutcome, current: dict[str, Any] | None, now: datetime
 ) -> tuple[Result | None, PlannedChange | None]:
-    """What ``calls.apply_outcome`` would do, when it is plain: (APPLIED, plan) or (UNCHANGED, None).
+    """What ``outbound_protocol.apply_outcome`` would do, when it is plain: (APPLIED, plan) or (UNCHANGED, None).
 
     (None, None) when it is not: the per-row apply takes it.
     """

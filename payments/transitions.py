@@ -79,10 +79,10 @@ def plan_decision(
     values: dict[str, Any] | None = None,
 ) -> PlannedChange:
     """Everything ``apply_decision`` writes for an APPLY ``decision`` on the row ``current`` (pure)."""
-    if decision.verdict != Verdict.APPLY or decision.target is None:
+    target = decision.target
+    if decision.verdict != Verdict.APPLY or target is None:
         raise ValueError(f"apply_decision needs an APPLY decision, got {decision.verdict}")
     spec = TARGETS[kind]
-    target = decision.target
     row: dict[str, Any] = {"status": target.value, "status_source": source, "updated_at": now}
     if target in TERMINAL:
         row["next_query_at"] = None

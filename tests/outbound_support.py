@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select, update
 
-from compensator import query_unresolved
+from payments import outbound_protocol
 from payments.charges import CreatePayment, create_payment
 from payments.db import utcnow
 from payments.runtime import build_runtime
@@ -80,7 +80,7 @@ def claim_for_query(engine, payment_id):
     """Make the payment due and claim it as the query job does; return the lease token query_payment needs."""
     with engine.begin() as conn:
         conn.execute(update(payment).where(payment.c.payment_id == payment_id).values(next_query_at=utcnow()))
-    claimed = {p: lease for p, _, lease, _ in query_unresolved.claim_batch(engine, utcnow(), 100, 30, 3600)}
+    claimed = {p: lease for p, _, lease, _ in outbound_protocol.claim_queries(engine, utcnow(), 100, 30, 3600)}
     return claimed[payment_id]
 
 

@@ -14,7 +14,6 @@ from sqlalchemy import select, update
 
 from compensator import evaluate_alerts, notify_alerts
 from payments import alert_evaluators, alert_rules
-from payments.calls import review
 from payments.db import utcnow
 from payments.errors import ConfigError
 from payments.notify import (
@@ -31,6 +30,7 @@ from payments.notify import (
     webhook,
     wecom,
 )
+from payments.outbound_protocol import review
 from payments.runtime import build_runtime
 from payments.schema import alert, alert_notification, payment
 from tests.notify_fakes import FakeService

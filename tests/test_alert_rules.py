@@ -187,7 +187,7 @@ def _rules_raised_in_code() -> dict[str, str]:
     """Rule name -> where, for every alert the code raises with a literal rule.
 
     Read from the source: ``alerts.observe(rule="…")``, ``escalate(kind="…")``
-    (a review's kind is its alert's rule) and ``calls.review(conn, current, "…", …)``.
+    (a review's kind is its alert's rule) and ``outbound_protocol.review(conn, current, "…", …)``.
     """
     import ast
 
@@ -203,8 +203,11 @@ def _rules_raised_in_code() -> dict[str, str]:
                 literal = next((k.value for k in node.keywords if k.arg == keyword), None)
             elif name == "review" and len(node.args) >= 3:
                 literal = node.args[2]
-            if isinstance(literal, ast.Constant) and isinstance(literal.value, str):
-                found.setdefault(literal.value, f"{path.relative_to(ROOT)}:{node.lineno}")
+            # A choice between two literals (``"unresolved_refund" if … else "unresolved_payment"``) raises either.
+            choices = [literal.body, literal.orelse] if isinstance(literal, ast.IfExp) else [literal]
+            for choice in choices:
+                if isinstance(choice, ast.Constant) and isinstance(choice.value, str):
+                    found.setdefault(choice.value, f"{path.relative_to(ROOT)}:{node.lineno}")
     return found
 
 

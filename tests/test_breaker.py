@@ -14,11 +14,10 @@ from datetime import timedelta
 from sqlalchemy import insert, select, update
 
 from compensator import query_unresolved, relay_outbox
-from payments import breaker
-from payments.calls import Context, Result
+from payments import breaker, outbound_protocol
 from payments.db import utcnow
+from payments.outbound_protocol import Context, Result, relay_charge
 from payments.providers.base import Capabilities, Dedupe, Unknown
-from payments.relay import relay_charge
 from payments.runtime import build_runtime
 from payments.schema import alert, outbox, payment, provider_breaker
 from payments.states import BreakerState, OutboxStatus
@@ -83,7 +82,7 @@ def test_a_probe_slot_taken_for_a_charge_that_is_not_sent_is_given_back(mariadb)
         conn.execute(update(payment).where(payment.c.payment_id == done).values(status="Succeeded"))
         conn.execute(update(payment).where(payment.c.payment_id == late).values(deadline_at=utcnow()))
     ctx = Context(rt.engine, rt.providers, rt.settings)
-    claimed = {r[0]: r for r in relay_outbox.claim_batch(rt.engine, utcnow(), 10, 30)}
+    claimed = {r[0]: r for r in outbound_protocol.claim_sends(rt.engine, utcnow(), 10, 30)}
     by_payment = dict(zip((done, late), sorted(claimed), strict=True))
     open_breaker(rt.engine, "fake", retry_in=-1)
 
@@ -105,13 +104,13 @@ def test_a_probe_slot_taken_for_a_query_that_is_not_sent_is_given_back(mariadb):
     payment_id = new_payment(rt, provider="fake")
     relay_outbox.run_once(rt)
     make_due(rt, payment_id)
-    [(_, provider, lease, _)] = query_unresolved.claim_batch(rt.engine, utcnow(), 10, 30, 60)
+    [(_, provider, lease, _)] = outbound_protocol.claim_queries(rt.engine, utcnow(), 10, 30, 60)
     with rt.engine.begin() as conn:  # the payment was settled meanwhile (a callback, say)
         conn.execute(update(payment).where(payment.c.payment_id == payment_id).values(status="Succeeded"))
     with rt.engine.begin() as conn:
         conn.execute(provider_breaker.delete())
     open_breaker(rt.engine, "fake", retry_in=-1)
-    from payments.query import query_payment
+    from payments.outbound_protocol import query_payment
 
     assert query_payment(Context(rt.engine, rt.providers, rt.settings), payment_id, provider, lease) == Result.SKIPPED
     assert breaker_row(rt.engine)["retry_at"] <= utcnow()

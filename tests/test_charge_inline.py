@@ -269,3 +269,25 @@ def test_a_request_that_dies_after_committing_its_payment_is_taken_over_not_done
     with mariadb.connect() as conn:
         assert conn.execute(select(func.count()).select_from(payment)).scalar() == 1
         assert conn.execute(select(idempotency_request.c.status)).scalar() == "done"
+
+
+def test_a_full_send_pool_answers_created_and_the_relay_sends_the_charge_once(mariadb, alipay, fake_alipay):
+    app, runtime = alipay
+    pool = app.extensions["paysync"]["send_pool"]
+    release = threading.Event()
+    # Every worker and every queue place taken (WEB_THREADS of each): the next send has no room.
+    held = [pool.submit(release.wait) for _ in range(2 * runtime.settings.web_threads)]
+    try:
+        assert all(f is not None for f in held) and pool.submit(release.wait) is None
+        before = threading.active_count()
+        answer, took, _, _ = post(app)
+        assert threading.active_count() == before, "no thread of its own was started for the request"
+    finally:
+        release.set()
+    body = answer.get_json()
+    payment_id = body["payment_id"]
+    assert answer.status_code == 201 and body["status"] == "Created" and took < BUDGET
+    assert precreates(fake_alipay.fake, payment_id) == [] and outbox_status(mariadb, payment_id) == OutboxStatus.PENDING
+
+    assert relay_outbox.run_once(runtime, max_seconds=2) == 1  # nothing was lost: the relay finds the row due
+    assert row(mariadb, payment_id)["status"] == "Pending" and len(precreates(fake_alipay.fake, payment_id)) == 1

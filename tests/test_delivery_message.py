@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from sqlalchemy import delete, func, select, update
 
 from payments.backoff import RetryPolicy
+from payments.callback_processing import process_delivery
 from payments.callbacks import CallbackResult, store_callback
 from payments.db import utcnow
 from payments.delivery import (
@@ -26,7 +27,6 @@ from payments.delivery import (
     encode_message,
     max_message_bytes,
     message_signature,
-    process_delivery,
     sign_document,
 )
 from payments.providers import build_providers

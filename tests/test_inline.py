@@ -129,7 +129,7 @@ def test_in_embedded_mode_every_payment_is_succeeded_before_its_callback_is_answ
 def test_callbacks_that_arrive_together_are_processed_in_one_transaction_each_with_its_own_outcome(
     mariadb, monkeypatch
 ):
-    import payments.delivery
+    import payments.callback_processing
     from gateway.inline import InlineProcessor
     from payments.callbacks import CallbackResult, store_callback
     from payments.runtime import build_runtime
@@ -148,7 +148,7 @@ def test_callbacks_that_arrive_together_are_processed_in_one_transaction_each_wi
     noop = stored(sandbox_event(settled, amount=900, provider_transaction_id="ch_settled"))
     unknown = stored(sandbox_event("pay_01NOSUCHPAYMENT0000000000", amount=5))
     first_group = threading.Event()
-    real = payments.delivery.process_batch
+    real = payments.callback_processing.process_batch
     sizes: list[int] = []
 
     def slow_first(engine, providers, messages, *args, **kwargs):

@@ -14,12 +14,11 @@ from dataclasses import replace
 
 from sqlalchemy import update
 
-from compensator import query_unresolved, relay_outbox
-from payments.calls import Context, Result
+from compensator import relay_outbox
+from payments import outbound_protocol
 from payments.db import utcnow
+from payments.outbound_protocol import Context, Result, query_payment, relay_charge
 from payments.providers.base import Capabilities, Dedupe, Succeeded, Unknown
-from payments.query import query_payment
-from payments.relay import relay_charge
 from payments.runtime import build_runtime
 from payments.schema import outbox, payment
 from tests.fake_provider import FakeProvider
@@ -49,10 +48,12 @@ def test_a_relay_worker_whose_lease_was_taken_by_another_sends_nothing(mariadb):
     rt = runtime_with(mariadb, fake)
     payment_id = new_payment(rt, provider="fake")
     ctx = Context(rt.engine, rt.providers, rt.settings)
-    [(outbox_id, provider, first_lease, _)] = relay_outbox.claim_batch(rt.engine, utcnow(), 10, 30)
+    [(outbox_id, provider, first_lease, _)] = outbound_protocol.claim_sends(rt.engine, utcnow(), 10, 30)
     with rt.engine.begin() as conn:  # the first worker stalls; its lease runs out …
         conn.execute(update(outbox).where(outbox.c.id == outbox_id).values(next_attempt_at=utcnow()))
-    [(_, _, second_lease, _)] = relay_outbox.claim_batch(rt.engine, utcnow(), 10, 30)  # … and another worker claims it
+    [(_, _, second_lease, _)] = outbound_protocol.claim_sends(
+        rt.engine, utcnow(), 10, 30
+    )  # … and another worker claims it
 
     assert relay_charge(ctx, outbox_id, provider, first_lease) == Result.SKIPPED
     assert fake.charges == [] and calls(rt, payment_id) == [], "the stale worker neither sent nor recorded a call"
@@ -67,10 +68,10 @@ def test_a_query_worker_whose_lease_was_taken_by_another_sends_nothing(mariadb):
     relay_outbox.run_once(rt)
     make_due(rt, payment_id)
     ctx = Context(rt.engine, rt.providers, rt.settings)
-    [(_, provider, first_lease, _)] = query_unresolved.claim_batch(rt.engine, utcnow(), 10, 30, 60)
+    [(_, provider, first_lease, _)] = outbound_protocol.claim_queries(rt.engine, utcnow(), 10, 30, 60)
     with rt.engine.begin() as conn:
         conn.execute(update(payment).where(payment.c.payment_id == payment_id).values(next_query_at=utcnow()))
-    [(_, _, second_lease, _)] = query_unresolved.claim_batch(rt.engine, utcnow(), 10, 30, 60)
+    [(_, _, second_lease, _)] = outbound_protocol.claim_queries(rt.engine, utcnow(), 10, 30, 60)
 
     assert query_payment(ctx, payment_id, provider, first_lease) == Result.SKIPPED
     assert fake.queries == [] and calls(rt, payment_id, "query") == []

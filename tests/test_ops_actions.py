@@ -10,9 +10,9 @@ from sqlalchemy.exc import DBAPIError
 
 from payments import ledger, ops_actions
 from payments.callbacks import CallbackResult, process_callback, store_callback
-from payments.calls import review
 from payments.db import utcnow
 from payments.ops_actions import Actor, CallbackSearch, OpsRefused
+from payments.outbound_protocol import review
 from payments.providers.base import Capabilities, Dedupe, Failed, Pending, Succeeded
 from payments.schema import alert, ledger_event, manual_review, ops_action, payment, payment_callback_log, provider_call
 from payments.states import CallbackStatus

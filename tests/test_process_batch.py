@@ -8,8 +8,8 @@ from datetime import timedelta
 from sqlalchemy import func, select, update
 
 from payments.backoff import RetryPolicy
+from payments.callback_processing import process_batch
 from payments.callbacks import CallbackResult, process_callback, store_callback
-from payments.delivery import process_batch
 from payments.providers import build_providers
 from payments.schema import ledger_event, outbox, payment, payment_callback_log, processed_event
 from payments.states import CallbackStatus
@@ -92,21 +92,21 @@ def _go_row_by_row_forbidden(monkeypatch) -> None:  # noqa: ANN001
     def refuse(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("this batch should have been written set-wise")
 
-    monkeypatch.setattr("payments.delivery._message_by_message", refuse)
+    monkeypatch.setattr("payments.callback_processing._message_by_message", refuse)
 
 
 def _row_by_row_calls(monkeypatch) -> list[int]:  # noqa: ANN001
     """Count the batches process_batch sends message by message."""
-    import payments.delivery
+    import payments.callback_processing
 
     calls: list[int] = []
-    real = payments.delivery._message_by_message
+    real = payments.callback_processing._message_by_message
 
     def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("payments.delivery._message_by_message", counted)
+    monkeypatch.setattr("payments.callback_processing._message_by_message", counted)
     return calls
 
 

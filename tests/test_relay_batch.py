@@ -2,7 +2,7 @@
 
 Every test runs against real MariaDB (and one on SQLite). The comparison
 test relays the same kinds of outcome once through the grouped path and once
-through ``relay.relay_charge`` and compares everything each payment left:
+through ``outbound_protocol.relay_charge`` and compares everything each payment left:
 its row, its calls, its ledger events and lines, its outbox rows, its reviews.
 """
 
@@ -19,10 +19,10 @@ import pytest
 from sqlalchemy import event, select, update
 
 from compensator import relay_outbox
-from payments import breaker, provider_calls
-from payments.calls import Context, Result
+from payments import breaker, outbound_protocol, provider_calls
 from payments.db import utcnow
 from payments.group_commit import GroupCommit
+from payments.outbound_protocol import Context, Result, charge_params, relay_charge
 from payments.providers.base import (
     Capabilities,
     Dedupe,
@@ -33,7 +33,6 @@ from payments.providers.base import (
     Succeeded,
     Unknown,
 )
-from payments.relay import charge_params, relay_charge
 from payments.relay_batch import apply_charges, prepare_charges, send_prepared
 from payments.runtime import build_runtime
 from payments.schema import ledger_entry, ledger_event, manual_review, outbox, payment, provider_breaker, provider_call
@@ -80,7 +79,7 @@ def keyed(**kwargs) -> FakeProvider:
 
 def claimed(rt, n=1000):
     """Claim every due relay row as relay_outbox does: (outbox id, provider, lease token) for the charges."""
-    rows = relay_outbox.claim_batch(rt.engine, utcnow(), n, rt.settings.call_lease_seconds)
+    rows = outbound_protocol.claim_sends(rt.engine, utcnow(), n, rt.settings.call_lease_seconds)
     return [(outbox_id, provider, lease) for outbox_id, provider, lease, _ in rows]
 
 
@@ -543,7 +542,7 @@ def test_an_error_reaches_every_unit_of_its_group_and_no_other():
 
 def test_a_call_recorded_as_never_sent_starts_no_not_found_grace(mariadb):
     # Withheld by the breaker before it went out: a NotFound about the payment is the whole truth at once.
-    from payments.query import query_payment
+    from payments.outbound_protocol import query_payment
     from tests.outbound_support import claim_for_query
 
     fake = keyed()
