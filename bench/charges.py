@@ -40,6 +40,13 @@ baseline its sandbox and receiver), read from /proc around the phase
 are all stored and processed (they trail the charges under load), and the
 next phase starts only then, so no phase pays for another's.
 
+Each pass ends with the statements (MariaDB round trips, COMMIT included) one
+unit of work sends, by path: ``POST /payments``, one relay send, one callback
+stored, applied by the consumer and swept by the compensator
+(``bench/statements.py``, run on the pass's code and sandbox, on a database
+of its own; the budget ``tests/test_statement_budget.py`` holds them to is
+``bench/statement_budget.toml``).
+
 ``--repeats N`` runs N passes, each its own start of the three processes and
 its own direct run, and prints medians (the ratio is the median of the
 per-pass ratios). ``--before-tree DIR`` runs a pass of DIR's code (the
@@ -52,6 +59,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -321,6 +329,32 @@ def run_direct_phase(args: argparse.Namespace, tree: Path, engine, label: str) -
         state.unlink(missing_ok=True)
 
 
+def count_statements(args: argparse.Namespace, tree: Path, sandbox_port: int, label: str) -> dict[str, int]:
+    """Statements per payment by path in ``tree``'s code (``bench/statements.py``, on a database of its own)."""
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "statements.py"),
+        "--database-url",
+        f"{args.database_url}_statements{'_before' if label else ''}",  # each tree its own schema
+        "--sandbox-url",
+        f"http://127.0.0.1:{sandbox_port}",
+        "--secret",
+        SECRET,
+        "--api-key",
+        API_KEY,
+        "--json",
+    ]
+    done = subprocess.run(command, env=tree_env(tree), capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench/statements.py failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def statements_line(counts: dict[str, int]) -> str:
+    """Statements per unit of work by path, as a bench line prints it."""
+    return "statements (round trips) per unit: " + ", ".join(f"{name} {n}" for name, n in counts.items())
+
+
 def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
     """Start sandbox, gateway and compensator from ``tree``'s code; measure direct, paysync and paysync+faults."""
     engine = prepare_database(args.database_url)
@@ -413,10 +447,14 @@ def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
             truth = requests.get(f"http://127.0.0.1:{sandbox_port}/_sandbox/truth", timeout=60).json()
             if truth["multiple_charges"]:
                 raise RuntimeError(f"charged twice: {truth['multiple_charges'][:5]}")
+        # Last, so its few charges (their notifications find no payment in the bench database) cost no phase.
+        statements = count_statements(args, tree, sandbox_port, label)
+        print(f"{label}paysync: {statements_line(statements)}", flush=True)
         return {
             "direct": direct,
             "paysync": paysync,
             "faulted": faulted,
+            "statements": statements,
             "ratio": ratio,
             "load_before": load_before,
             "load_after": loadavg(),
@@ -446,6 +484,8 @@ def summarize(passes: list[dict]) -> dict:
         figures["faulted_per_second"] = [p["faulted"]["per_second"] for p in passes]
         figures["faulted_p50_ms"] = [p["faulted"]["p50_ms"] for p in passes]
     medians: dict = {name: statistics.median(values) for name, values in figures.items()}
+    # Counts do not vary from pass to pass; the median guards against one that did.
+    medians["statements"] = {n: statistics.median(p["statements"][n] for p in passes) for n in passes[0]["statements"]}
     for phase in ("direct", "paysync", "faulted"):
         if all(p[phase] and "cpu_ms" in p[phase] for p in passes):
             names = passes[0][phase]["cpu_ms"]
@@ -480,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         for phase in ("direct", "paysync", "faulted"):
             if f"{phase}_cpu_ms" in m:
                 print(f"      {phase:<8} {cpu_line(m[f'{phase}_cpu_ms'])}")
+        print(f"      {statements_line(m['statements'])}")
     ours = summaries[""]
     verdict = "met" if ours["ratio"] >= TARGET_RATIO else "MISSED"
     print(f"target throughput >= {TARGET_RATIO:g}x direct: {ours['ratio']:.2f}x {verdict}")
