@@ -32,8 +32,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, Row, and_, bindparam, or_, select, update
 
-from payments import breaker, provider_calls
-from payments.backoff import compute_backoff
+from payments import breaker, provider_calls, query_schedule
 from payments.db import utcnow
 from payments.providers.base import (
     REVIEW_PREFIX,
@@ -93,8 +92,8 @@ class Context:
 
 
 def query_delay(settings: Settings, attempt: int) -> float:
-    """Seconds before query number ``attempt`` (1-based): exponential with jitter."""
-    return compute_backoff(max(1, attempt), settings.query_base_seconds, settings.query_max_seconds)
+    """Seconds before query number ``attempt`` (1-based): ``payments.query_schedule`` with the settings' figures."""
+    return query_schedule.query_delay(settings, attempt)
 
 
 def admission(ctx: Context, provider: Provider | None) -> breaker.Gate:

@@ -38,7 +38,6 @@ from payments.calls import (
     last_refund_send,
     lock_payment,
     lock_refund,
-    query_delay,
     reach_ends,
     refund_request,
     release,
@@ -47,6 +46,7 @@ from payments.calls import (
 from payments.charges import CHARGE_REQUESTED
 from payments.db import utcnow
 from payments.providers.base import ChargeRequest, NotFound, Pending, Provider, QueryOutcome, RefundRequest
+from payments.query_schedule import query_delay
 from payments.refunds import REFUND_REQUESTED
 from payments.schema import outbox as outbox_table
 from payments.schema import payment, refund
@@ -125,6 +125,19 @@ def _unpaid_past_expiry(provider: Provider, outcome: QueryOutcome, current: Mapp
         return False
     expires_at = provider.order_expires_at(current["created_at"])
     return expires_at is not None and now >= expires_at + EXPIRY_MARGIN
+
+
+def _closable_in(provider: Provider, current: Mapping[str, Any], now: datetime) -> float | None:
+    """Seconds until an unpaid QR order may be closed (``_unpaid_past_expiry``); None if it never expires or may now.
+
+    The next query comes no later than that: then it closes the order and settles the payment, however far its
+    backoff has grown. Once the moment has passed (a close that did not settle it) the backoff alone decides.
+    """
+    expires_at = provider.order_expires_at(current["created_at"])
+    if expires_at is None:
+        return None
+    seconds = (expires_at + EXPIRY_MARGIN - now).total_seconds()
+    return seconds if seconds > 0 else None
 
 
 def _close_expired(
@@ -249,7 +262,8 @@ def _not_found(
     the send before it, if any, is the one that counts.
     """
     attempts = current["query_attempts"] + 1
-    next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts))
+    closable_in = _closable_in(provider, current, now) if what is _CHARGE else None
+    next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts, settles_in=closable_in))
     last = what.last_send(conn, current[what.key])
     # Counted from the end of the last send that may have reached the provider, not from when it was prepared:
     # a call can wait for a slot, and hang until its timeout, after its row was written.
