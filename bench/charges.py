@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -122,6 +123,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "below the relay's capacity, the p50 is that of a system that is not saturated",
     )
     parser.add_argument("--repeats", type=int, default=1, help="passes (each with its own direct run); medians shown")
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="sample the gateway (its workers) and the compensator with py-spy during each paysync phase; "
+        "flame graphs (SVG) to this directory",
+    )
     parser.add_argument(
         "--before-tree",
         help="another checkout (e.g. a worktree of main): each pass runs its processes too, back to back with ours",
@@ -231,6 +238,68 @@ def run_paysync(
         "latencies_ms": [round(x * 1000, 2) for x in latencies],
         "via_unknown": via_unknown,
     }
+
+
+def start_profilers(directory: Path, pids: dict[str, int], tag: str) -> list[tuple[subprocess.Popen, Path]]:
+    """One ``py-spy record`` per process (its children too: gunicorn's workers), its stacks to ``<tag>-<name>.txt``.
+
+    Collapsed stacks (one line per distinct stack and its samples): ``profile_table`` reads them, and any flame
+    graph tool (flamegraph.pl, speedscope) draws them.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    spies = []
+    for name, pid in pids.items():
+        out = directory / f"{tag}-{name}.txt"
+        command = [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--subprocesses"]
+        command += ["--rate", "200", "--nonblocking", "--format", "raw", "--output", str(out)]
+        spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        spies.append((spy, out))
+    time.sleep(1.0)  # attached before the phase starts
+    return spies
+
+
+def stop_profilers(spies: list[tuple[subprocess.Popen, Path]]) -> None:
+    """Stop sampling (SIGINT makes py-spy write its stacks), wait, and write each one's table beside it (``.md``)."""
+    for spy, _ in spies:
+        spy.send_signal(signal.SIGINT)
+    for spy, out in spies:
+        try:
+            spy.wait(60)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+        if out.exists():
+            out.with_suffix(".md").write_text(profile_table(out.read_text()))
+
+
+def profile_table(collapsed: str, top: int = 40) -> str:
+    """Functions by share of samples (inclusive: on the stack; self: at its top), from py-spy's collapsed stacks.
+
+    Idle stacks (a worker waiting in select, a pool thread waiting for work) are left out of the total, so the
+    shares are of the time the process was on a CPU or in a call it waits for (the database, the provider).
+    """
+    idle = ("select (", "poll (", "wait (", "accept (", "sleep (", "_wait_for_tstate_lock", "epoll")
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = [f for f in stack.split(";") if not f.startswith(("process ", "thread "))]
+        if not frames or any(mark in frames[-1] for mark in idle):
+            continue
+        n = int(count)
+        total += n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + n
+    rows = [f"busy samples: {total}", "", "| inclusive | self | function (file:line) |", "|---:|---:|---|"]
+    for frame, n in sorted(inclusive.items(), key=lambda kv: -kv[1])[:top]:
+        rows.append(f"| {100 * n / max(total, 1):5.1f}% | {100 * own.get(frame, 0) / max(total, 1):5.1f}% | {frame} |")
+    rows += ["", "| self | function (file:line) |", "|---:|---|"]
+    for frame, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+        rows.append(f"| {100 * n / max(total, 1):5.1f}% | {frame} |")
+    return "\n".join(rows) + "\n"
 
 
 def tree_env(tree: Path, **settings: str) -> dict[str, str]:
@@ -395,10 +464,15 @@ def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
                 "mariadb": server_pids("mariadbd"),
             }
         )
+        spies = []
+        if args.profile_dir:
+            pids = {"gateway": procs[1].popen.pid, "compensator": procs[2].popen.pid}
+            spies = start_profilers(args.profile_dir, pids, f"{label.strip() or 'after'}-{uuid.uuid4().hex[:4]}")
         meter.start()
         paysync = run_paysync(web_port, engine, args.payments, args.concurrency, args.timeout, rate=args.rate)
         paysync["settle_seconds"] = settle(engine)
         paysync["cpu_ms"] = meter.per_unit(args.payments)
+        stop_profilers(spies)
         print(
             f"{label}paysync: {paysync['per_second']:8.1f} payments/s  p50 {paysync['p50_ms']:7.1f} ms   "
             f"p99 {paysync['p99_ms']:7.1f} ms   (creation to Succeeded; POST /payments at "
