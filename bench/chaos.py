@@ -56,6 +56,7 @@ import tempfile
 import threading
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -254,6 +255,8 @@ class ChaosRun:
         self.refund_loads: dict[str, RefundLoad] = {}
         """mix name -> its refund merchant, for the mixes that take part in refunds."""
         self.started = time.monotonic()
+        self.started_wall = time.time()
+        """The same moment as ``started`` on the database's clock (UTC): to place its timestamps on the run's."""
         self.phases: dict[str, float] = {}
         """Seconds each phase of the run took (stack start, load and kills, convergence tail, checks)."""
 
@@ -331,6 +334,7 @@ class ChaosRun:
             self.ctx.gateway_url, MERCHANT_TOKEN, concurrency=args.concurrency, rate=args.rate, seed=args.seed
         )
         self.started = time.monotonic()
+        self.started_wall = time.time()
         self.sampler = Sampler(self.engine, self.clock)
         self.schedule = KillSchedule(
             KillPlan(
@@ -434,6 +438,8 @@ class ChaosRun:
             Row("time to converge", f"within {args.deadline:.0f} s of the load's end", took, converged_at is not None)
         )
         rows[-1].section = "run"
+        tail = settle_tail(self.engine, self.started_wall, last_fault)
+        print(f"\n  {tail_line(tail)}")
         counts = schedule.counts()
         made = ", ".join(f"{k} {n}" for k, n in sorted(counts.items())) or "none"
         late = [k.kind for k in schedule.kills if k.at > self.load_end]
@@ -467,6 +473,8 @@ class ChaosRun:
                 "converge_seconds_after_load": round(converged_at - self.load_end, 2) if converged_at else None,
                 "converged_at": round(converged_at, 2) if converged_at else None,
                 "last_fault_at": schedule.last_fault_at,
+                "converge_seconds_after_last_fault": round(converged_at - last_fault, 2) if converged_at else None,
+                "settle_tail": tail,
                 "kills": [k.to_dict() for k in schedule.kills],
                 "kill_counts": counts,
                 "restarts": {p.label: p.starts - 1 for p in self.procs},
@@ -514,6 +522,60 @@ class ChaosRun:
             print(f"work directory kept: {self.work}")
         elif self.args.work_dir is None:
             remove_tree(self.work)
+
+
+def settle_tail(engine: Any, origin_wall: float, last_fault: float) -> dict[str, Any]:  # noqa: ANN401
+    """Per payment, creation to its terminal event (PaymentSucceeded/Failed in the outbox): p50, p99, max.
+
+    Also the payments that settled after the last fault ended: how many, and
+    how long after it the last of them did, with and without the QR orders
+    closed on their expiry (those wait for the payer, then for the expiry).
+    """
+    query = text(
+        "SELECT p.created_at, MIN(o.created_at), EXISTS (SELECT 1 FROM provider_call c WHERE c.payment_id = "
+        "p.payment_id AND c.operation = 'close') FROM payment p JOIN outbox o ON o.aggregate_id = p.payment_id "
+        "AND o.event_type IN ('PaymentSucceeded', 'PaymentFailed') GROUP BY p.payment_id, p.created_at"
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(query).all()
+    if not rows:
+        return {"payments": 0}
+    epoch = datetime(1970, 1, 1)
+    spans = sorted((done - created).total_seconds() for created, done, _ in rows)
+    after = [((done - epoch).total_seconds() - origin_wall - last_fault, closed) for _, done, closed in rows]
+    late = [a for a, _ in after if a > 0]
+    # A QR order nobody paid settles when it is closed, past its expiry (60 s at least) and EXPIRY_MARGIN: the
+    # payer's doing, not a fault's, and no query schedule brings it sooner.
+    late_faults = [a for a, closed in after if a > 0 and not closed]
+
+    def nearest(q: float) -> float:
+        return spans[min(len(spans) - 1, max(0, round(q * len(spans)) - 1))]
+
+    return {
+        "payments": len(spans),
+        "p50_seconds": round(nearest(0.50), 2),
+        "p99_seconds": round(nearest(0.99), 2),
+        "max_seconds": round(spans[-1], 2),
+        "settled_after_last_fault": len(late),
+        "last_settled_seconds_after_last_fault": round(max(late), 2) if late else 0.0,
+        "closed_on_expiry": sum(1 for _, closed in after if closed),
+        "last_settled_seconds_after_last_fault_not_closed_on_expiry": round(max(late_faults), 2)
+        if late_faults
+        else 0.0,
+    }
+
+
+def tail_line(tail: dict[str, Any]) -> str:
+    """The settle tail as the run prints it."""
+    if not tail["payments"]:
+        return "per payment, creation to terminal: no payment settled"
+    return (
+        f"per payment, creation to terminal: p50 {tail['p50_seconds']:.1f} s, p99 {tail['p99_seconds']:.1f} s, "
+        f"max {tail['max_seconds']:.1f} s ({tail['payments']} payments); {tail['settled_after_last_fault']} settled "
+        f"after the last fault, the last {tail['last_settled_seconds_after_last_fault']:.1f} s after it; "
+        f"without the {tail['closed_on_expiry']} QR orders closed on their expiry (never paid), the last "
+        f"{tail['last_settled_seconds_after_last_fault_not_closed_on_expiry']:.1f} s after it"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,13 @@ baseline its sandbox and receiver), read from /proc around the phase
 are all stored and processed (they trail the charges under load), and the
 next phase starts only then, so no phase pays for another's.
 
+Each pass ends with the statements (MariaDB round trips, COMMIT included) one
+unit of work sends, by path: ``POST /payments``, one relay send, one callback
+stored, applied by the consumer and swept by the compensator
+(``bench/statements.py``, run on the pass's code and sandbox, on a database
+of its own; the budget ``tests/test_statement_budget.py`` holds them to is
+``bench/statement_budget.toml``).
+
 ``--repeats N`` runs N passes, each its own start of the three processes and
 its own direct run, and prints medians (the ratio is the median of the
 per-pass ratios). ``--before-tree DIR`` runs a pass of DIR's code (the
@@ -51,7 +58,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -114,6 +123,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "below the relay's capacity, the p50 is that of a system that is not saturated",
     )
     parser.add_argument("--repeats", type=int, default=1, help="passes (each with its own direct run); medians shown")
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="sample the gateway (its workers) and the compensator with py-spy during each paysync phase; "
+        "flame graphs (SVG) to this directory",
+    )
     parser.add_argument(
         "--before-tree",
         help="another checkout (e.g. a worktree of main): each pass runs its processes too, back to back with ours",
@@ -225,6 +240,68 @@ def run_paysync(
     }
 
 
+def start_profilers(directory: Path, pids: dict[str, int], tag: str) -> list[tuple[subprocess.Popen, Path]]:
+    """One ``py-spy record`` per process (its children too: gunicorn's workers), its stacks to ``<tag>-<name>.txt``.
+
+    Collapsed stacks (one line per distinct stack and its samples): ``profile_table`` reads them, and any flame
+    graph tool (flamegraph.pl, speedscope) draws them.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    spies = []
+    for name, pid in pids.items():
+        out = directory / f"{tag}-{name}.txt"
+        command = [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--subprocesses"]
+        command += ["--rate", "200", "--nonblocking", "--format", "raw", "--output", str(out)]
+        spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        spies.append((spy, out))
+    time.sleep(1.0)  # attached before the phase starts
+    return spies
+
+
+def stop_profilers(spies: list[tuple[subprocess.Popen, Path]]) -> None:
+    """Stop sampling (SIGINT makes py-spy write its stacks), wait, and write each one's table beside it (``.md``)."""
+    for spy, _ in spies:
+        spy.send_signal(signal.SIGINT)
+    for spy, out in spies:
+        try:
+            spy.wait(60)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+        if out.exists():
+            out.with_suffix(".md").write_text(profile_table(out.read_text()))
+
+
+def profile_table(collapsed: str, top: int = 40) -> str:
+    """Functions by share of samples (inclusive: on the stack; self: at its top), from py-spy's collapsed stacks.
+
+    Idle stacks (a worker waiting in select, a pool thread waiting for work) are left out of the total, so the
+    shares are of the time the process was on a CPU or in a call it waits for (the database, the provider).
+    """
+    idle = ("select (", "poll (", "wait (", "accept (", "sleep (", "_wait_for_tstate_lock", "epoll")
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = [f for f in stack.split(";") if not f.startswith(("process ", "thread "))]
+        if not frames or any(mark in frames[-1] for mark in idle):
+            continue
+        n = int(count)
+        total += n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + n
+    rows = [f"busy samples: {total}", "", "| inclusive | self | function (file:line) |", "|---:|---:|---|"]
+    for frame, n in sorted(inclusive.items(), key=lambda kv: -kv[1])[:top]:
+        rows.append(f"| {100 * n / max(total, 1):5.1f}% | {100 * own.get(frame, 0) / max(total, 1):5.1f}% | {frame} |")
+    rows += ["", "| self | function (file:line) |", "|---:|---|"]
+    for frame, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+        rows.append(f"| {100 * n / max(total, 1):5.1f}% | {frame} |")
+    return "\n".join(rows) + "\n"
+
+
 def tree_env(tree: Path, **settings: str) -> dict[str, str]:
     """The environment of a process that runs the code of ``tree`` (this checkout, or ``--before-tree``)."""
     env = process_env(**settings)
@@ -321,6 +398,32 @@ def run_direct_phase(args: argparse.Namespace, tree: Path, engine, label: str) -
         state.unlink(missing_ok=True)
 
 
+def count_statements(args: argparse.Namespace, tree: Path, sandbox_port: int, label: str) -> dict[str, int]:
+    """Statements per payment by path in ``tree``'s code (``bench/statements.py``, on a database of its own)."""
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "statements.py"),
+        "--database-url",
+        f"{args.database_url}_statements{'_before' if label else ''}",  # each tree its own schema
+        "--sandbox-url",
+        f"http://127.0.0.1:{sandbox_port}",
+        "--secret",
+        SECRET,
+        "--api-key",
+        API_KEY,
+        "--json",
+    ]
+    done = subprocess.run(command, env=tree_env(tree), capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench/statements.py failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def statements_line(counts: dict[str, int]) -> str:
+    """Statements per unit of work by path, as a bench line prints it."""
+    return "statements (round trips) per unit: " + ", ".join(f"{name} {n}" for name, n in counts.items())
+
+
 def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
     """Start sandbox, gateway and compensator from ``tree``'s code; measure direct, paysync and paysync+faults."""
     engine = prepare_database(args.database_url)
@@ -361,10 +464,15 @@ def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
                 "mariadb": server_pids("mariadbd"),
             }
         )
+        spies = []
+        if args.profile_dir:
+            pids = {"gateway": procs[1].popen.pid, "compensator": procs[2].popen.pid}
+            spies = start_profilers(args.profile_dir, pids, f"{label.strip() or 'after'}-{uuid.uuid4().hex[:4]}")
         meter.start()
         paysync = run_paysync(web_port, engine, args.payments, args.concurrency, args.timeout, rate=args.rate)
         paysync["settle_seconds"] = settle(engine)
         paysync["cpu_ms"] = meter.per_unit(args.payments)
+        stop_profilers(spies)
         print(
             f"{label}paysync: {paysync['per_second']:8.1f} payments/s  p50 {paysync['p50_ms']:7.1f} ms   "
             f"p99 {paysync['p99_ms']:7.1f} ms   (creation to Succeeded; POST /payments at "
@@ -413,10 +521,14 @@ def one_pass(args: argparse.Namespace, tree: Path, label: str) -> dict:
             truth = requests.get(f"http://127.0.0.1:{sandbox_port}/_sandbox/truth", timeout=60).json()
             if truth["multiple_charges"]:
                 raise RuntimeError(f"charged twice: {truth['multiple_charges'][:5]}")
+        # Last, so its few charges (their notifications find no payment in the bench database) cost no phase.
+        statements = count_statements(args, tree, sandbox_port, label)
+        print(f"{label}paysync: {statements_line(statements)}", flush=True)
         return {
             "direct": direct,
             "paysync": paysync,
             "faulted": faulted,
+            "statements": statements,
             "ratio": ratio,
             "load_before": load_before,
             "load_after": loadavg(),
@@ -446,6 +558,8 @@ def summarize(passes: list[dict]) -> dict:
         figures["faulted_per_second"] = [p["faulted"]["per_second"] for p in passes]
         figures["faulted_p50_ms"] = [p["faulted"]["p50_ms"] for p in passes]
     medians: dict = {name: statistics.median(values) for name, values in figures.items()}
+    # Counts do not vary from pass to pass; the median guards against one that did.
+    medians["statements"] = {n: statistics.median(p["statements"][n] for p in passes) for n in passes[0]["statements"]}
     for phase in ("direct", "paysync", "faulted"):
         if all(p[phase] and "cpu_ms" in p[phase] for p in passes):
             names = passes[0][phase]["cpu_ms"]
@@ -480,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         for phase in ("direct", "paysync", "faulted"):
             if f"{phase}_cpu_ms" in m:
                 print(f"      {phase:<8} {cpu_line(m[f'{phase}_cpu_ms'])}")
+        print(f"      {statements_line(m['statements'])}")
     ours = summaries[""]
     verdict = "met" if ours["ratio"] >= TARGET_RATIO else "MISSED"
     print(f"target throughput >= {TARGET_RATIO:g}x direct: {ours['ratio']:.2f}x {verdict}")

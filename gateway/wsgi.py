@@ -14,5 +14,9 @@ from payments.settings import start_process
 
 # gunicorn_conf.py already checked the settings and warned, once, in the master.
 _settings = start_process("web", warn=False)
-# One connection per request thread (gthread), so a busy worker's threads never queue for the pool.
-app = create_app(runtime=build_runtime(_settings, pool_size=_settings.web_threads))
+# One connection per request thread (gthread), so a busy worker's threads never queue for the pool; with inline
+# processing one more per inline thread (as many), kept open too: an overflow connection is closed when handed back,
+# and a worker whose request and inline threads were all busy opened and closed one per callback. At most twice
+# WEB_THREADS either way, as before.
+_kept = _settings.web_threads * (2 if _settings.process_inline else 1)
+app = create_app(runtime=build_runtime(_settings, pool_size=_kept, max_overflow=2 * _settings.web_threads - _kept))

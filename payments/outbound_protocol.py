@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine, Row, Table, and_, bindparam, exists, or_, select, update
 
-from payments import breaker, failpoints, outbox, provider_calls
+from payments import breaker, failpoints, outbox, provider_calls, query_schedule
 from payments.backoff import compute_backoff
 from payments.charges import CHARGE_REQUESTED
 from payments.db import claim_rows, utcnow
@@ -119,8 +119,8 @@ class Context:
 
 
 def query_delay(settings: Settings, attempt: int) -> float:
-    """Seconds before query number ``attempt`` (1-based): exponential with jitter."""
-    return compute_backoff(max(1, attempt), settings.query_base_seconds, settings.query_max_seconds)
+    """Seconds before query number ``attempt`` (1-based): ``payments.query_schedule`` with the settings' figures."""
+    return query_schedule.query_delay(settings, attempt)
 
 
 def admission(ctx: Context, provider: Provider | None, now: datetime | None = None) -> breaker.Gate:
@@ -1029,6 +1029,19 @@ def _unpaid_past_expiry(provider: Provider, outcome: QueryOutcome, current: Mapp
     return expires_at is not None and now >= expires_at + EXPIRY_MARGIN
 
 
+def _closable_in(provider: Provider, current: Mapping[str, Any], now: datetime) -> float | None:
+    """Seconds until an unpaid QR order may be closed (``_unpaid_past_expiry``); None if it never expires or may now.
+
+    The next query comes no later than that: then it closes the order and settles the payment, however far its
+    backoff has grown. Once the moment has passed (a close that did not settle it) the backoff alone decides.
+    """
+    expires_at = provider.order_expires_at(current["created_at"])
+    if expires_at is None:
+        return None
+    seconds = (expires_at + EXPIRY_MARGIN - now).total_seconds()
+    return seconds if seconds > 0 else None
+
+
 def _close_expired(
     ctx: Context, provider: Provider, query_call_id: int, found: QueryOutcome, expected: ChargeRequest
 ) -> tuple[int, QueryOutcome]:
@@ -1128,7 +1141,9 @@ def _not_found(
     the send before it, if any, is the one that counts.
     """
     attempts = current["query_attempts"] + 1
-    next_query_at = now + timedelta(seconds=query_delay(ctx.settings, attempts))
+    closable_in = _closable_in(provider, current, now) if what is _CHARGE else None
+    delay = query_schedule.query_delay(ctx.settings, attempts, settles_in=closable_in)
+    next_query_at = now + timedelta(seconds=delay)
     last = what.last_send(conn, current[what.key])
     # Counted from the end of the last send that may have reached the provider, not from when it was prepared:
     # a call can wait for a slot, and hang until its timeout, after its row was written.

@@ -29,12 +29,14 @@ class Runtime:
     callback_policy: RetryPolicy
 
 
-def build_runtime(settings: Settings, engine: Engine | None = None, *, pool_size: int = 5) -> Runtime:
+def build_runtime(
+    settings: Settings, engine: Engine | None = None, *, pool_size: int = 5, max_overflow: int | None = None
+) -> Runtime:
     """Create the engine and adapters for ``settings`` (tests may pass their own engine)."""
     failpoints.arm(settings.failpoints)
     return Runtime(
         settings=settings,
-        engine=engine or make_engine(settings.database_url, pool_size=pool_size),
+        engine=engine or make_engine(settings.database_url, pool_size=pool_size, max_overflow=max_overflow),
         providers=build_providers(settings),
         callback_policy=RetryPolicy(
             max_retries=settings.compensator_max_retries,

@@ -21,6 +21,7 @@ from sqlalchemy import select, update
 
 from compensator import query_unresolved, relay_outbox
 from payments.db import utcnow
+from payments.outbound_protocol import EXPIRY_MARGIN
 from payments.providers.alipay import alipay_time
 from payments.providers.base import ChargeRequest, Failed, Succeeded
 from payments.runtime import build_runtime
@@ -99,6 +100,20 @@ def test_an_unscanned_alipay_trade_the_precreate_was_answered_for_is_never_sent_
     precreates = [r for r in fake_alipay.fake.requests if r.get("method") == "alipay.trade.precreate"]
     assert len(precreates) == 1
     assert row(alipay_rt, payment_id)["status"] == "Pending"
+
+
+def test_an_unscanned_alipay_trade_is_queried_again_when_it_may_be_closed_not_a_backoff_later(alipay_rt, fake_alipay):
+    # An hour of backoff, an order closable 10 minutes from now (600 s expiry + the 30 s margin): the next query
+    # comes at the moment the order may be closed, which settles it, not an hour later.
+    settings = replace(alipay_rt.settings, query_base_seconds=3600, query_max_seconds=3600)
+    alipay_rt = replace(alipay_rt, settings=settings)
+    payment_id = precreated(alipay_rt, fake_alipay)
+    due_now(alipay_rt, payment_id)
+    query_unresolved.run_once(alipay_rt)
+    p = row(alipay_rt, payment_id)
+    assert p["status"] == "Pending" and operations(alipay_rt, payment_id).count("query") == 1
+    closable = p["created_at"] + timedelta(seconds=600) + EXPIRY_MARGIN
+    assert p["next_query_at"] == closable
 
 
 def test_the_precreate_names_an_absolute_expiry_fixed_by_the_payments_creation(alipay_rt, fake_alipay):
