@@ -67,7 +67,7 @@ lint: venv
 import-graph: venv
 	$(BIN)/python -m tests.import_graph
 
-# docs/reference/settings.md from the field docs in payments/settings.py (tests/test_settings_reference.py checks it).
+# docs/reference/settings.md from the field docs in payments/infra/settings.py (tests/test_settings_reference.py checks it).
 settings-reference: venv
 	$(BIN)/python -m payments settings-reference
 

@@ -1,5 +1,5 @@
 -- paysync schema for MySQL 8 / MariaDB 10.6+ (InnoDB, utf8mb4).
--- Generated from payments/schema.py by `python -m payments schema-sql`; do not edit by hand.
+-- Generated from payments/infra/schema.py by `python -m payments schema-sql`; do not edit by hand.
 -- tests/test_schema.py checks that this file, applied to MariaDB, matches init-db.
 
 CREATE TABLE alert (

@@ -3,7 +3,7 @@
 ``bare_app`` answers 200 and does nothing: the ceiling of Flask + gunicorn
 the gateway's gunicorn workers on this machine. ``insert_app`` reads the body, INSERTs it into
 one table and COMMITs, through the same engine settings as the gateway
-(``payments.db.make_engine``): the floor of any design that stores the raw
+(``payments.infra.db.make_engine``): the floor of any design that stores the raw
 delivery before acknowledging it. Started with
 ``python -m gunicorn -c gateway/gunicorn_conf.py bench.baseline_apps:bare_app``
 (or ``:insert_app``) and the environment of the gateway.
@@ -14,8 +14,8 @@ from __future__ import annotations
 from flask import Flask, Response, request
 from sqlalchemy import text
 
-from payments.db import make_engine, utcnow
-from payments.settings import load_settings
+from payments.infra.db import make_engine, utcnow
+from payments.infra.settings import load_settings
 
 
 def _bare() -> Flask:

@@ -65,7 +65,7 @@ RELAY_CHILD = """
 import json, os, time
 from compensator import relay_outbox
 from payments.runtime import build_runtime
-from payments.settings import load_settings
+from payments.infra.settings import load_settings
 runtime = build_runtime(load_settings(), pool_size=10)
 started = time.monotonic()
 handled = relay_outbox.run_once(runtime)
@@ -96,7 +96,7 @@ def relay_pass(args: argparse.Namespace, tree: Path) -> dict:
     sandbox = Process(procfile_command("sandbox"), env, label="parts_sandbox", cwd=tree)
     try:
         wait_for_http(sandbox_port, "/_sandbox/truth")
-        from payments.charges import CreatePayment, create_payment
+        from payments.outbound.charges import CreatePayment, create_payment
 
         prefix = uuid.uuid4().hex[:8]
         for n in range(args.payments):
@@ -126,7 +126,7 @@ def relay_pass(args: argparse.Namespace, tree: Path) -> dict:
         with engine.connect() as conn:
             from sqlalchemy import func, select
 
-            from payments.schema import payment
+            from payments.infra.schema import payment
 
             succeeded = conn.execute(select(func.count()).where(payment.c.status == "Succeeded")).scalar()
         if succeeded != args.payments:
@@ -155,7 +155,7 @@ def post_pass(args: argparse.Namespace, tree: Path) -> dict:
         subprocess.run([*wrk[:1], "-d2s", *wrk[1:]], env=env, capture_output=True, check=True)  # warm-up
         from sqlalchemy import func, select
 
-        from payments.schema import payment
+        from payments.infra.schema import payment
 
         def created() -> int:
             with engine.connect() as conn:

@@ -87,9 +87,9 @@ from common import (  # the bench directory is on sys.path when run as a script
 )
 from sqlalchemy import func, select, text
 
+from payments.infra.schema import payment, payment_callback_log
 from payments.providers.base import ChargeRequest, Succeeded
-from payments.providers.sandbox import SandboxProvider
-from payments.schema import payment, payment_callback_log
+from payments.providers.sandbox.adapter import SandboxProvider
 
 TOKEN = "bench-merchant-token"
 DEFAULT_DATABASE_URL = "mysql+pymysql://root@127.0.0.1:3306/paysync_bench_charges"

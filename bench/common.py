@@ -28,9 +28,9 @@ if str(ROOT) not in sys.path:
 
 from sqlalchemy import Engine, text  # noqa: E402
 
-from payments.db import init_db, make_engine  # noqa: E402
-from payments.migrations import VERSION_TABLE  # noqa: E402
-from payments.schema import metadata  # noqa: E402
+from payments.infra.db import init_db, make_engine  # noqa: E402
+from payments.infra.migrations import VERSION_TABLE  # noqa: E402
+from payments.infra.schema import metadata  # noqa: E402
 from sandbox import signing  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"

@@ -9,7 +9,7 @@ callback row (status 0, a valid signed body, as the gateway stores it). Then:
 - consumer path, with 1 and 2 ``python -m consumer`` processes (the Procfile
   line) on a queue of the bench's own: once they are consuming, one message
   per row is published, as that tree's gateway would publish it (the delivery
-  itself, ``payments.delivery``; ``{log_id}`` for a tree from before that
+  itself, ``payments.inbound.delivery``; ``{log_id}`` for a tree from before that
   format), and the clock runs from the first publish to the last row's commit
   (its ``update_time``);
 - compensator path: one ``python -m compensator compensate --once`` with
@@ -59,10 +59,10 @@ from common import (  # the bench directory is on sys.path when run as a script
 )
 from sqlalchemy import Engine, func, insert, select, text
 
-from payments.db import utcnow
-from payments.delivery import encode_batch, encode_message
-from payments.schema import outbox, payment, payment_callback_log, processed_event
-from payments.settings import DEV_DEFAULTS
+from payments.inbound.delivery import encode_batch, encode_message
+from payments.infra.db import utcnow
+from payments.infra.schema import outbox, payment, payment_callback_log, processed_event
+from payments.infra.settings import DEV_DEFAULTS
 from payments.states import CallbackStatus
 from sandbox import signing
 
@@ -111,8 +111,8 @@ def sealer_loop(interval: float) -> int:
     import signal
 
     from compensator import seal_ledger
+    from payments.infra.settings import load_settings
     from payments.runtime import build_runtime
-    from payments.settings import load_settings
 
     runtime = build_runtime(load_settings())
     stopping = []

@@ -40,13 +40,13 @@ from sqlalchemy import insert, update  # noqa: E402
 
 from bench.common import DEFAULT_AMQP_URL, free_port, loadavg, prepare_database  # noqa: E402
 from compensator import publish_events  # noqa: E402
-from payments import webhook_signing  # noqa: E402
-from payments.db import utcnow  # noqa: E402
-from payments.events import envelope  # noqa: E402
-from payments.ids import new_id  # noqa: E402
+from payments.infra import webhook_signing  # noqa: E402
+from payments.infra.db import utcnow  # noqa: E402
+from payments.infra.ids import new_id  # noqa: E402
+from payments.infra.schema import outbox as outbox_table  # noqa: E402
+from payments.infra.settings import Settings  # noqa: E402
+from payments.lifecycle.events import envelope  # noqa: E402
 from payments.runtime import build_runtime  # noqa: E402
-from payments.schema import outbox as outbox_table  # noqa: E402
-from payments.settings import Settings  # noqa: E402
 from payments.states import OutboxStatus  # noqa: E402
 
 SECRET = "whsec_" + base64.b64encode(b"paysync-events-bench-secret-32by").decode()
@@ -72,7 +72,7 @@ def _serve(port: int, log_path: str) -> None:
 
 
 def add_events(engine, n: int) -> list[str]:
-    """n PaymentSucceeded outbox rows, as payments.transitions.apply_decision writes them."""
+    """n PaymentSucceeded outbox rows, as payments.lifecycle.transitions.apply_decision writes them."""
     now = utcnow()
     rows = []
     for _ in range(n):

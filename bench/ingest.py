@@ -115,8 +115,8 @@ def write_requests(path: Path, count: int, run: int = 0) -> list[str]:
 
 def create_payments(engine, payment_ids: list[str]) -> None:  # noqa: ANN001
     """One Pending sandbox payment per id, with the amount the bench's event for it reports."""
-    from payments.db import utcnow
-    from payments.schema import payment
+    from payments.infra.db import utcnow
+    from payments.infra.schema import payment
 
     now = utcnow()
     rows = [

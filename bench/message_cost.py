@@ -30,9 +30,9 @@ import uuid
 from common import DEFAULT_AMQP_URL, delete_queue, loadavg, median, sandbox_event, signed_body
 
 from broker.publisher import CallbackPublisher
-from payments.db import utcnow
-from payments.delivery import decode_message, encode_message
-from payments.settings import DEV_DEFAULTS
+from payments.inbound.delivery import decode_message, encode_message
+from payments.infra.db import utcnow
+from payments.infra.settings import DEV_DEFAULTS
 
 MAX_BODY = 256 * 1024
 KEY = DEV_DEFAULTS["broker_message_secret"][0]

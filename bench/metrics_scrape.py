@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     from dataclasses import replace
 
     from gateway import create_app
-    from payments.db import make_engine, utcnow
-    from payments.monitoring import snapshot
-    from payments.settings import load_settings
+    from payments.infra.db import make_engine, utcnow
+    from payments.infra.settings import load_settings
+    from payments.ops.monitoring import snapshot
 
     filler = make_engine(args.database_url, pool_size=1, connect_args={"read_timeout": 1800, "write_timeout": 1800})
     try:  # a million rows from a previous run: TRUNCATE is quick where DROP may outlast the usual read timeout

@@ -35,8 +35,8 @@ from pathlib import Path
 from common import DEFAULT_DATABASE_URL, RESULTS, ROOT, loadavg, prepare_database, process_env
 from sqlalchemy import Engine, create_engine, func, select, text
 
-from payments.db import insert_ignore_rows
-from payments.schema import ledger_entry, ledger_event, payment, reconciliation_run
+from payments.infra.db import insert_ignore_rows
+from payments.infra.schema import ledger_entry, ledger_event, payment, reconciliation_run
 
 DAY = date(2024, 3, 1)
 TARGET_LINES_PER_SECOND = 20_000
@@ -166,7 +166,7 @@ def child(command: list[str], env: dict[str, str], cwd: Path = ROOT) -> tuple[fl
 
 def parse_only(path: str) -> int:
     """The baseline: read and parse the file, nothing else; print lines and seconds."""
-    from payments.bills import sandbox as sandbox_bill
+    from payments.providers.sandbox import bill as sandbox_bill
 
     started = time.monotonic()
     with open(path, "rb") as stream:

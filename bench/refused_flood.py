@@ -52,9 +52,9 @@ from bench.common import (  # noqa: E402
     signed_body,
     wait_for_http,
 )
-from payments.db import utcnow  # noqa: E402
-from payments.schema import payment, payment_callback_log  # noqa: E402
-from payments.settings import Settings  # noqa: E402
+from payments.infra.db import utcnow  # noqa: E402
+from payments.infra.schema import payment, payment_callback_log  # noqa: E402
+from payments.infra.settings import Settings  # noqa: E402
 
 TARGET_BYTES = 5_000_000
 FLOODER = "198.51.100.7"

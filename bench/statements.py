@@ -6,7 +6,7 @@ Every round trip PyMySQL makes to the server goes through one method,
 ``pymysql.connections.Connection._execute_command``: each query, and BEGIN,
 COMMIT, ROLLBACK and pings too. Counting there sees what SQLAlchemy's
 ``before_cursor_execute`` event would miss (the callback INSERT that
-``payments.db.DriverStatement`` sends on the raw DBAPI connection, the
+``payments.infra.db.DriverStatement`` sends on the raw DBAPI connection, the
 commits). Counts do not depend on the machine's load, so unlike a time they
 can be a test (``tests/test_statement_budget.py``, budget in
 ``bench/statement_budget.toml``).
@@ -54,10 +54,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # measures that tree's code with this counter), which comes first on sys.path.
 sys.path.append(str(ROOT))
 
-from payments.db import utcnow  # noqa: E402
+from payments.infra.db import utcnow  # noqa: E402
+from payments.infra.schema import payment  # noqa: E402
+from payments.infra.settings import Settings  # noqa: E402
 from payments.runtime import Runtime, build_runtime  # noqa: E402
-from payments.schema import payment  # noqa: E402
-from payments.settings import Settings  # noqa: E402
 from sandbox import signing  # noqa: E402
 
 BUDGET_FILE = ROOT / "bench" / "statement_budget.toml"
@@ -195,9 +195,9 @@ def measure(settings: Settings, engine: Engine) -> dict[str, Counted]:
     """Run each path twice on ``engine`` (MariaDB) and the sandbox ``settings`` names; count the second run."""
     from compensator import compensate_callbacks, relay_outbox
     from gateway import create_app
-    from payments import breaker
-    from payments.callbacks import CallbackResult, process_callback
-    from payments.schema import payment_callback_log
+    from payments.inbound.callbacks import CallbackResult, process_callback
+    from payments.infra.schema import payment_callback_log
+    from payments.outbound import breaker
 
     settings = replace(
         settings,
@@ -268,9 +268,9 @@ def measure(settings: Settings, engine: Engine) -> dict[str, Counted]:
     # The breaker's row is read at most every breaker.CACHE_SECONDS whatever the traffic: under load one read
     # shared by every payment in its window, here one per unit or none depending on the clock. Held for the
     # whole measurement, so no count depends on that timing.
-    # Likewise the pool's idle ping (payments.db.IDLE_PING_SECONDS): a connection unused for a second is pinged,
+    # Likewise the pool's idle ping (payments.infra.db.IDLE_PING_SECONDS): a connection unused for a second is pinged,
     # which a busy worker never is and a counted unit on a loaded machine may be, now and then.
-    from payments import db
+    from payments.infra import db
 
     held_for, idle_ping = breaker.CACHE_SECONDS, db.IDLE_PING_SECONDS
     breaker.CACHE_SECONDS = db.IDLE_PING_SECONDS = 3600.0
@@ -287,8 +287,8 @@ def measure(settings: Settings, engine: Engine) -> dict[str, Counted]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from payments.db import init_db, make_engine
-    from payments.settings import DEV_DEFAULTS
+    from payments.infra.db import init_db, make_engine
+    from payments.infra.settings import DEV_DEFAULTS
 
     parser = argparse.ArgumentParser(prog="bench/statements.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--database-url", default="mysql+pymysql://root@127.0.0.1:3306/paysync_bench_statements")

@@ -14,7 +14,7 @@ message woke the I/O thread and RabbitMQ on its own, and RabbitMQ spent about
 0.2 ms of CPU per message. So the first callback after a quiet spell wakes the
 I/O thread to publish ``linger`` seconds later (PUBLISH_LINGER_SECONDS), and
 everything queued by then leaves in as few messages as ``batch_max`` deliveries
-and ``batch_bytes`` allow (``pack``: ``payments.delivery.encode_batch``): one wake-up,
+and ``batch_bytes`` allow (``pack``: ``payments.inbound.delivery.encode_batch``): one wake-up,
 one message and one confirm for many callbacks. The callback's answer never
 waits for any of it. If the broker is down, messages are
 dropped and counted, and the connection is re-established, with backoff, on a later

@@ -38,8 +38,8 @@ from collections.abc import Callable
 from datetime import UTC, date, datetime
 
 from payments.errors import ConfigError
+from payments.infra.settings import start_process
 from payments.runtime import Runtime, build_runtime
-from payments.settings import start_process
 
 log = logging.getLogger("paysync.compensator")
 
@@ -143,7 +143,7 @@ def serve(runtime: Runtime) -> None:
     jobs = sorted([*_jobs(), *_daily_jobs()])
     log.info("compensator started", extra={"jobs": jobs, "broker": runtime.settings.has_broker})
     from compensator import notify_alerts
-    from payments import metrics
+    from payments.infra import metrics
 
     notify_alerts.log_routing(runtime.settings)
     metrics.serve_for(runtime.settings, runtime.settings.compensator_metrics_port, "compensator")
@@ -206,7 +206,7 @@ def _verify(runtime: Runtime, fmt: str) -> int:
 
 
 def _aging(runtime: Runtime, fmt: str) -> int:
-    from payments import aging
+    from payments.reconciliation import aging
 
     report = aging.aging(runtime.engine)
     print(json.dumps(report, indent=2) if fmt == "json" else aging.describe(report))
@@ -215,9 +215,9 @@ def _aging(runtime: Runtime, fmt: str) -> int:
 
 def _reconcile(runtime: Runtime, day: date, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from compensator.reconcile import reconcilable, reconcile_command
-    from payments import reconcile
     from payments.providers.base import ProviderUnavailable
-    from payments.settlement import SettlementFormatError
+    from payments.providers.settlement import SettlementFormatError
+    from payments.reconciliation import reconcile
 
     if args.provider:
         providers = [args.provider]

@@ -10,7 +10,7 @@
   took it, and the actions on it.
 - ``alerts ack ID``, ``alerts silence ID --minutes N`` (0 lifts it),
   ``alerts assign ID --to NAME``, each with ``--note TEXT --actor NAME``:
-  ``payments.alert_actions``, recorded in ``ops_action`` (via cli) like the
+  ``payments.ops.alert_actions``, recorded in ``ops_action`` (via cli) like the
   console's. ``--review`` takes a review id instead of an alert id. Exit
   status: 0 done, 1 refused, 2 bad usage.
 """
@@ -22,13 +22,14 @@ import json
 import sys
 import time
 
-from payments import alert_actions, ops_actions
 from payments.errors import NotificationFailed
-from payments.notify import CHANNEL_NAMES, TEST, Notice
-from payments.notify.channels import SPECS, build_channels
-from payments.ops_actions import Actor, OpsRefused
+from payments.escalation.notify import CHANNEL_NAMES, TEST, Notice
+from payments.escalation.notify.channels import SPECS, build_channels
+from payments.infra.settings import env_name, start_process
+from payments.ops import actions as ops_actions
+from payments.ops import alert_actions
+from payments.ops.actions import Actor, OpsRefused
 from payments.runtime import Runtime, build_runtime
-from payments.settings import env_name, start_process
 
 
 def test_notice() -> Notice:

@@ -1,6 +1,6 @@
 """Job ``cleanup``: archive, then delete, processed and rejected callback rows past their retention.
 
-What goes and how it is kept safe is ``payments.retention``; this module runs
+What goes and how it is kept safe is ``payments.infra.retention``; this module runs
 it in batches (one transaction each, CLEANUP_BATCH_SIZE rows) until nothing
 is due or the time budget is spent, so a first run over years of rows never
 holds locks for long, and the next run carries on.
@@ -16,8 +16,8 @@ import logging
 import time
 from pathlib import Path
 
-from payments import metrics, retention
-from payments.db import utcnow
+from payments.infra import metrics, retention
+from payments.infra.db import utcnow
 from payments.runtime import Runtime
 
 log = logging.getLogger("paysync.compensator.cleanup")
@@ -67,8 +67,8 @@ def dry_run(runtime: Runtime) -> dict[str, int]:
 
 def main(argv: list[str]) -> int:
     """``python -m compensator cleanup [--once | --dry-run]``."""
+    from payments.infra.settings import start_process
     from payments.runtime import build_runtime
-    from payments.settings import start_process
 
     parser = argparse.ArgumentParser(prog="python -m compensator cleanup", description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group(required=True)

@@ -5,7 +5,7 @@ Takes rows with status 0 or 2 that are older than the grace period and due
 ``SELECT … FOR UPDATE SKIP LOCKED`` and leased by pushing ``next_retry_at``
 out, in one short transaction, so any number of compensators share the
 backlog without taking the same row. The claimed rows are then processed
-``ROWS_PER_TRANSACTION`` at a time by ``payments.callback_processing.process_batch``,
+``ROWS_PER_TRANSACTION`` at a time by ``payments.inbound.processing.process_batch``,
 as the consumer processes its micro-batches: the common chunk set-wise (a
 few multi-row statements and one COMMIT for all its rows), any chunk with
 something unusual in it row by row, a savepoint each, with retries and
@@ -22,12 +22,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from compensator.ratelimit import RateLimiter
-from payments.callback_processing import claim_retries, process_batch
-from payments.callbacks import CallbackResult
-from payments.db import is_sqlite, utcnow
-from payments.hints import HintLimits
+from payments.inbound.callbacks import CallbackResult
+from payments.inbound.hints import HintLimits
+from payments.inbound.processing import claim_retries, process_batch
+from payments.infra.db import is_sqlite, utcnow
+from payments.infra.settings import Settings
 from payments.runtime import Runtime
-from payments.settings import Settings
 
 log = logging.getLogger("paysync.compensator.callbacks")
 

@@ -2,7 +2,7 @@
 
 The rules and their thresholds, windows and channels come from
 ALERT_RULES_FILE (default ``ops/alert_rules.toml``); the evaluators, keyed by
-rule name, are in ``payments/alert_evaluators.py`` (the seed's two rules:
+rule name, are in ``payments/escalation/evaluators.py`` (the seed's two rules:
 ``callback_backlog``, more than 100 rows with status 0/2 for 5 minutes, and
 ``callback_failure_rate``, more than 5 % of the callbacks of the last 10
 minutes failed, plus compensation success, deadlines, signature failures and
@@ -25,9 +25,11 @@ from functools import partial
 from sqlalchemy import Connection
 
 from broker import connection
-from payments import alert_evaluators, alert_rules, alerts
-from payments.db import utcnow
-from payments.locks import lock_name, named_lock
+from payments.escalation import alerts
+from payments.escalation import evaluators as alert_evaluators
+from payments.escalation import rules as alert_rules
+from payments.infra.db import utcnow
+from payments.infra.locks import lock_name, named_lock
 from payments.runtime import Runtime
 
 log = logging.getLogger("paysync.compensator.alerts")
@@ -40,7 +42,7 @@ BROKER_PROBE_TIMEOUT_SECONDS = 2.0
 """Socket timeout of the broker probe (the whole connection gets ``connection.connect_bound`` of it)."""
 
 LOCK_NAME = "paysync.evaluate_alerts"
-"""Named database lock (``payments.locks``): one evaluation at a time across every compensator."""
+"""Named database lock (``payments.infra.locks``): one evaluation at a time across every compensator."""
 
 
 def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import requests
 
-from payments import webhook_signing
-from payments.events import WEBHOOK, Attempt
+from payments.infra import webhook_signing
+from payments.lifecycle.events import WEBHOOK, Attempt
 
 USER_AGENT = "paysync-webhooks/1"
 

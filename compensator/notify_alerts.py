@@ -2,7 +2,7 @@
 
 Each run:
 
-1. plans (``payments.notifications.plan``): a firing notification per channel
+1. plans (``payments.escalation.notifications.plan``): a firing notification per channel
    for each alert that started firing, a reminder each rule cooldown while it
    fires, a resolved notice when it clears;
 2. claims due notifications (``SELECT … FOR UPDATE SKIP LOCKED`` and a lease,
@@ -16,7 +16,7 @@ Each run:
    given up after ALERT_NOTIFY_MAX_ATTEMPTS (or at once when the service says
    the request itself is wrong), which fires ``alert_channel_failing``.
 
-Which channels exist is configuration (``payments/notify/channels.py``); which
+Which channels exist is configuration (``payments/escalation/notify/channels.py``); which
 alert goes where is the rules file (``ops/alert_rules.toml``).
 """
 
@@ -30,15 +30,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import datetime, timedelta
 
-from payments import alert_rules, notifications
-from payments.backoff import RetryPolicy
-from payments.db import utcnow
 from payments.errors import NotificationFailed
-from payments.notifications import Claimed
-from payments.notify import Channel, links
-from payments.notify.channels import build_channels, enabled_channels
+from payments.escalation import notifications
+from payments.escalation import rules as alert_rules
+from payments.escalation.notifications import Claimed
+from payments.escalation.notify import Channel, links
+from payments.escalation.notify.channels import build_channels, enabled_channels
+from payments.infra.backoff import RetryPolicy
+from payments.infra.db import utcnow
+from payments.infra.settings import Settings
 from payments.runtime import Runtime
-from payments.settings import Settings
 
 log = logging.getLogger("paysync.compensator.notify")
 

@@ -1,6 +1,6 @@
 """Job ``publish_events``: deliver domain events from the outbox to the merchant's systems.
 
-Claims due outbox rows whose type is a domain event (``payments.events.DOMAIN_EVENT_TYPES``;
+Claims due outbox rows whose type is a domain event (``payments.lifecycle.events.DOMAIN_EVENT_TYPES``;
 ``ChargeRequested``/``RefundRequested`` are left to ``relay_outbox``) with
 ``SELECT … FOR UPDATE SKIP LOCKED`` and a lease, then for each event and each
 configured destination that still needs it:
@@ -11,8 +11,8 @@ configured destination that still needs it:
   Standard Webhooks format (``compensator/events_webhook.py``);
 
 and records the outcome per destination in one transaction
-(``payments.events.record``): delivered, backed off, or given up into the
-manual queue with an alert. See ``payments/events.py`` for the delivery-state
+(``payments.lifecycle.events.record``): delivered, backed off, or given up into the
+manual queue with an alert. See ``payments/lifecycle/events.py`` for the delivery-state
 model and the choices behind it.
 
 Delivery happens outside any transaction (slow I/O never holds row locks);
@@ -31,12 +31,14 @@ import requests
 
 from compensator.events_amqp import CONNECT_TIMEOUT_SECONDS, BrokerUnavailable, EventPublisher, MessageRefused
 from compensator.events_webhook import post_event
-from payments import alert_rules, events, failpoints
-from payments.backoff import RetryPolicy
-from payments.db import utcnow
-from payments.events import AMQP, WEBHOOK, Attempt, ClaimedEvent
+from payments.escalation import rules as alert_rules
+from payments.infra import failpoints
+from payments.infra.backoff import RetryPolicy
+from payments.infra.db import utcnow
+from payments.infra.settings import Settings
+from payments.lifecycle import events
+from payments.lifecycle.events import AMQP, WEBHOOK, Attempt, ClaimedEvent
 from payments.runtime import Runtime
-from payments.settings import Settings
 
 log = logging.getLogger("paysync.compensator.events")
 

@@ -3,7 +3,7 @@
 Takes payments that are Unknown, or Pending past QUERY_PENDING_AFTER_SECONDS,
 whose ``next_query_at`` is due; claims them with ``FOR UPDATE SKIP LOCKED``
 and a lease, and queries each by our business number
-(``payments.outbound_protocol.query_payment``). Found → applied through the state
+(``payments.outbound.protocol.query_payment``). Found → applied through the state
 machine. Not found → sent again with the same idempotency key, if the
 provider's capabilities make that safe. Still unresolved at the payment's
 deadline → manual review and an alert. Backoff between queries is exponential
@@ -11,7 +11,7 @@ with jitter (QUERY_BASE_SECONDS … QUERY_MAX_SECONDS). While a provider's
 circuit breaker is open, each run may still send BREAKER_QUERY_BUDGET queries
 to it; their answers are the probes that close it. Refunds (Unknown, or
 Pending past the same setting) are claimed once no payment is left due, and
-queried by our refund number (``payments.outbound_protocol.query_refund``).
+queried by our refund number (``payments.outbound.protocol.query_refund``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from datetime import datetime
 
 from compensator.relay_outbox import throttle
 from compensator.workpool import drain
-from payments import breaker
-from payments.db import utcnow
-from payments.outbound_protocol import Context, Result, claim_queries, query_payment, query_refund
+from payments.infra.db import utcnow
+from payments.outbound import breaker
+from payments.outbound.protocol import Context, Result, claim_queries, query_payment, query_refund
 from payments.runtime import Runtime
 from payments.states import BreakerState
 

@@ -2,14 +2,14 @@
 
 For every configured provider with a settlement parser, the files of the last
 RECONCILE_DAYS_BACK days (yesterday included) are downloaded through the
-adapter and reconciled by ``payments.reconcile``. A day whose file is
+adapter and reconciled by ``payments.reconciliation.reconcile``. A day whose file is
 unchanged since a completed run is skipped; a file the provider has not
 published yet (or cannot serve) is logged and tried again on the next day's
 run, as long as the day is still inside the window. A file past its size cap
 (``SettlementTooLarge``: trying again brings the same file) raises the alert
 ``settlement_too_large`` for a person, once per provider and day; a later
 download of that day that fits resolves it. Runs hold the named lock
-``payments.reconcile.LOCK_NAME``, so however many compensators run, one
+``payments.reconciliation.reconcile.LOCK_NAME``, so however many compensators run, one
 reconciles; re-running a day adds no second adjustment.
 """
 
@@ -19,13 +19,22 @@ import logging
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
-from payments import alerts
-from payments.db import batch_engine, utcnow
-from payments.locks import named_lock
+from payments.escalation import alerts
+from payments.infra.db import batch_engine, utcnow
+from payments.infra.locks import named_lock
 from payments.providers.base import ProviderUnavailable, SettlementTooLarge
-from payments.reconcile import LOCK_NAME, PARSERS, ReconcileError, Report, Source, download, open_file, reconcile
+from payments.providers.settlement import SettlementFormatError
+from payments.reconciliation.reconcile import (
+    LOCK_NAME,
+    PARSERS,
+    ReconcileError,
+    Report,
+    Source,
+    download,
+    open_file,
+    reconcile,
+)
 from payments.runtime import Runtime
-from payments.settlement import SettlementFormatError
 
 log = logging.getLogger("paysync.compensator.reconcile")
 

@@ -6,7 +6,7 @@ provider call (``Settings.call_lease_seconds``), in one short transaction, so
 any number of compensators share the queue; a row whose worker dies comes
 back when the lease runs out and is sent again with the same idempotency key.
 The lease is also the worker's token: a worker that finds another's token on
-the row when it prepares the call sends nothing. Each row is handled by ``payments.outbound_protocol.relay_charge``
+the row when it prepares the call sends nothing. Each row is handled by ``payments.outbound.protocol.relay_charge``
 or ``relay_refund``, by its event type (prepare, call, apply: see there). Up to RELAY_CONCURRENCY calls are in flight
 at once (256: a slot is a thread asleep on its socket, so calls hanging until
 PROVIDER_TIMEOUT_SECONDS hold cheap slots, not the queue), at most
@@ -17,7 +17,7 @@ so 256 threads never crowd the pool and the interpreter lock with 256 open
 transactions (which stretched every one of them, ran the pool dry and failed
 units on its timeout, to wait out their lease). Each provider
 is held to PROVIDER_RATE_LIMIT calls per second per process and guarded by
-its breaker (``payments.breaker``, inside the relay). The compensator runs
+its breaker (``payments.outbound.breaker``, inside the relay). The compensator runs
 the job in a thread of its own, one run after another (``run_forever``), not
 on the scheduler; a run polls for due rows every POLL_SECONDS while it has
 calls in flight, and an idle run polls on for RELAY_INTERVAL_SECONDS (200 ms
@@ -35,13 +35,13 @@ from datetime import datetime
 
 from compensator.ratelimit import RateLimiter
 from compensator.workpool import drain
-from payments.charges import CHARGE_REQUESTED
-from payments.db import utcnow
-from payments.group_commit import GroupCommit
-from payments.outbound_protocol import Context, Result, claim_sends, relay_charge, relay_refund
+from payments.infra.db import utcnow
+from payments.infra.group_commit import GroupCommit
+from payments.outbound.charges import CHARGE_REQUESTED
+from payments.outbound.protocol import Context, Result, claim_sends, relay_charge, relay_refund
+from payments.outbound.refunds import REFUND_REQUESTED
+from payments.outbound.relay_batch import PreparedCharge, apply_charges, prepare_charges, send_prepared
 from payments.providers.base import QueryOutcome
-from payments.refunds import REFUND_REQUESTED
-from payments.relay_batch import PreparedCharge, apply_charges, prepare_charges, send_prepared
 from payments.runtime import Runtime
 
 log = logging.getLogger("paysync.compensator.relay")
@@ -109,7 +109,7 @@ def run_forever(runtime: Runtime, stop: threading.Event) -> None:
 
 
 APPLY_GROUP_MAX = 100
-"""At most this many call outcomes are applied in one transaction (``payments.group_commit``)."""
+"""At most this many call outcomes are applied in one transaction (``payments.infra.group_commit``)."""
 
 
 def run_once(runtime: Runtime, *, max_seconds: float | None = None, linger_seconds: float = 0.0) -> int:

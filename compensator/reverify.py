@@ -1,14 +1,14 @@
 """``python -m compensator reverify --provider P [--since ISO-TIME]``: re-verify rejected callbacks after a key fix.
 
 The work (which rows, what verifies, what stays refused for its source) is
-``payments.callback_reverify``; ``compensator.__main__`` parses the command.
+``payments.inbound.reverify``; ``compensator.__main__`` parses the command.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from payments.callback_reverify import Reverified, reverify
+from payments.inbound.reverify import Reverified, reverify
 from payments.runtime import Runtime
 
 

@@ -12,7 +12,7 @@
 - ``review approve ID [--request OPS_ACTION_ID] --note TEXT --actor NAME``: another person approves it (booked,
   the review resolved); ``review decline ID …`` declines (or, for whoever asked, withdraws) it
 
-The actions are ``payments.ops_actions``'s, the console's own, recorded in
+The actions are ``payments.ops.actions``'s, the console's own, recorded in
 ``ops_action`` with ``via = cli`` and, as the identity, the operating-system
 user running the command (``ops_actions.process_identity``). Exit status: 0
 done, 1 refused or failed (for a replay: any row skipped or whose processing
@@ -28,10 +28,10 @@ from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 
-from payments import ops_actions
-from payments.ops_actions import Actor, OpsRefused
+from payments.infra.settings import start_process
+from payments.ops import actions as ops_actions
+from payments.ops.actions import Actor, OpsRefused
 from payments.runtime import Runtime, build_runtime
-from payments.settings import start_process
 
 
 def _parser() -> argparse.ArgumentParser:

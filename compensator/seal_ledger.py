@@ -63,10 +63,10 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, and_, delete, func, insert, or_, select
 
-from payments.db import utcnow
-from payments.locks import named_lock
+from payments.infra.db import utcnow
+from payments.infra.locks import named_lock
+from payments.infra.schema import ledger_entry, ledger_event, ledger_seal, ledger_seal_gap
 from payments.runtime import Runtime
-from payments.schema import ledger_entry, ledger_event, ledger_seal, ledger_seal_gap
 
 log = logging.getLogger("paysync.compensator.seal")
 

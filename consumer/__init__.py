@@ -1,1 +1,1 @@
-"""The RabbitMQ consumer: a thin pika shell around ``payments.callbacks.process_callback``."""
+"""The RabbitMQ consumer: a thin pika shell around ``payments.inbound.callbacks.process_callback``."""

@@ -1,6 +1,6 @@
 """What the consumer does with its messages, with no pika inside: one call into the core each.
 
-``payments.callback_processing`` processes the deliveries a message carries
+``payments.inbound.processing`` processes the deliveries a message carries
 (restoring a row the database lost from the message) and says what to tell
 the broker: ACK for any outcome of processing, DEAD_LETTER for a message we
 cannot read or paysync did not sign (a forged one also raises the alert
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from broker.consume import Action
-from payments import metrics
-from payments.callback_processing import CallbackResult, Consumed, consume_message, consume_messages
+from payments.inbound.processing import CallbackResult, Consumed, consume_message, consume_messages
+from payments.infra import metrics
 from payments.runtime import Runtime
 
 

@@ -4,7 +4,7 @@
 compensator do (``payments.runtime``: engine, adapters, retry policy,
 failpoints armed), plus the gateway's own pieces: the callback publisher
 (``broker.publisher``), with CALLBACK_PROCESS_INLINE the inline processor, and the
-pool that sends POST /payments's inline charges (``payments.send_pool``; ``shutdown`` stops it).
+pool that sends POST /payments's inline charges (``payments.outbound.send_pool``; ``shutdown`` stops it).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
 
+from payments.infra.settings import Settings, load_settings
 from payments.runtime import Runtime, build_runtime
-from payments.settings import Settings, load_settings
 
 log = logging.getLogger("paysync.gateway")
 
@@ -47,9 +47,9 @@ def create_app(
     from broker.publisher import PACKING_BYTES, CallbackPublisher
     from gateway.callbacks import CallbackLimits
     from gateway.inline import InlineProcessor
-    from payments.delivery import encode_batch, max_message_bytes
-    from payments.metrics import publish_failed  # not `metrics`: gateway.metrics (the blueprint) takes that name
-    from payments.send_pool import SendPool
+    from payments.inbound.delivery import encode_batch, max_message_bytes
+    from payments.infra.metrics import publish_failed  # not `metrics`: gateway.metrics (the blueprint) takes that name
+    from payments.outbound.send_pool import SendPool
 
     if runtime is None:
         runtime = build_runtime(settings or load_settings(), engine)
@@ -121,7 +121,7 @@ def _request_ids(app: Flask) -> None:
     """Every request gets an id (a sane X-Request-Id, else a new one): in its log lines and its answer's header."""
     from flask import g, request
 
-    from payments.logs import REQUEST_ID, new_request_id, sane_request_id
+    from payments.infra.logs import REQUEST_ID, new_request_id, sane_request_id
 
     @app.before_request
     def _bind() -> None:

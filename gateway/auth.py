@@ -1,4 +1,4 @@
-"""Bearer tokens: who may call what (source addresses: ``payments.sources``)."""
+"""Bearer tokens: who may call what (source addresses: ``payments.infra.sources``)."""
 
 from __future__ import annotations
 

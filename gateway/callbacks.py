@@ -1,7 +1,7 @@
-"""``POST /callbacks/<provider>``: HTTP framing around one call into the core (``payments.callback_intake``).
+"""``POST /callbacks/<provider>``: HTTP framing around one call into the core (``payments.inbound.intake``).
 
 The core stores first, verifies second, publishes third and acknowledges
-last. Before any of it, here, the source: a client past its per-source rate (``payments.ratelimit``) is
+last. Before any of it, here, the source: a client past its per-source rate (``payments.infra.ratelimit``) is
 answered 429 with nothing read or stored, and one outside the provider's allow-list is stored
 small (headers and the first REFUSED_BODY_BYTES) and refused.
 
@@ -33,13 +33,13 @@ from werkzeug.http import HTTP_STATUS_CODES
 from werkzeug.wsgi import get_content_length
 
 from gateway import error_body, http_error
-from payments import metrics
-from payments.callback_intake import Incoming, Refusal, receive_callback
 from payments.errors import SourceNotAllowed
-from payments.logs import REQUEST_ID, new_request_id, sane_request_id
-from payments.ratelimit import SourceLimiter
-from payments.settings import PROVIDERS, env_name, source_cidrs
-from payments.sources import client_address, source_allowed
+from payments.inbound.intake import Incoming, Refusal, receive_callback
+from payments.infra import metrics
+from payments.infra.logs import REQUEST_ID, new_request_id, sane_request_id
+from payments.infra.ratelimit import SourceLimiter
+from payments.infra.settings import PROVIDERS, env_name, source_cidrs
+from payments.infra.sources import client_address, source_allowed
 
 bp = Blueprint("callbacks", __name__)
 log = logging.getLogger("paysync.gateway.callbacks")
@@ -47,7 +47,7 @@ PREFIX = "/callbacks/"
 
 
 class CallbackLimits(NamedTuple):
-    """The per-source limits of the callback routes (``payments.ratelimit``), one pair per gateway worker."""
+    """The per-source limits of the callback routes (``payments.infra.ratelimit``), one pair per gateway worker."""
 
     every: SourceLimiter
     """Every POST to a callback route (CALLBACK_SOURCE_RATE, CALLBACK_SOURCE_BURST)."""
@@ -80,7 +80,7 @@ def error_answer(code: str, message: str, status: int, headers: Mapping[str, str
 def receive_delivery(
     paysync: Mapping[str, Any], provider_name: str, environ: Mapping[str, Any], request_id: str | None
 ) -> Answer:
-    """Receive one provider notification: HTTP framing around ``payments.callback_intake.receive_callback``
+    """Receive one provider notification: HTTP framing around ``payments.inbound.intake.receive_callback``
     (docs/design.md section 1 has the order of work).
 
     ``paysync`` is what ``create_app`` put in ``app.extensions["paysync"]``.
@@ -202,7 +202,7 @@ def _source(
     """(the client's address, the refusal when the provider's allow-list does not hold it).
 
     The client is the peer, or the rightmost hop of X-Forwarded-For not inside
-    TRUSTED_PROXIES when the peer is one of them (``payments.sources``).
+    TRUSTED_PROXIES when the peer is one of them (``payments.infra.sources``).
     """
     forwarded = ",".join(request_headers.getlist("X-Forwarded-For"))
     client = client_address(peer, forwarded, settings.trusted_proxies)

@@ -34,8 +34,8 @@ import struct
 import tempfile
 from pathlib import Path
 
-from payments.logs import scrub_every_handler, scrub_logger
-from payments.settings import start_process
+from payments.infra.logs import scrub_every_handler, scrub_logger
+from payments.infra.settings import start_process
 
 # Refuses weak secrets in production (exit 2, one line) before any worker forks; warns once in development.
 _settings = start_process("web")

@@ -15,7 +15,7 @@ database that hangs), new callbacks skip inline processing instead of queueing
 behind them.
 
 Callbacks that arrive while another is being processed are processed
-together, in one transaction (``payments.group_commit`` with
+together, in one transaction (``payments.infra.group_commit`` with
 ``callback_processing.process_batch``, as the consumer processes a batch of messages:
 set-wise when they are the usual reports, a savepoint each otherwise), each
 with exactly the effects it would get alone.
@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from payments.callback_processing import process_batch
-from payments.callbacks import CallbackResult
-from payments.group_commit import GroupCommit
-from payments.hints import HintLimits
+from payments.inbound.callbacks import CallbackResult
+from payments.inbound.hints import HintLimits
+from payments.inbound.processing import process_batch
+from payments.infra.group_commit import GroupCommit
 from payments.runtime import Runtime
 
 log = logging.getLogger("paysync.gateway.inline")

@@ -1,6 +1,6 @@
 """``GET /metrics``: Prometheus text format, for allowed sources or the ops token.
 
-Two parts. The event counters and histograms of ``payments.metrics``
+Two parts. The event counters and histograms of ``payments.infra.metrics``
 (callbacks received, ack latency, processing outcomes, …) are this gateway's
 own: under gunicorn every worker writes them to the multiprocess directory
 (``gateway/gunicorn_conf.py``) and the answering worker adds them all up; run
@@ -9,7 +9,7 @@ any other way (tests, ``flask run``) they are this process's registry.
 The gauges come from the database at scrape time, so they are the same
 whichever gunicorn worker answers and they cover the consumer's and the
 compensator's work too, with no per-process counters to aggregate. What can
-pile up is read on every scrape (``payments.monitoring.live_counts``, index
+pile up is read on every scrape (``payments.ops.monitoring.live_counts``, index
 ranges over few rows); the counts of settled rows, millions in a busy system,
 are cached per worker for METRICS_SETTLED_CACHE_SECONDS.
 
@@ -17,7 +17,7 @@ Only clients inside METRICS_ALLOW_CIDRS (loopback by default) or a request
 bearing a METRICS_TOKEN (scrape only) or an OPS_TOKEN get an answer; everyone
 else gets 403. The client is the peer, or, when the peer is one of
 TRUSTED_PROXIES, the address those proxies forwarded (the rule of
-``payments.metrics.allowed``, which the consumer's and compensator's ports
+``payments.infra.metrics.allowed``, which the consumer's and compensator's ports
 share); X-Forwarded-For from anyone else is not believed.
 """
 
@@ -35,9 +35,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway import error_response, ext
-from payments.db import utcnow
-from payments.metrics import allowed, scrape_tokens
-from payments.monitoring import UNKNOWN_AGE_BUCKETS, Settled, Snapshot, combine, live_counts, settled_counts
+from payments.infra.db import utcnow
+from payments.infra.metrics import allowed, scrape_tokens
+from payments.ops.monitoring import UNKNOWN_AGE_BUCKETS, Settled, Snapshot, combine, live_counts, settled_counts
 from payments.states import AlertStatus, CallbackStatus, PaymentStatus
 
 bp = Blueprint("metrics", __name__)

@@ -16,8 +16,14 @@ from typing import Any
 from flask import Blueprint, jsonify
 
 from gateway import ext
-from payments.charges import ISO_4217, MAX_DESCRIPTION_LENGTH, MAX_KEY_LENGTH, MAX_ORDER_NO_LENGTH, ORDER_NO_VISIBLE
-from payments.refunds import MAX_REASON_LENGTH
+from payments.outbound.charges import (
+    ISO_4217,
+    MAX_DESCRIPTION_LENGTH,
+    MAX_KEY_LENGTH,
+    MAX_ORDER_NO_LENGTH,
+    ORDER_NO_VISIBLE,
+)
+from payments.outbound.refunds import MAX_REASON_LENGTH
 from payments.states import PaymentStatus
 
 bp = Blueprint("openapi", __name__)

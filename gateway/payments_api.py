@@ -1,4 +1,5 @@
-"""The merchant API: payments and their refunds; the logic is in payments.charges and payments.refunds."""
+"""The merchant API: payments and their refunds; the logic is in payments.outbound.charges and
+payments.outbound.refunds."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from gateway import error_response, ext
 from gateway.auth import bearer_ok
-from payments.charges import InvalidRequest, check_key, create_payment, get_payment, parse_create
-from payments.idempotency import Answer
-from payments.outbound_protocol import Context
-from payments.refunds import create_refund, get_refund, parse_refund
-from payments.send_pool import relay_charge_inline
+from payments.outbound.charges import InvalidRequest, check_key, create_payment, get_payment, parse_create
+from payments.outbound.idempotency import Answer
+from payments.outbound.protocol import Context
+from payments.outbound.refunds import create_refund, get_refund, parse_refund
+from payments.outbound.send_pool import relay_charge_inline
 
 bp = Blueprint("payments_api", __name__)
 log = logging.getLogger("paysync.gateway.payments")
@@ -86,7 +87,7 @@ _calls = _Calls()
 
 
 def _stored_answer(answer: Answer) -> Response:
-    """The answer of a keyed POST as stored with its key (``payments.idempotency``); a replay says so."""
+    """The answer of a keyed POST as stored with its key (``payments.outbound.idempotency``); a replay says so."""
     response = Response(answer.body, answer.status, content_type="application/json")
     if answer.replayed:
         response.headers["Idempotent-Replayed"] = "true"
@@ -94,7 +95,8 @@ def _stored_answer(answer: Answer) -> Response:
 
 
 def _send_now(provider: str) -> Callable[[str], bool] | None:
-    """How POST /payments sends a charge at once (see ``payments.charges``); None when it waits for the relay."""
+    """How POST /payments sends a charge at once (see ``payments.outbound.charges``); None when it waits for the
+    relay."""
     settings = ext("settings")
     adapter = ext("providers").get(provider)
     budget = settings.charge_inline_budget_seconds

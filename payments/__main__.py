@@ -8,9 +8,9 @@ import logging
 import sys
 import tempfile
 
-from payments.db import make_engine, schema_sql
 from payments.errors import PaysyncError
-from payments.settings import start_process
+from payments.infra.db import make_engine, schema_sql
+from payments.infra.settings import start_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("schema-sql", help="print the MySQL/MariaDB DDL (what schema.sql holds)")
     diff = sub.add_parser(
         "migration-diff",
-        help="print what payments/schema.py has that the newest revision lacks, as a draft revision file",
+        help="print what payments/infra/schema.py has that the newest revision lacks, as a draft revision file",
     )
     diff.add_argument(
         "--url",
@@ -53,7 +53,7 @@ def _init_db(url: str, verbose: bool) -> int:
     # Alembic logs a dozen INFO lines per run (its plugins as it is imported, its context, one per revision);
     # the one line printed below says what happened. --verbose (or LOG_LEVEL=DEBUG) lets them through again.
     logging.getLogger("alembic").setLevel(logging.INFO if verbose else logging.WARNING)
-    from payments.migrations import script_directory, upgrade
+    from payments.infra.migrations import script_directory, upgrade
 
     engine = make_engine(url)
     where = engine.url.render_as_string(hide_password=True)
@@ -81,7 +81,7 @@ def _init_db(url: str, verbose: bool) -> int:
 
 
 def _settings_reference(check: bool) -> int:
-    from payments import settings_reference
+    from payments.infra import settings_reference
 
     path = settings_reference.REFERENCE_PATH
     if check:
@@ -102,7 +102,7 @@ def _settings_reference(check: bool) -> int:
 
 
 def _migration_diff(url: str | None, message: str) -> int:
-    from payments.migrations.draft import draft_revision
+    from payments.infra.migrations.draft import draft_revision
 
     with tempfile.TemporaryDirectory(prefix="paysync-migration-diff-") as scratch:
         engine = make_engine(url or f"sqlite:///{scratch}/head.db")
@@ -114,12 +114,12 @@ def _migration_diff(url: str | None, message: str) -> int:
         finally:
             engine.dispose()
     if not draft.differences:
-        print(f"no differences: the head revision matches payments/schema.py (compared on {engine.dialect.name})")
+        print(f"no differences: the head revision matches payments/infra/schema.py (compared on {engine.dialect.name})")
         return 0
     sys.stdout.write(draft.text)
     print(
         f"{len(draft.differences)} difference(s); read the draft, then save it as "
-        f"payments/migrations/versions/{draft.filename}",
+        f"payments/infra/migrations/versions/{draft.filename}",
         file=sys.stderr,
     )
     return 1

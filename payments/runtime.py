@@ -1,6 +1,6 @@
 """What every long-running process needs, built once at start from the settings.
 
-Every process starts the same way: ``payments.settings.start_process`` (a bad
+Every process starts the same way: ``payments.infra.settings.start_process`` (a bad
 setting stops it with one line naming it and exit code 2, logging set up),
 then ``build_runtime`` (failpoints armed, the engine and adapters built).
 """
@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from payments import failpoints
-from payments.backoff import RetryPolicy
-from payments.db import make_engine
+from payments.infra import failpoints
+from payments.infra.backoff import RetryPolicy
+from payments.infra.db import make_engine
+from payments.infra.settings import Settings
 from payments.providers import build_providers
 from payments.providers.base import Provider
-from payments.settings import Settings
 
 
 @dataclass(frozen=True)

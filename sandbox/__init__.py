@@ -1,7 +1,7 @@
 """The sandbox payment platform: a real HTTP service that behaves like a payment provider.
 
 It is an outside party: it imports nothing of paysync, and paysync imports
-nothing of it (paysync's ``payments/providers/sandbox.py`` speaks its HTTP
+nothing of it (paysync's ``payments/providers/sandbox/adapter.py`` speaks its HTTP
 protocol and implements its signature scheme on its own, as it would for any
 provider). ``python -m sandbox`` (the Procfile's ``sandbox`` line) serves it.
 Modules: ``config`` (its own settings), ``app`` (Flask routes), ``store``

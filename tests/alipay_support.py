@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
-from payments.providers.alipay import AlipayProvider
+from payments.providers.alipay.adapter import AlipayProvider
 from sandbox.fakes.alipay import FakeAlipay, beijing_now, rsa2_sign, serve, sign_string
 
 APP_ID = "2021000000000001"

@@ -18,11 +18,11 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-from payments import breaker
-from payments.db import init_db, make_engine
-from payments.migrations import VERSION_TABLE
-from payments.schema import metadata
-from payments.settings import Settings
+from payments.infra.db import init_db, make_engine
+from payments.infra.migrations import VERSION_TABLE
+from payments.infra.schema import metadata
+from payments.infra.settings import Settings
+from payments.outbound import breaker
 from tests import vhosts
 from tests.support import make_settings
 

@@ -1,6 +1,6 @@
 """The longest functions of some modules (issue 22: no domain function over 60 lines, data literals excepted).
 
-``python -m tests.function_lengths payments/outbound_protocol.py …`` prints
+``python -m tests.function_lengths payments/outbound/protocol.py …`` prints
 each module's functions over a threshold (default 40 lines), longest first.
 A function's length runs from its ``def`` (decorators excluded) to its last
 line, docstring included.

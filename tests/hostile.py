@@ -15,7 +15,7 @@ import pytest
 import requests
 from sqlalchemy import Engine, func, select
 
-from payments.schema import payment_callback_log
+from payments.infra.schema import payment_callback_log
 from tests.conftest import truncate_all
 from tests.stack import Stack, db_url, worker_pids
 from tests.support import SECRET, Proc

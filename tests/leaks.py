@@ -1,6 +1,6 @@
 """Finding card numbers, CVVs and secrets in captured logs (invariant 9), for the security tests and ``make chaos``.
 
-Written independently of ``payments.logs`` on purpose: a scrubber is not
+Written independently of ``payments.infra.logs`` on purpose: a scrubber is not
 checked by itself.
 """
 

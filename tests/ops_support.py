@@ -8,12 +8,11 @@ from datetime import date
 
 from sqlalchemy import insert, select
 
-from payments.backoff import RetryPolicy
-from payments.callbacks import process_callback, store_callback
-from payments.db import utcnow
-from payments.providers import build_providers
-from payments.review import escalate
-from payments.schema import (
+from payments.escalation.review import escalate
+from payments.inbound.callbacks import process_callback, store_callback
+from payments.infra.backoff import RetryPolicy
+from payments.infra.db import utcnow
+from payments.infra.schema import (
     manual_review,
     payment_callback_log,
     reconciliation_item,
@@ -21,6 +20,7 @@ from payments.schema import (
     settlement_file,
     settlement_line,
 )
+from payments.providers import build_providers
 from payments.states import CallbackStatus
 from tests.support import make_settings, sandbox_event, signed
 

@@ -9,11 +9,11 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select, update
 
-from payments import outbound_protocol
-from payments.charges import CreatePayment, create_payment
-from payments.db import utcnow
+from payments.infra.db import utcnow
+from payments.infra.schema import manual_review, outbox, payment, provider_call
+from payments.outbound import protocol as outbound_protocol
+from payments.outbound.charges import CreatePayment, create_payment
 from payments.runtime import build_runtime
-from payments.schema import manual_review, outbox, payment, provider_call
 from payments.states import OutboxStatus
 from tests.support import make_settings
 

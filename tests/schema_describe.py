@@ -1,7 +1,7 @@
 """A database's schema as comparable rows, read from the database itself (not through Alembic).
 
 Column order is left out on purpose: a migration's ``ADD COLUMN`` appends, while
-a fresh create from payments/schema.py puts the column where the Table lists it.
+a fresh create from payments/infra/schema.py puts the column where the Table lists it.
 The migrations' own version table is left out too.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from sqlalchemy import inspect, text
 
-from payments.migrations import VERSION_TABLE
+from payments.infra.migrations import VERSION_TABLE
 
 MARIADB_QUERIES = {
     "tables": """SELECT TABLE_NAME, ENGINE, TABLE_COLLATION, TABLE_COMMENT FROM information_schema.TABLES

@@ -20,8 +20,8 @@ import requests
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
-from payments.delivery import decode_messages, encode_message, sign_document
-from payments.schema import ledger_event, payment, payment_callback_log, processed_event
+from payments.inbound.delivery import decode_messages, encode_message, sign_document
+from payments.infra.schema import ledger_event, payment, payment_callback_log, processed_event
 from tests.support import BROKER_KEY, SECRET, Proc, TcpProxy, env_for, free_port, wait_for_port, wait_until
 
 
@@ -215,7 +215,7 @@ def publish_ids(amqp_url: str, queue: str, log_ids: Iterable[int]) -> None:
 
 
 def delivery_message(row: Any) -> bytes:
-    """The message the gateway publishes for a stored row (``payments.delivery``)."""
+    """The message the gateway publishes for a stored row (``payments.inbound.delivery``)."""
     return encode_message(
         row.id,
         row.provider,

@@ -18,9 +18,9 @@ from typing import Any
 
 from werkzeug.serving import WSGIRequestHandler, make_server
 
-from payments.db import utcnow
+from payments.infra.db import utcnow
+from payments.infra.settings import Settings
 from payments.providers.base import ChargeRequest
-from payments.settings import Settings
 from sandbox.fakes import stripe as fake
 from tests.support import make_settings
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from sqlalchemy import insert
 
-from payments.db import utcnow
-from payments.schema import payment
-from payments.settings import DEV_DEFAULTS, Settings
+from payments.infra.db import utcnow
+from payments.infra.schema import payment
+from payments.infra.settings import DEV_DEFAULTS, Settings
 from sandbox import signing
 
 ROOT = Path(__file__).resolve().parent.parent

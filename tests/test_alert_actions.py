@@ -14,11 +14,12 @@ from sqlalchemy import select, text, update
 from sqlalchemy.exc import DatabaseError
 
 from compensator import alerts_cli, evaluate_alerts, notify_alerts
-from payments import alert_actions, review
-from payments.db import utcnow
-from payments.ops_actions import Actor, OpsRefused
+from payments.escalation import review
+from payments.infra.db import utcnow
+from payments.infra.schema import alert, manual_review, ops_action, payment_callback_log
+from payments.ops import alert_actions
+from payments.ops.actions import Actor, OpsRefused
 from payments.runtime import build_runtime
-from payments.schema import alert, manual_review, ops_action, payment_callback_log
 from payments.states import CallbackStatus
 from tests.notify_fakes import FakeService
 from tests.ops_console_support import console_app, csrf, flashes, login

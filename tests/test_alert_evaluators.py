@@ -13,12 +13,10 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from compensator import evaluate_alerts, notify_alerts, seal_ledger
-from payments import review
-from payments.alert_rules import DEFAULT_RULES_FILE, load_rules
-from payments.breaker import alert_key
-from payments.db import utcnow
-from payments.runtime import build_runtime
-from payments.schema import (
+from payments.escalation import review
+from payments.escalation.rules import DEFAULT_RULES_FILE, load_rules
+from payments.infra.db import utcnow
+from payments.infra.schema import (
     RECON_AMOUNT_MISMATCH,
     RECON_FEE,
     RECON_LOCAL_ONLY,
@@ -35,6 +33,8 @@ from payments.schema import (
     reconciliation_run,
     refund,
 )
+from payments.outbound.breaker import alert_key
+from payments.runtime import build_runtime
 from payments.states import BreakerState, CallbackStatus, ReconciliationRunStatus
 from tests.notify_fakes import FakeService
 from tests.stack import db_url, url_via

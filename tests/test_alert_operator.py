@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy import select, update
 
 from compensator import evaluate_alerts, notify_alerts
-from payments import alert_evaluators, alert_rules
-from payments.db import utcnow
 from payments.errors import ConfigError
-from payments.notify import (
+from payments.escalation import evaluators as alert_evaluators
+from payments.escalation import rules as alert_rules
+from payments.escalation.notify import (
     FIRING,
     RESOLVED,
     Notice,
@@ -30,9 +30,10 @@ from payments.notify import (
     webhook,
     wecom,
 )
-from payments.outbound_protocol import review
+from payments.infra.db import utcnow
+from payments.infra.schema import alert, alert_notification, payment
+from payments.outbound.protocol import review
 from payments.runtime import build_runtime
-from payments.schema import alert, alert_notification, payment
 from tests.notify_fakes import FakeService
 from tests.stack import db_url
 from tests.support import create_payment, make_settings
@@ -232,7 +233,7 @@ def test_a_firing_alert_mentions_the_people_of_its_rule_and_severity_as_each_rob
         _backlog(engine, 3, t0)
         evaluate_alerts.run_once(runtime, now=t0)
         assert notify_alerts.run_once(runtime, now=t0) == 3
-        from payments.schema import payment_callback_log
+        from payments.infra.schema import payment_callback_log
         from payments.states import CallbackStatus
 
         with engine.begin() as conn:
@@ -250,11 +251,11 @@ def test_a_firing_alert_mentions_the_people_of_its_rule_and_severity_as_each_rob
 def test_wecom_mentions_phones_and_everyone_with_a_text_message():
     from dataclasses import replace
 
-    from payments.notify import Mentions
+    from payments.escalation.notify import Mentions
 
     notice = replace(NOTICE, mentions=Mentions(wecom_mobiles=("13800000000",), wecom_all=True))
     with FakeService("wecom") as wec:
-        from payments.notify.channels import build_channels
+        from payments.escalation.notify.channels import build_channels
 
         channel = build_channels(make_settings(wecom_webhook_url=wec.url, alert_channel_timeout_seconds=5.0))["wecom"]
         try:
@@ -310,8 +311,8 @@ def test_mentions_in_the_rules_file_are_checked_and_a_resolved_notice_mentions_n
 
 
 def test_when_the_notice_carrying_a_group_is_acknowledged_the_others_go_out_by_themselves(engine, tmp_path):
-    from payments import alert_actions
-    from payments.ops_actions import Actor
+    from payments.ops import alert_actions
+    from payments.ops.actions import Actor
 
     rules = '[defaults]\nchannels = ["slack"]\ncooldown_seconds = 0\n'
     rules += "\n[rules.unresolved_payment]\ngroup_wait_seconds = 60\n"

@@ -10,14 +10,15 @@ import pytest
 from sqlalchemy import insert
 
 from compensator import evaluate_alerts, notify_alerts
-from payments import alert_rules, review
-from payments.db import utcnow
-from payments.notifications import _targets
-from payments.notify import CHANNEL_NAMES
-from payments.notify.channels import enabled_channels
+from payments.escalation import review
+from payments.escalation import rules as alert_rules
+from payments.escalation.notifications import _targets
+from payments.escalation.notify import CHANNEL_NAMES
+from payments.escalation.notify.channels import enabled_channels
+from payments.infra.db import utcnow
+from payments.infra.schema import payment_callback_log
+from payments.infra.settings import load_settings
 from payments.runtime import build_runtime
-from payments.schema import payment_callback_log
-from payments.settings import load_settings
 from payments.states import CallbackStatus
 from tests.notify_fakes import FakeService
 from tests.stack import db_url

@@ -7,10 +7,11 @@ import sys
 
 import pytest
 
-from payments import alert_evaluators, alert_rules
-from payments.alert_rules import DEFAULT_RULES_FILE, parse_rules
 from payments.errors import ConfigError
-from payments.settings import load_settings
+from payments.escalation import evaluators as alert_evaluators
+from payments.escalation import rules as alert_rules
+from payments.escalation.rules import DEFAULT_RULES_FILE, parse_rules
+from payments.infra.settings import load_settings
 from tests.support import ROOT, env_for
 
 GOOD = """

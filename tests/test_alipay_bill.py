@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from payments.bills.alipay import (
+from payments.providers.alipay.bill import (
     BillFormatError,
     member_name,
     parse_trade_bill,
@@ -19,7 +19,7 @@ from payments.bills.alipay import (
     read_settlement,
     refund_reference,
 )
-from payments.settlement import CHARGE, INFO, INVALID, REFUND, SUCCEEDED, SettlementFormatError, checked
+from payments.providers.settlement import CHARGE, INFO, INVALID, REFUND, SUCCEEDED, SettlementFormatError, checked
 
 HEADER = (
     "支付宝交易号,商户订单号,业务类型,商品名称,创建时间,完成时间,门店编号,门店名称,操作员,终端号,对方账户,"

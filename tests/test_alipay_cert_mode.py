@@ -17,11 +17,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from payments.errors import ConfigError
-from payments.providers import alipay_sign as sig
+from payments.infra.settings import check_alipay_settings
 from payments.providers import build_providers
-from payments.providers.alipay import from_settings
+from payments.providers.alipay import sign as sig
+from payments.providers.alipay.adapter import from_settings
 from payments.providers.base import ChargeRequest, Failed, NotFound, Pending
-from payments.settings import check_alipay_settings
 from sandbox.fakes import alipay as fake_platform
 from sandbox.fakes.alipay import FakeAlipay, serve
 from tests.alipay_support import APP_ID, FakeServer, _name, certs, fake_alipay, issue, keys, provider_for  # noqa: F401

@@ -20,13 +20,13 @@ from werkzeug.serving import make_server
 
 from compensator import query_unresolved, relay_outbox
 from gateway import create_app
-from payments.backoff import RetryPolicy
-from payments.callbacks import CallbackResult, process_callback
-from payments.db import utcnow
-from payments.providers import alipay_sign as sig
+from payments.inbound.callbacks import CallbackResult, process_callback
+from payments.infra.backoff import RetryPolicy
+from payments.infra.db import utcnow
+from payments.infra.schema import ledger_event, payment, provider_call
+from payments.providers.alipay import sign as sig
 from payments.providers.base import ChargeRequest
 from payments.runtime import build_runtime
-from payments.schema import ledger_event, payment, provider_call
 from payments.states import CallbackStatus
 from tests.alipay_support import (  # noqa: F401
     APP_ID,

@@ -18,13 +18,13 @@ from sqlalchemy import func, select
 
 from compensator import reconcile as reconcile_job
 from gateway import create_app
-from payments.bills.wechatpay import BEIJING
-from payments.callbacks import process_callback
 from payments.errors import ConfigError, SignatureInvalid
+from payments.inbound.callbacks import process_callback
+from payments.infra.schema import alert, reconciliation_run
+from payments.infra.settings import load_settings
 from payments.providers.base import ChargeRequest, ProviderUnavailable, Succeeded
+from payments.providers.wechatpay.bill import BEIJING
 from payments.runtime import build_runtime
-from payments.schema import alert, reconciliation_run
-from payments.settings import load_settings
 from payments.states import AlertStatus, CallbackStatus
 from tests.alipay_support import APP_ID, fake_alipay, keys, notify_fields, provider_for, signed_notify  # noqa: F401
 from tests.stack import callback_rows, db_url, payment_status

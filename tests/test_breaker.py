@@ -14,12 +14,13 @@ from datetime import timedelta
 from sqlalchemy import insert, select, update
 
 from compensator import query_unresolved, relay_outbox
-from payments import breaker, outbound_protocol
-from payments.db import utcnow
-from payments.outbound_protocol import Context, Result, relay_charge
+from payments.infra.db import utcnow
+from payments.infra.schema import alert, outbox, payment, provider_breaker
+from payments.outbound import breaker
+from payments.outbound import protocol as outbound_protocol
+from payments.outbound.protocol import Context, Result, relay_charge
 from payments.providers.base import Capabilities, Dedupe, Unknown
 from payments.runtime import build_runtime
-from payments.schema import alert, outbox, payment, provider_breaker
 from payments.states import BreakerState, OutboxStatus
 from tests.fake_provider import FakeProvider
 from tests.outbound_support import (
@@ -110,7 +111,7 @@ def test_a_probe_slot_taken_for_a_query_that_is_not_sent_is_given_back(mariadb):
     with rt.engine.begin() as conn:
         conn.execute(provider_breaker.delete())
     open_breaker(rt.engine, "fake", retry_in=-1)
-    from payments.outbound_protocol import query_payment
+    from payments.outbound.protocol import query_payment
 
     assert query_payment(Context(rt.engine, rt.providers, rt.settings), payment_id, provider, lease) == Result.SKIPPED
     assert breaker_row(rt.engine)["retry_at"] <= utcnow()

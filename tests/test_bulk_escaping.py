@@ -1,4 +1,4 @@
-"""The bulk path's hand-written string literals (payments/db.py ``_literals``) are safe: issue 21 item 24.
+"""The bulk path's hand-written string literals (payments/infra/db.py ``_literals``) are safe: issue 21 item 24.
 
 They are safe because of two facts this file checks: every connection is
 utf8mb4 (in UTF-8 no byte of a multi-byte character is a quote or a
@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from sqlalchemy import create_engine, select
 from sqlalchemy.engine import make_url
 
-from payments import db
 from payments.errors import ConfigError
-from payments.schema import settlement_line
-from payments.settings import load_settings
+from payments.infra import db
+from payments.infra.schema import settlement_line
+from payments.infra.settings import load_settings
 from tests.conftest import TEST_DATABASE_URL
 
 pytestmark = pytest.mark.mariadb

@@ -1,4 +1,4 @@
-"""payments.db.insert_ignore_rows: the settlement import's bulk INSERT IGNORE stores exactly what it is given."""
+"""payments.infra.db.insert_ignore_rows: the settlement import's bulk INSERT IGNORE stores exactly what it is given."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
-from payments import db
-from payments.db import insert_ignore_rows
-from payments.schema import settlement_line
+from payments.infra import db
+from payments.infra.db import insert_ignore_rows
+from payments.infra.schema import settlement_line
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=60)
 """Any text MariaDB's utf8mb4 holds: quotes, backslashes, NUL, %, control characters, 4-byte characters."""

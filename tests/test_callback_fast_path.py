@@ -15,7 +15,7 @@ from werkzeug.test import EnvironBuilder, run_wsgi_app
 
 from gateway import create_app
 from gateway.callbacks import CallbackFastPath
-from payments.schema import payment_callback_log
+from payments.infra.schema import payment_callback_log
 from tests.support import create_payment, make_settings, sandbox_event, signed
 
 

@@ -8,8 +8,8 @@ import pytest
 from sqlalchemy import select
 
 from gateway import create_app
-from payments.schema import payment_callback_log
-from payments.settings import PROVIDERS, Settings
+from payments.infra.schema import payment_callback_log
+from payments.infra.settings import PROVIDERS, Settings
 from payments.states import CallbackStatus
 from tests.support import create_payment, make_settings, sandbox_event, signed
 
@@ -24,7 +24,7 @@ def rows(engine):  # noqa: ANN001, ANN201
 
 
 def test_every_provider_names_a_source_setting_that_exists():
-    from payments.settings import source_cidrs
+    from payments.infra.settings import source_cidrs
 
     names = {f.name for f in fields(Settings)}
     for provider, spec in PROVIDERS.items():
@@ -125,10 +125,10 @@ def test_refused_deliveries_raise_their_own_alert_and_not_the_signature_one(engi
     from datetime import timedelta
 
     from compensator import evaluate_alerts
-    from payments.callbacks import store_callback
-    from payments.db import utcnow
+    from payments.inbound.callbacks import store_callback
+    from payments.infra.db import utcnow
+    from payments.infra.schema import alert
     from payments.runtime import build_runtime
-    from payments.schema import alert
 
     settings = make_settings(database_url=engine.url.render_as_string(hide_password=False))
     runtime = build_runtime(settings, engine=engine)

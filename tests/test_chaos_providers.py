@@ -14,8 +14,8 @@ from collections import Counter
 import pytest
 
 from payments.providers.base import ChargeRequest, RefundRequest, Succeeded
-from payments.providers.stripe import StripeProvider
-from payments.providers.wechatpay import WechatPayProvider
+from payments.providers.stripe.adapter import StripeProvider
+from payments.providers.wechatpay.adapter import WechatPayProvider
 from sandbox.fakes import wechatpay as wechat_fake
 from tests.alipay_support import fake_alipay, keys, provider_for  # noqa: F401
 from tests.stripe_support import API_KEY, OLD_SECRET, charge_request, new_fake

@@ -22,11 +22,11 @@ from sqlalchemy import func, insert, select
 
 from compensator import relay_outbox
 from gateway import create_app
-from payments import breaker, idempotency
-from payments.charges import SCOPE, CreatePayment, create_payment
-from payments.db import utcnow
+from payments.infra.db import utcnow
+from payments.infra.schema import idempotency_request, outbox, payment, provider_breaker, provider_call
+from payments.outbound import breaker, idempotency
+from payments.outbound.charges import SCOPE, CreatePayment, create_payment
 from payments.runtime import build_runtime
-from payments.schema import idempotency_request, outbox, payment, provider_breaker, provider_call
 from payments.states import BreakerState, OutboxStatus
 from sandbox.fakes import wechatpay as wechat_fake
 from tests.alipay_support import fake_alipay, keys  # noqa: F401

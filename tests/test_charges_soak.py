@@ -25,7 +25,7 @@ import pytest
 import requests
 from sqlalchemy import func, select
 
-from payments.schema import ledger_entry, ledger_event, manual_review, payment, provider_call
+from payments.infra.schema import ledger_entry, ledger_event, manual_review, payment, provider_call
 from tests.sandbox_process import start_sandbox
 from tests.stack import Stack, db_url
 from tests.support import wait_until

@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 from sqlalchemy import func, select, update
 
 from compensator import cleanup
-from payments import retention
-from payments.backoff import RetryPolicy
-from payments.callbacks import process_callback, reject_callback, store_callback
-from payments.db import utcnow
+from payments.escalation.review import escalate
+from payments.inbound.callbacks import process_callback, reject_callback, store_callback
+from payments.infra import retention
+from payments.infra.backoff import RetryPolicy
+from payments.infra.db import utcnow
+from payments.infra.schema import ledger_entry, ledger_event, payment_callback_log, processed_event
 from payments.providers import build_providers
-from payments.review import escalate
 from payments.runtime import build_runtime
-from payments.schema import ledger_entry, ledger_event, payment_callback_log, processed_event
 from payments.states import CallbackStatus
 from tests.stack import Stack, db_url
 from tests.support import create_payment, make_settings, sandbox_event, signed

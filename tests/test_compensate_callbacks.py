@@ -13,10 +13,9 @@ import pytest
 from sqlalchemy import func, insert, select
 
 from compensator import compensate_callbacks
-from payments.callbacks import store_callback
-from payments.db import utcnow
-from payments.runtime import build_runtime
-from payments.schema import (
+from payments.inbound.callbacks import store_callback
+from payments.infra.db import utcnow
+from payments.infra.schema import (
     alert,
     ledger_entry,
     ledger_event,
@@ -25,6 +24,7 @@ from payments.schema import (
     payment_callback_log,
     processed_event,
 )
+from payments.runtime import build_runtime
 from payments.states import CallbackStatus
 from tests.stack import callback_rows, db_url, status_counts
 from tests.support import ROOT, create_payment, env_for, make_settings, sandbox_event, signed, wait_until

@@ -17,10 +17,10 @@ import time
 import pytest
 from sqlalchemy import select, text
 
-from payments.callbacks import process_callback, store_callback
+from payments.inbound.callbacks import process_callback, store_callback
+from payments.infra.schema import ledger_event, outbox, payment_callback_log
 from payments.providers import build_providers
 from payments.runtime import build_runtime
-from payments.schema import ledger_event, outbox, payment_callback_log
 from payments.states import CallbackStatus
 from tests.stack import (
     Stack,

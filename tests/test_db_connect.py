@@ -1,11 +1,12 @@
-"""``payments.db.make_engine``'s connections: no TLS context on the loopback (22 ms of CPU each), TLS kept elsewhere."""
+"""``payments.infra.db.make_engine``'s connections: no TLS context on the loopback (22 ms of CPU each), TLS kept
+elsewhere."""
 
 from __future__ import annotations
 
 import pytest
 from sqlalchemy.engine import make_url
 
-from payments.db import loopback_connect_args, make_engine
+from payments.infra.db import loopback_connect_args, make_engine
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]"])

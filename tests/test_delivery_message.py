@@ -15,11 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sqlalchemy import delete, func, select, update
 
-from payments.backoff import RetryPolicy
-from payments.callback_processing import process_delivery
-from payments.callbacks import CallbackResult, store_callback
-from payments.db import utcnow
-from payments.delivery import (
+from payments.inbound.callbacks import CallbackResult, store_callback
+from payments.inbound.delivery import (
     Delivery,
     UnreadableMessage,
     body_digest,
@@ -29,8 +26,11 @@ from payments.delivery import (
     message_signature,
     sign_document,
 )
+from payments.inbound.processing import process_delivery
+from payments.infra.backoff import RetryPolicy
+from payments.infra.db import utcnow
+from payments.infra.schema import payment_callback_log
 from payments.providers import build_providers
-from payments.schema import payment_callback_log
 from payments.states import CallbackStatus
 from tests.stack import callback_rows, delivery_message, effect_counts, payment_status
 from tests.support import BROKER_KEY, create_payment, make_settings, sandbox_event, signed

@@ -1,4 +1,5 @@
-"""``payments.db.DriverStatement``: the callback INSERT as driver SQL stores exactly what the Core statement stores."""
+"""``payments.infra.db.DriverStatement``: the callback INSERT as driver SQL stores exactly what the Core statement
+stores."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from datetime import datetime
 import pytest
 from sqlalchemy import select
 
-from payments.callbacks import _STORE, store_callback
-from payments.db import DriverStatement, driver_statement, make_engine
-from payments.schema import payment_callback_log
+from payments.inbound.callbacks import _STORE, store_callback
+from payments.infra.db import DriverStatement, driver_statement, make_engine
+from payments.infra.schema import payment_callback_log
 from payments.states import CallbackStatus
 
 

@@ -8,8 +8,8 @@ import time
 import pytest
 from sqlalchemy import select
 
-from payments.db import init_db, make_engine
-from payments.schema import payment_callback_log
+from payments.infra.db import init_db, make_engine
+from payments.infra.schema import payment_callback_log
 from payments.states import CallbackStatus
 from tests.stack import Stack, median_ms, post
 from tests.support import create_payment, sandbox_event, signed, wait_until

@@ -7,9 +7,9 @@ from datetime import timedelta
 
 from sqlalchemy import select
 
-from payments import alerts, review
-from payments.db import utcnow
-from payments.schema import alert, manual_review
+from payments.escalation import alerts, review
+from payments.infra.db import utcnow
+from payments.infra.schema import alert, manual_review
 from payments.states import AlertStatus, ReviewStatus
 
 

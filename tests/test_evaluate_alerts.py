@@ -11,10 +11,10 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from compensator import evaluate_alerts
-from payments.db import make_engine, utcnow
-from payments.locks import named_lock
+from payments.infra.db import make_engine, utcnow
+from payments.infra.locks import named_lock
+from payments.infra.schema import alert, payment_callback_log
 from payments.runtime import build_runtime
-from payments.schema import alert, payment_callback_log
 from payments.states import CallbackStatus
 from tests.stack import db_url
 from tests.support import make_settings

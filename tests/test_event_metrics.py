@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import REGISTRY
 
 from compensator import evaluate_alerts, notify_alerts, relay_outbox
-from payments.db import utcnow
+from payments.infra.db import utcnow
 from tests.notify_fakes import FakeService
 from tests.outbound_support import new_payment, runtime  # noqa: F401
 from tests.test_notify_alerts import _backlog

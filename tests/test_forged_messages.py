@@ -22,8 +22,8 @@ import pytest
 from sqlalchemy import select
 
 from payments.errors import ConfigError
-from payments.schema import alert, ledger_event
-from payments.settings import check_deployment, load_settings
+from payments.infra.schema import alert, ledger_event
+from payments.infra.settings import check_deployment, load_settings
 from tests.stack import Stack, amqp_channel, callback_rows, db_url, payment_status, post, publish_raw, ready_count
 from tests.support import create_payment, sandbox_event, signed, wait_until
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
 
-from payments.schema import payment
+from payments.infra.schema import payment
 from sandbox import signing
 from tests.support import SECRET, sandbox_event
 

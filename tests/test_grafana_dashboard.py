@@ -9,9 +9,9 @@ from pathlib import Path
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-import payments.metrics  # noqa: F401 - registers the process metrics in REGISTRY
+import payments.infra.metrics  # noqa: F401 - registers the process metrics in REGISTRY
 from gateway.metrics import _SnapshotCollector
-from payments.monitoring import Snapshot
+from payments.ops.monitoring import Snapshot
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "ops" / "grafana" / "paysync.json"
 SUFFIXES = ("", "_total", "_created", "_bucket", "_sum", "_count")
@@ -113,8 +113,9 @@ def test_tables_of_what_is_open_now_are_instant_queries():
 
 
 def test_unknown_payments_by_age_uses_the_consoles_buckets():
-    from payments import aging, ops_actions
-    from payments.monitoring import UNKNOWN_AGE_BUCKETS
+    from payments.ops import actions as ops_actions
+    from payments.ops.monitoring import UNKNOWN_AGE_BUCKETS
+    from payments.reconciliation import aging
 
     labels = [label for label, _ in UNKNOWN_AGE_BUCKETS] + ["older"]
     assert labels == list(aging.BUCKETS) == list(ops_actions.BUCKETS)

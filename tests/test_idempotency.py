@@ -1,4 +1,5 @@
-"""payments.idempotency.run against real MariaDB: one transaction per request, and a key in use is never worked twice.
+"""payments.outbound.idempotency.run against real MariaDB: one transaction per request, and a key in use is never worked
+twice.
 
 The key is claimed in the transaction that does the work: a second request
 with the same key waits for the first to commit and gets its answer; a
@@ -14,9 +15,9 @@ import time
 import pytest
 from sqlalchemy import event, func, select
 
-from payments import idempotency
-from payments.idempotency import Answer, IdempotencyConflict, Stored
-from payments.schema import idempotency_request
+from payments.infra.schema import idempotency_request
+from payments.outbound import idempotency
+from payments.outbound.idempotency import Answer, IdempotencyConflict, Stored
 
 pytestmark = pytest.mark.mariadb
 

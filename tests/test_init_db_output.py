@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from payments.db import make_engine
-from payments.migrations import FIRST_REVISION, head_revision, script_directory, upgrade
+from payments.infra.db import make_engine
+from payments.infra.migrations import FIRST_REVISION, head_revision, script_directory, upgrade
 from tests.support import ROOT, env_for
 
 pytestmark = pytest.mark.server  # each test runs init-db as a process

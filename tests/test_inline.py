@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import select
 
 from gateway import create_app
-from payments.db import make_engine
-from payments.schema import payment
-from payments.settings import load_settings
+from payments.infra.db import make_engine
+from payments.infra.schema import payment
+from payments.infra.settings import load_settings
 from payments.states import CallbackStatus
 from tests.stack import Stack, callback_rows, db_url, payment_status, post
 from tests.support import create_payment, make_settings, sandbox_event, signed, wait_until
@@ -129,9 +129,9 @@ def test_in_embedded_mode_every_payment_is_succeeded_before_its_callback_is_answ
 def test_callbacks_that_arrive_together_are_processed_in_one_transaction_each_with_its_own_outcome(
     mariadb, monkeypatch
 ):
-    import payments.callback_processing
+    import payments.inbound.processing
     from gateway.inline import InlineProcessor
-    from payments.callbacks import CallbackResult, store_callback
+    from payments.inbound.callbacks import CallbackResult, store_callback
     from payments.runtime import build_runtime
 
     # The budget is not under test here, the grouping is: a budget no loaded machine overruns.
@@ -148,7 +148,7 @@ def test_callbacks_that_arrive_together_are_processed_in_one_transaction_each_wi
     noop = stored(sandbox_event(settled, amount=900, provider_transaction_id="ch_settled"))
     unknown = stored(sandbox_event("pay_01NOSUCHPAYMENT0000000000", amount=5))
     first_group = threading.Event()
-    real = payments.callback_processing.process_batch
+    real = payments.inbound.processing.process_batch
     sizes: list[int] = []
 
     def slow_first(engine, providers, messages, *args, **kwargs):

@@ -1,4 +1,5 @@
-"""``payments.db.insert_one``: the gateway's INSERT on the pooled driver connection, with SQLAlchemy's error semantics.
+"""``payments.infra.db.insert_one``: the gateway's INSERT on the pooled driver connection, with SQLAlchemy's error
+semantics.
 
 What it must keep from the ``engine.begin()`` path it replaces on MariaDB: the
 row committed before it returns, no ROLLBACK sent when the connection goes
@@ -12,9 +13,9 @@ import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from payments.callbacks import _STORE
-from payments.db import driver_statement, insert_one, make_engine, utcnow
-from payments.schema import payment_callback_log
+from payments.inbound.callbacks import _STORE
+from payments.infra.db import driver_statement, insert_one, make_engine, utcnow
+from payments.infra.schema import payment_callback_log
 from payments.states import CallbackStatus
 
 pytestmark = pytest.mark.mariadb

@@ -20,19 +20,12 @@ from sqlalchemy.exc import DBAPIError
 from broker.publisher import CallbackPublisher
 from compensator.ratelimit import RateLimiter
 from gateway import create_app
-from payments import ledger
-from payments.backoff import RetryPolicy
-from payments.callbacks import CallbackResult, process_callback, store_callback
-from payments.db import make_engine, utcnow
+from payments.inbound.callbacks import CallbackResult, process_callback, store_callback
+from payments.infra.backoff import RetryPolicy
+from payments.infra.db import make_engine, utcnow
+from payments.infra.schema import alert, ledger_entry, ledger_event, manual_review, payment, payment_callback_log
+from payments.money import ledger
 from payments.providers import build_providers
-from payments.schema import (
-    alert,
-    ledger_entry,
-    ledger_event,
-    manual_review,
-    payment,
-    payment_callback_log,
-)
 from payments.states import CallbackStatus
 from tests.stack import Stack, callback_rows, db_url, effect_counts, post, ready_count, url_via
 from tests.support import SECRET, TcpProxy, create_payment, make_settings, sandbox_event, signed, wait_until

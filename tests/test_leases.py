@@ -15,12 +15,12 @@ from dataclasses import replace
 from sqlalchemy import update
 
 from compensator import relay_outbox
-from payments import outbound_protocol
-from payments.db import utcnow
-from payments.outbound_protocol import Context, Result, query_payment, relay_charge
+from payments.infra.db import utcnow
+from payments.infra.schema import outbox, payment
+from payments.outbound import protocol as outbound_protocol
+from payments.outbound.protocol import Context, Result, query_payment, relay_charge
 from payments.providers.base import Capabilities, Dedupe, Succeeded, Unknown
 from payments.runtime import build_runtime
-from payments.schema import outbox, payment
 from tests.fake_provider import FakeProvider
 from tests.outbound_support import calls, make_due, new_payment, row
 from tests.support import make_settings

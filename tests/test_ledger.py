@@ -11,9 +11,8 @@ from hypothesis import strategies as st
 from sqlalchemy import delete, insert, select, text, update
 from sqlalchemy.exc import DatabaseError
 
-from payments import ledger
-from payments.db import init_db, make_engine, utcnow
-from payments.schema import (
+from payments.infra.db import init_db, make_engine, utcnow
+from payments.infra.schema import (
     APPEND_ONLY_TABLES,
     ledger_entry,
     ledger_event,
@@ -23,8 +22,9 @@ from payments.schema import (
     settlement_file,
     settlement_line,
 )
+from payments.lifecycle.transitions import apply_decision
+from payments.money import ledger
 from payments.states import PaymentStatus, decide
-from payments.transitions import apply_decision
 from tests.support import create_payment
 
 

@@ -13,12 +13,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from sqlalchemy import select
 
-from payments import provider_calls
-from payments.db import utcnow
-from payments.logs import JsonFormatter, luhn_valid, scrub, scrub_logger, setup_logging
+from payments.infra.db import utcnow
+from payments.infra.logs import JsonFormatter, luhn_valid, scrub, scrub_logger, setup_logging
+from payments.infra.schema import provider_call
+from payments.outbound import provider_calls
 from payments.providers.base import ChargeRequest
-from payments.providers.sandbox import SandboxProvider
-from payments.schema import provider_call
+from payments.providers.sandbox.adapter import SandboxProvider
 
 
 def test_card_numbers_are_redacted_however_they_are_written():
@@ -106,7 +106,10 @@ def _paysync_loggers() -> list[str]:
         for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
             if module.name in ("gateway.wsgi", "gateway.gunicorn_conf"):  # these start a process
                 continue
-            if module.name.startswith("payments.migrations.") and module.name != "payments.migrations.compare":
+            if (
+                module.name.startswith("payments.infra.migrations.")
+                and module.name != "payments.infra.migrations.compare"
+            ):
                 continue  # Alembic scripts: they run inside Alembic's context, not on import
             importlib.import_module(module.name)
     names = [n for n in logging.root.manager.loggerDict if n.startswith("paysync")]

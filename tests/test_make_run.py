@@ -54,7 +54,7 @@ def _honcho_env(lines: list[str]) -> dict[str, str]:
 
 
 def test_a_custom_port_and_sandbox_port_are_the_ones_the_sandbox_and_gateway_call():
-    from payments.settings import load_settings
+    from payments.infra.settings import load_settings
     from sandbox.config import load_settings as load_sandbox
 
     env = _honcho_env(_planned("PORT=8123", "SANDBOX_PORT=8223"))

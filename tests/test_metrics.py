@@ -8,10 +8,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import create_app
-from payments.backoff import RetryPolicy
-from payments.callbacks import process_callback, store_callback
+from payments.inbound.callbacks import process_callback, store_callback
+from payments.infra.backoff import RetryPolicy
+from payments.infra.settings import load_settings
 from payments.providers import build_providers
-from payments.settings import load_settings
 from tests.support import TcpProxy, create_payment, make_settings, sandbox_event, signed
 
 

@@ -9,9 +9,9 @@ import pytest
 from sqlalchemy import insert, update
 
 from gateway import create_app
-from payments import alerts
-from payments.db import utcnow
-from payments.schema import outbox, payment, reconciliation_item, reconciliation_run
+from payments.escalation import alerts
+from payments.infra.db import utcnow
+from payments.infra.schema import outbox, payment, reconciliation_item, reconciliation_run
 from tests.support import create_payment, make_settings
 from tests.test_metrics import samples
 
@@ -76,7 +76,12 @@ def test_the_operational_gauges_read_the_database(engine, settings):
     got = samples(create_app(settings, engine=engine).test_client().get("/metrics").get_data(as_text=True))
 
     ages = {age: got[("paysync_unknown_payments", (("age", age),))] for age in ("<1h", "<1d", "<3d", "older")}
-    assert ages == {"<1h": 3, "<1d": 1, "<3d": 1, "older": 1}  # the console's buckets (payments/aging.py)
+    assert ages == {
+        "<1h": 3,
+        "<1d": 1,
+        "<3d": 1,
+        "older": 1,
+    }  # the console's buckets (payments/reconciliation/aging.py)
     assert got[("paysync_unknown_payment_oldest_seconds", ())] >= 2 * 86400
     assert 85 <= got[("paysync_outbox_oldest_pending_seconds", ())] < 600
     assert got[("paysync_past_deadline", (("kind", "payment"),))] == 1
@@ -107,14 +112,14 @@ def test_an_empty_database_reports_zeros(engine, settings):
 )
 def test_bad_observability_settings_stop_the_process(env, message):
     from payments.errors import ConfigError
-    from payments.settings import load_settings
+    from payments.infra.settings import load_settings
 
     with pytest.raises(ConfigError, match=message):
         load_settings({"PAYSYNC_ENV": "development", **env})
 
 
 def test_empty_metrics_ports_mean_off():
-    from payments.settings import load_settings
+    from payments.infra.settings import load_settings
 
     settings = load_settings(
         {"PAYSYNC_ENV": "development", "CONSUMER_METRICS_PORT": "", "COMPENSATOR_METRICS_PORT": " "}
@@ -158,7 +163,7 @@ def test_the_gateway_counts_each_answer_by_provider_and_outcome(engine, settings
 
 def test_unexplained_reconciliation_items_stop_counting_once_their_review_is_resolved(engine, settings):
     # PaysyncReconciliationUnexplained reads this gauge: like paysync's own rule, it ignores resolved reviews.
-    from payments import review
+    from payments.escalation import review
     from tests.test_alert_evaluators import _recon_run, _review
 
     t0 = utcnow()

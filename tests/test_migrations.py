@@ -1,7 +1,8 @@
-"""Migrations: every revision in order gives what payments/schema.py gives, and init-db upgrades any earlier state.
+"""Migrations: every revision in order gives what payments/infra/schema.py gives, and init-db upgrades any earlier
+state.
 
 If ``test_every_revision_in_order_gives_what_payments_schema_py_gives`` fails
-after a change to payments/schema.py, the change needs a migration: docs/operations/
+after a change to payments/infra/schema.py, the change needs a migration: docs/operations/
 schema-changes.md; ``python -m payments migration-diff`` drafts it.
 """
 
@@ -31,8 +32,8 @@ from sqlalchemy import (
     text,
 )
 
-from payments.db import init_db, make_engine
-from payments.migrations import (
+from payments.infra.db import init_db, make_engine
+from payments.infra.migrations import (
     FIRST_REVISION,
     MIGRATIONS_DIR,
     VERSION_TABLE,
@@ -43,17 +44,17 @@ from payments.migrations import (
     script_directory,
     upgrade,
 )
-from payments.migrations.compare import differences
-from payments.migrations.draft import draft_revision
-from payments.schema import APPEND_ONLY_TABLES, metadata, trigger_ddl
+from payments.infra.migrations.compare import differences
+from payments.infra.migrations.draft import draft_revision
+from payments.infra.schema import APPEND_ONLY_TABLES, metadata, trigger_ddl
 from tests.schema_describe import describe
 from tests.support import ROOT, env_for
 
 REVISIONS = [script.revision for script in reversed(list(script_directory().walk_revisions()))]
 DATA = Path(__file__).parent / "data"
 WRITE_A_MIGRATION = (
-    "payments/schema.py and payments/migrations disagree: write a migration, a revision under "
-    "payments/migrations/versions (docs/operations/schema-changes.md; `python -m payments migration-diff` "
+    "payments/infra/schema.py and payments/infra/migrations disagree: write a migration, a revision under "
+    "payments/infra/migrations/versions (docs/operations/schema-changes.md; `python -m payments migration-diff` "
     "drafts one).\n"
 )
 
@@ -102,7 +103,7 @@ def scratch(request):
 
 
 def create_from_metadata(engine) -> None:
-    """A fresh create straight from payments/schema.py: what init-db did before migrations existed."""
+    """A fresh create straight from payments/infra/schema.py: what init-db did before migrations existed."""
     metadata.create_all(engine)
     with engine.begin() as conn:
         for statement in trigger_ddl(engine.dialect.name):
@@ -112,7 +113,7 @@ def create_from_metadata(engine) -> None:
 def schema_differences(engine, schema: MetaData = metadata, triggers=trigger_ddl) -> list[str]:
     with engine.connect() as conn:
         return differences(
-            conn, schema, triggers(engine.dialect.name), expected="payments/schema.py", other_tables=True
+            conn, schema, triggers(engine.dialect.name), expected="payments/infra/schema.py", other_tables=True
         )
 
 
@@ -210,8 +211,8 @@ def test_revisions_are_one_numbered_line_written_out_in_full():
         script = script_directory().get_revision(revision)
         assert script.down_revision == previous, f"{filename}: down_revision must be {previous!r}"
         source = Path(script.path).read_text()
-        # A revision must keep doing what it did: nothing it runs may follow payments/schema.py as it changes.
-        assert "payments.schema" not in source and "create_all" not in source, filename
+        # A revision must keep doing what it did: nothing it runs may follow payments/infra/schema.py as it changes.
+        assert "payments.infra.schema" not in source and "create_all" not in source, filename
         previous = revision
 
 
@@ -419,7 +420,7 @@ def test_init_db_command_refuses_a_mismatched_database_in_one_line(scratch_sqlit
 
 
 def changed_schema() -> MetaData:
-    """payments/schema.py with one change of every kind a later revision might make."""
+    """payments/infra/schema.py with one change of every kind a later revision might make."""
     schema = MetaData()
     for table in metadata.tables.values():
         table.to_metadata(schema)
@@ -454,7 +455,7 @@ def changed_triggers(dialect_name: str) -> list[str]:
 def test_the_comparison_names_every_kind_of_change(scratch):
     engine = scratch()
     init_db(engine)
-    ours = "payments/schema.py"
+    ours = "payments/infra/schema.py"
     assert schema_differences(engine, changed_schema(), changed_triggers) == [
         f"check ck_alert_severity on alert: in {ours}, not in the database",
         f"column outbox.last_error: NULL in the database, NOT NULL in {ours}",
@@ -496,7 +497,7 @@ def test_migration_diff_command_says_when_the_head_matches_payments_schema_py():
         timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "no differences: the head revision matches payments/schema.py" in done.stdout
+    assert "no differences: the head revision matches payments/infra/schema.py" in done.stdout
 
 
 def test_a_fresh_sqlite_init_db_stays_quick(scratch_sqlite):

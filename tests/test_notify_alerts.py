@@ -12,10 +12,10 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from compensator import evaluate_alerts, notify_alerts
-from payments import alerts, review
-from payments.db import utcnow
+from payments.escalation import alerts, review
+from payments.infra.db import utcnow
+from payments.infra.schema import alert, alert_notification, payment_callback_log
 from payments.runtime import build_runtime
-from payments.schema import alert, alert_notification, payment_callback_log
 from payments.states import CallbackStatus
 from tests.notify_fakes import TOKEN, FakeService
 from tests.stack import db_url
@@ -264,7 +264,7 @@ def test_only_configured_channels_get_notifications_and_alerts_raised_elsewhere_
     with FakeService("slack") as slack:
         runtime = _runtime(engine, tmp_path, ["email", "sms", "slack"], slack_webhook_url=slack.url)
         t0 = utcnow()
-        with engine.begin() as conn:  # as payments/callbacks.py hands a callback that gave up to a person
+        with engine.begin() as conn:  # as payments/inbound/callbacks.py hands a callback that gave up to a person
             review.escalate(
                 conn,
                 kind="callback_gave_up",
@@ -354,8 +354,8 @@ def test_notifiers_running_at_once_send_each_notification_once(mariadb, tmp_path
 
 @pytest.mark.mariadb
 def test_a_planner_of_another_database_on_the_same_server_does_not_stop_ours(mariadb, tmp_path):
-    from payments import notifications
-    from payments.db import make_engine
+    from payments.escalation import notifications
+    from payments.infra.db import make_engine
     from tests.conftest import _create_database
 
     other = make_engine(mariadb.url.set(database=f"{mariadb.url.database}_other").render_as_string(hide_password=False))

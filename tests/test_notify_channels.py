@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from payments.errors import NotificationFailed
-from payments.notify import FIRING, REPEAT, RESOLVED, Notice, aliyun_sms, dingtalk, feishu, render, template
-from payments.notify.channels import build_channels
+from payments.escalation.notify import FIRING, REPEAT, RESOLVED, Notice, aliyun_sms, dingtalk, feishu, render, template
+from payments.escalation.notify.channels import build_channels
 from tests.notify_fakes import ALIYUN_KEY_ID, ALIYUN_SECRET, TOKEN, FakeService, self_signed, smtp_server
 from tests.support import free_port, make_settings
 

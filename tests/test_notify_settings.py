@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from payments.errors import ConfigError
-from payments.notify.channels import build_channels, enabled_channels
-from payments.settings import load_settings
+from payments.escalation.notify.channels import build_channels, enabled_channels
+from payments.infra.settings import load_settings
 from tests.support import ROOT, env_for
 
 DEV = {"PAYSYNC_ENV": "development"}

@@ -14,12 +14,12 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from compensator import evaluate_alerts, notify_alerts
-from payments.db import utcnow
 from payments.errors import NotificationFailed
-from payments.notify import FIRING, Notice
-from payments.notify.channels import build_channels
+from payments.escalation.notify import FIRING, Notice
+from payments.escalation.notify.channels import build_channels
+from payments.infra.db import utcnow
+from payments.infra.schema import alert_notification, payment_callback_log
 from payments.runtime import build_runtime
-from payments.schema import alert_notification, payment_callback_log
 from payments.states import CallbackStatus
 from tests.notify_fakes import TOKEN, FakeService
 from tests.stack import db_url

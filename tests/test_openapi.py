@@ -16,8 +16,8 @@ from schemathesis import GenerationMode
 from schemathesis.config import ChecksConfig, SchemathesisConfig
 
 from gateway import create_app
-from payments.charges import ISO_4217, InvalidRequest, parse_create
-from payments.refunds import parse_refund
+from payments.outbound.charges import ISO_4217, InvalidRequest, parse_create
+from payments.outbound.refunds import parse_refund
 from tests.hostile import MERCHANT_TOKEN
 from tests.support import make_settings
 
@@ -233,7 +233,7 @@ def test_schemathesis_stateful_create_then_read(api_schema, gateway):  # noqa: F
 
 @pytest.mark.mariadb
 def test_reading_a_payment_with_the_database_down_is_the_documented_503(mariadb):
-    from payments.db import make_engine
+    from payments.infra.db import make_engine
     from tests.stack import db_url, url_via
     from tests.support import TcpProxy, create_payment
 

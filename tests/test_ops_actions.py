@@ -1,4 +1,4 @@
-"""payments/ops_actions.py: every action the console and ``compensator review`` share, on both databases."""
+"""payments/ops/actions.py: every action the console and ``compensator review`` share, on both databases."""
 
 from __future__ import annotations
 
@@ -8,13 +8,22 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import DBAPIError
 
-from payments import ledger, ops_actions
-from payments.callbacks import CallbackResult, process_callback, store_callback
-from payments.db import utcnow
-from payments.ops_actions import Actor, CallbackSearch, OpsRefused
-from payments.outbound_protocol import review
+from payments.inbound.callbacks import CallbackResult, process_callback, store_callback
+from payments.infra.db import utcnow
+from payments.infra.schema import (
+    alert,
+    ledger_event,
+    manual_review,
+    ops_action,
+    payment,
+    payment_callback_log,
+    provider_call,
+)
+from payments.money import ledger
+from payments.ops import actions as ops_actions
+from payments.ops.actions import Actor, CallbackSearch, OpsRefused
+from payments.outbound.protocol import review
 from payments.providers.base import Capabilities, Dedupe, Failed, Pending, Succeeded
-from payments.schema import alert, ledger_event, manual_review, ops_action, payment, payment_callback_log, provider_call
 from payments.states import CallbackStatus
 from tests.fake_provider import FakeProvider
 from tests.ops_support import GIVE_UP_AT_ONCE, given_up_callback, providers, review_for, settled_review

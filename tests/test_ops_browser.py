@@ -19,8 +19,8 @@ from sqlalchemy import select
 from werkzeug.serving import make_server
 
 from gateway import create_app
-from payments.callbacks import process_callback, store_callback
-from payments.schema import ops_action, payment
+from payments.inbound.callbacks import process_callback, store_callback
+from payments.infra.schema import ops_action, payment
 from tests.conftest import IN_CI
 from tests.ops_support import GIVE_UP_AT_ONCE, given_up_callback, settled_review
 from tests.ops_support import providers as ops_providers
@@ -150,7 +150,7 @@ WIDTH = 1280
 
 def _wide_world(engine) -> dict[str, int]:
     """Rows whose pages are as wide as the console gets: long ids, long results, several currencies."""
-    from payments.schema import alert
+    from payments.infra.schema import alert
 
     late = "pay_browserwide000000001"
     log_id = given_up_callback(engine, late, amount=266400)

@@ -14,10 +14,11 @@ import pytest
 from sqlalchemy import select
 
 from compensator import review_cli
-from payments import ledger, ops_actions
-from payments.ops_actions import Actor, OpsRefused
+from payments.infra.schema import ledger_event, manual_review, ops_action, payment_callback_log
+from payments.money import ledger
+from payments.ops import actions as ops_actions
+from payments.ops.actions import Actor, OpsRefused
 from payments.runtime import build_runtime
-from payments.schema import ledger_event, manual_review, ops_action, payment_callback_log
 from payments.states import CallbackStatus
 from tests.ops_console_support import console_app, csrf, flashes, login
 from tests.ops_support import given_up_callback, settled_review
@@ -265,7 +266,7 @@ def test_retry_all_matching_shows_the_count_and_filter_then_replays_in_bounded_b
 
 
 def test_replay_matching_takes_at_most_what_was_confirmed_in_batches_of_the_given_size(engine):
-    from payments.ops_actions import CallbackSearch
+    from payments.ops.actions import CallbackSearch
 
     ids = [given_up_callback(engine, f"pay_retrybatch00000{i}") for i in range(5)]
     search = CallbackSearch(status=int(CallbackStatus.GAVE_UP))

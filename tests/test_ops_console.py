@@ -13,9 +13,9 @@ from compensator import review_cli
 from gateway import create_app
 from gateway.ops import LOGIN_FAILURES, throttle
 from payments.errors import ConfigError
+from payments.infra.schema import manual_review, ops_action, payment_callback_log
+from payments.infra.settings import check_deployment, load_settings
 from payments.runtime import build_runtime
-from payments.schema import manual_review, ops_action, payment_callback_log
-from payments.settings import check_deployment, load_settings
 from payments.states import CallbackStatus
 from tests.ops_support import given_up_callback, review_for, settled_review
 from tests.support import create_payment, make_settings
@@ -281,7 +281,7 @@ def test_login_returns_only_to_a_page_of_the_console(app, target):
     ids=["unclosed arrays", "closed arrays", "objects"],
 )
 def test_a_deeply_nested_body_is_shown_as_text_not_a_500(engine, body):
-    from payments.ops_actions import MAX_BODY_DEPTH
+    from payments.ops.actions import MAX_BODY_DEPTH
     from tests.support import signed
 
     app = _app(engine)
@@ -301,7 +301,7 @@ def _session_cookie(client) -> str:
 
 
 def test_logout_revokes_the_session_on_the_server_so_a_copied_cookie_opens_nothing(engine):
-    from payments.schema import ops_session
+    from payments.infra.schema import ops_session
 
     app = _app(engine)
     client = app.test_client()
@@ -339,7 +339,7 @@ def test_an_action_records_the_session_and_token_that_vouch_for_the_typed_name(e
     import os
 
     from gateway.ops import fingerprint
-    from payments.schema import ops_session
+    from payments.infra.schema import ops_session
 
     app = _app(engine)
     runtime = build_runtime(make_settings(database_url=str(engine.url)), engine)
@@ -406,7 +406,7 @@ MICROSECONDS = re.compile(r"\d{2}:\d{2}:\d{2}\.\d{3,6}")
 
 def _rejected_callback(engine, reference: str) -> int:
     """A delivery naming ``reference`` whose signature fails: stored, then rejected by processing (status 3)."""
-    from payments.callbacks import process_callback, store_callback
+    from payments.inbound.callbacks import process_callback, store_callback
     from tests.ops_support import GIVE_UP_AT_ONCE, providers
     from tests.support import sandbox_event, signed
 
@@ -420,7 +420,7 @@ def _rejected_callback(engine, reference: str) -> int:
 
 
 def _applied_callback(engine, payment_id: str, amount: int) -> int:
-    from payments.callbacks import process_callback, store_callback
+    from payments.inbound.callbacks import process_callback, store_callback
     from tests.ops_support import GIVE_UP_AT_ONCE, providers
     from tests.support import sandbox_event, signed
 
@@ -459,7 +459,7 @@ def test_the_pages_show_order_numbers_major_units_and_ages_and_no_link_404s(sqli
 
 
 def test_an_alert_links_to_its_subject_from_the_overview_and_its_own_page(sqlite):
-    from payments.schema import alert
+    from payments.infra.schema import alert
 
     log_id = given_up_callback(sqlite, "pay_console000000012")
     review_id = review_for(sqlite, callback_log_id=log_id)
@@ -478,9 +478,9 @@ def test_an_alert_links_to_its_subject_from_the_overview_and_its_own_page(sqlite
 
 
 def test_a_callback_page_lists_every_attempt_and_what_processing_said_each_time(sqlite):
-    from payments.backoff import RetryPolicy
-    from payments.callbacks import process_callback, store_callback
-    from payments.schema import callback_attempt
+    from payments.inbound.callbacks import process_callback, store_callback
+    from payments.infra.backoff import RetryPolicy
+    from payments.infra.schema import callback_attempt
     from tests.ops_support import providers
     from tests.support import sandbox_event, signed
 

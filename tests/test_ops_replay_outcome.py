@@ -12,8 +12,8 @@ import json
 from sqlalchemy import select
 
 from compensator import review_cli
+from payments.infra.schema import ops_action, payment_callback_log
 from payments.runtime import build_runtime
-from payments.schema import ops_action, payment_callback_log
 from payments.states import CallbackStatus
 from tests.ops_console_support import console_app, csrf, flashes, login
 from tests.ops_support import given_up_callback, settled_review

@@ -2,7 +2,7 @@
 
 Issue 22 found a charge hopping 32 times across 15 files, mostly between
 relay.py and calls.py. The prepare → call → apply sequence now lives in
-``payments.outbound_protocol``; this traces one real charge (SQLite, a fake
+``payments.outbound.protocol``; this traces one real charge (SQLite, a fake
 provider at the network edge) with ``tests.hops`` and holds the counts.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from payments import outbound_protocol
-from payments.db import utcnow
-from payments.outbound_protocol import Context, Result, relay_charge
+from payments.infra.db import utcnow
+from payments.outbound import protocol as outbound_protocol
+from payments.outbound.protocol import Context, Result, relay_charge
 from payments.providers.base import Capabilities, Dedupe
 from payments.runtime import build_runtime
 from tests.fake_provider import FakeProvider
@@ -20,7 +20,7 @@ from tests.hops import made_by, table, trace, visits
 from tests.outbound_support import new_payment
 from tests.support import make_settings
 
-PROTOCOL = "payments/outbound_protocol.py"
+PROTOCOL = "payments/outbound/protocol.py"
 
 
 def _traced_charge(engine):

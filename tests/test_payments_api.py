@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import func, select, update
 
 from gateway import create_app
-from payments.db import utcnow
-from payments.schema import idempotency_request, ledger_event, outbox, payment
+from payments.infra.db import utcnow
+from payments.infra.schema import idempotency_request, ledger_event, outbox, payment
 from tests.support import make_settings
 
 TOKEN = "test-merchant-token"
@@ -106,7 +106,7 @@ def test_the_same_key_with_another_body_is_refused_with_422(client, mariadb):
 @pytest.mark.mariadb
 def test_the_same_key_while_the_first_request_is_in_flight_gets_409(client, mariadb):
     # A first request that claimed the key and has not committed its payment yet looks exactly like this row.
-    from payments.charges import CreatePayment
+    from payments.outbound.charges import CreatePayment
 
     request = CreatePayment("order-1", 1999, "CNY", "sandbox", "tea")
     now = utcnow()
@@ -233,8 +233,8 @@ def test_get_shows_status_ledger_and_sources(client):
 
 @pytest.mark.mariadb
 def test_get_lists_only_verified_callbacks_and_rejected_ones_apart_with_their_reason(app, client, mariadb):
-    from payments.backoff import RetryPolicy
-    from payments.callbacks import process_callback, store_callback
+    from payments.inbound.callbacks import process_callback, store_callback
+    from payments.infra.backoff import RetryPolicy
     from tests.support import create_payment, sandbox_event, signed
 
     payment_id = create_payment(mariadb, amount=1999)
@@ -281,10 +281,10 @@ def test_get_lists_only_verified_callbacks_and_rejected_ones_apart_with_their_re
 def test_get_stays_small_when_thousands_of_unverified_rows_name_the_payment(app, client, mariadb):
     from sqlalchemy import insert
 
-    from payments.backoff import RetryPolicy
-    from payments.callbacks import process_callback
-    from payments.charges import CALLBACKS_SHOWN
-    from payments.schema import payment_callback_log
+    from payments.inbound.callbacks import process_callback
+    from payments.infra.backoff import RetryPolicy
+    from payments.infra.schema import payment_callback_log
+    from payments.outbound.charges import CALLBACKS_SHOWN
     from tests.support import create_payment, sandbox_event, signed
 
     payment_id = create_payment(mariadb, amount=1999)

@@ -7,11 +7,11 @@ from datetime import timedelta
 
 from sqlalchemy import func, select, update
 
-from payments.backoff import RetryPolicy
-from payments.callback_processing import process_batch
-from payments.callbacks import CallbackResult, process_callback, store_callback
+from payments.inbound.callbacks import CallbackResult, process_callback, store_callback
+from payments.inbound.processing import process_batch
+from payments.infra.backoff import RetryPolicy
+from payments.infra.schema import ledger_event, outbox, payment, payment_callback_log, processed_event
 from payments.providers import build_providers
-from payments.schema import ledger_event, outbox, payment, payment_callback_log, processed_event
 from payments.states import CallbackStatus
 from tests.support import create_payment, make_settings, sandbox_event, signed
 
@@ -92,21 +92,21 @@ def _go_row_by_row_forbidden(monkeypatch) -> None:  # noqa: ANN001
     def refuse(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("this batch should have been written set-wise")
 
-    monkeypatch.setattr("payments.callback_processing._message_by_message", refuse)
+    monkeypatch.setattr("payments.inbound.processing._message_by_message", refuse)
 
 
 def _row_by_row_calls(monkeypatch) -> list[int]:  # noqa: ANN001
     """Count the batches process_batch sends message by message."""
-    import payments.callback_processing
+    import payments.inbound.processing
 
     calls: list[int] = []
-    real = payments.callback_processing._message_by_message
+    real = payments.inbound.processing._message_by_message
 
     def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("payments.callback_processing._message_by_message", counted)
+    monkeypatch.setattr("payments.inbound.processing._message_by_message", counted)
     return calls
 
 
@@ -149,7 +149,7 @@ def _effects(engine, ids: list[int], references: list[str], tag: str) -> list[di
     """Everything processing wrote for each callback, with ids and clocks left out and the tag made neutral."""
     import json
 
-    from payments.schema import ledger_entry, refund
+    from payments.infra.schema import ledger_entry, refund
 
     number = {log_id: n for n, log_id in enumerate(ids)}
 
@@ -254,7 +254,7 @@ def test_a_usual_batch_is_written_set_wise_with_every_effect_each_row_gets_alone
 
 
 def _attempts(engine, ids) -> list[list[str]]:
-    from payments.schema import callback_attempt
+    from payments.infra.schema import callback_attempt
 
     t = callback_attempt
     with engine.connect() as conn:
@@ -263,7 +263,7 @@ def _attempts(engine, ids) -> list[list[str]]:
 
 
 def test_a_batch_with_unusual_rows_goes_row_by_row_and_each_row_gets_its_own_outcome(engine, monkeypatch):
-    from payments.schema import manual_review
+    from payments.infra.schema import manual_review
 
     providers = build_providers(make_settings())
     good = [create_payment(engine, amount=500 + n) for n in range(4)]
@@ -374,7 +374,7 @@ def _rows(engine) -> list:
 
 def test_a_lost_rows_copy_beside_a_noop_on_its_reused_id_is_restored_and_applied(engine, monkeypatch):
     """Invariant 12 in the set-wise path: the MISSING delivery keeps its own outcome, so it is restored."""
-    from payments.delivery import Delivery, body_digest
+    from payments.inbound.delivery import Delivery, body_digest
 
     providers = build_providers(make_settings())
     lost_payment, settled = create_payment(engine, amount=400), create_payment(engine, amount=500)

@@ -9,10 +9,18 @@ from datetime import datetime, timedelta
 import pytest
 from sqlalchemy import func, select
 
-from payments.backoff import RetryPolicy
-from payments.callbacks import CallbackResult, process_callback, store_callback
+from payments.inbound.callbacks import CallbackResult, process_callback, store_callback
+from payments.infra.backoff import RetryPolicy
+from payments.infra.schema import (
+    alert,
+    ledger_entry,
+    ledger_event,
+    manual_review,
+    outbox,
+    payment,
+    payment_callback_log,
+)
 from payments.providers import build_providers
-from payments.schema import alert, ledger_entry, ledger_event, manual_review, outbox, payment, payment_callback_log
 from payments.states import CallbackStatus
 from tests.support import create_payment, make_settings, sandbox_event, signed
 

@@ -15,8 +15,8 @@ import requests
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from payments import metrics
-from payments.callbacks import store_callback
+from payments.inbound.callbacks import store_callback
+from payments.infra import metrics
 from tests.stack import Stack, db_url, post, publish_deliveries, worker_pids
 from tests.support import create_payment, free_port, sandbox_event, signed, wait_until
 
@@ -127,7 +127,7 @@ def _answers(port: int) -> bool:
 
 
 def _dev_ops_token() -> str:
-    from payments.settings import DEV_DEFAULTS
+    from payments.infra.settings import DEV_DEFAULTS
 
     return DEV_DEFAULTS["ops_token"][0]
 

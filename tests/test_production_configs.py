@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from payments.errors import ConfigError
-from payments.settings import check_deployment, enabled_providers, load_settings
+from payments.infra.settings import check_deployment, enabled_providers, load_settings
 from tests.support import Proc, free_port, wait_until
 from tests.wechatpay_support import make_keys
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from payments import alert_evaluators
-from payments.alert_rules import DEFAULT_RULES_FILE, load_rules
+from payments.escalation import evaluators as alert_evaluators
+from payments.escalation.rules import DEFAULT_RULES_FILE, load_rules
 from tests.conftest import IN_CI
 from tests.test_grafana_dashboard import exported_metric_names
 
@@ -180,7 +180,7 @@ def test_every_alert_fires_and_resolves_in_the_unit_tests():
 
 
 def test_the_metrics_ports_default_to_the_example_scrape_targets():
-    from payments.settings import load_settings
+    from payments.infra.settings import load_settings
 
     scrape = yaml.safe_load((RULES / "prometheus.yml").read_text())
     targets = {job["job_name"]: job["static_configs"][0]["targets"][0] for job in scrape["scrape_configs"]}

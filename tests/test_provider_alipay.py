@@ -18,11 +18,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from payments.bills.alipay import read_settlement, refund_reference
 from payments.errors import ConfigError, MalformedCallback, SignatureInvalid, TimestampOutOfTolerance
-from payments.providers import alipay_sign as sig
+from payments.infra.settings import check_alipay_settings, load_settings
+from payments.infra.sources import source_allowed
 from payments.providers import build_providers
-from payments.providers.alipay import NOTIFY_RETRY_WINDOW_SECONDS, parse_form, read_notify
+from payments.providers.alipay import sign as sig
+from payments.providers.alipay.adapter import NOTIFY_RETRY_WINDOW_SECONDS, parse_form, read_notify
+from payments.providers.alipay.bill import read_settlement, refund_reference
 from payments.providers.base import (
     AMOUNT_MISMATCH,
     Capabilities,
@@ -36,9 +38,7 @@ from payments.providers.base import (
     Succeeded,
     Unknown,
 )
-from payments.settings import check_alipay_settings, load_settings
-from payments.settlement import CHARGE, INFO, REFUND
-from payments.sources import source_allowed
+from payments.providers.settlement import CHARGE, INFO, REFUND
 from payments.states import PaymentStatus
 from sandbox.fakes.alipay import rsa2_sign, sign_string
 from tests.alipay_support import (  # noqa: F401

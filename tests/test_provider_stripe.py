@@ -16,7 +16,6 @@ from dataclasses import replace
 import pytest
 import requests
 
-from payments.bills.stripe import read_settlement
 from payments.providers.base import (
     AMOUNT_MISMATCH,
     Failed,
@@ -28,8 +27,9 @@ from payments.providers.base import (
     Succeeded,
     Unknown,
 )
-from payments.providers.stripe import API_VERSION, EVENT_TYPES, StripeProvider, successor_key
-from payments.settlement import checked
+from payments.providers.settlement import checked
+from payments.providers.stripe.adapter import API_VERSION, EVENT_TYPES, StripeProvider, successor_key
+from payments.providers.stripe.bill import read_settlement
 from sandbox.fakes.stripe import IdempotencyRecord
 from tests.stripe_support import API_KEY, OLD_SECRET, FakeServer, charge_request, new_fake
 from tests.support import ROOT, env_for, free_port, wait_for_port

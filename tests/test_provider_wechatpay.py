@@ -20,8 +20,6 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from payments.bills.wechatpay import read_settlement
-from payments.providers import wechatpay_sign as sign
 from payments.providers.base import (
     AMOUNT_MISMATCH,
     Capabilities,
@@ -37,9 +35,11 @@ from payments.providers.base import (
     Succeeded,
     Unknown,
 )
-from payments.providers.wechatpay import Reply, WechatPayProvider, error_outcome, read_reply, read_transaction
-from payments.settlement import CHARGE, INFO, SUCCEEDED
-from payments.settlement import REFUND as REFUND_KIND
+from payments.providers.settlement import CHARGE, INFO, SUCCEEDED
+from payments.providers.settlement import REFUND as REFUND_KIND
+from payments.providers.wechatpay import sign
+from payments.providers.wechatpay.adapter import Reply, WechatPayProvider, error_outcome, read_reply, read_transaction
+from payments.providers.wechatpay.bill import read_settlement
 from sandbox.fakes import wechatpay as fake
 from tests.wechatpay_support import FakeServer, fake_config, wx_keys, wx_settings  # noqa: F401
 
@@ -418,7 +418,7 @@ def test_the_fake_runs_as_a_process_with_a_generated_key_set(tmp_path):
 
     import requests
 
-    from payments.settings import load_settings
+    from payments.infra.settings import load_settings
     from tests.support import ROOT, free_port, wait_for_port
 
     out = subprocess.run(

@@ -20,9 +20,8 @@ from sqlalchemy import delete
 from broker.consume import Action
 from broker.publisher import PACKING_BYTES, CallbackPublisher
 from consumer.handler import handle, handle_batch
-from payments.callbacks import CallbackResult, store_callback
-from payments.db import utcnow
-from payments.delivery import (
+from payments.inbound.callbacks import CallbackResult, store_callback
+from payments.inbound.delivery import (
     UnreadableMessage,
     decode_message,
     decode_messages,
@@ -31,8 +30,9 @@ from payments.delivery import (
     max_message_bytes,
     sign_document,
 )
+from payments.infra.db import utcnow
+from payments.infra.schema import payment_callback_log
 from payments.runtime import build_runtime
-from payments.schema import payment_callback_log
 from payments.states import CallbackStatus
 from tests.stack import callback_rows, delivery_message, effect_counts, payment_status, queued_callbacks
 from tests.support import BROKER_KEY, create_payment, make_settings, sandbox_event, signed

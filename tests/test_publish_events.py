@@ -23,14 +23,15 @@ import pytest
 from sqlalchemy import func, select, update
 
 from compensator import publish_events
-from payments import events, outbox, webhook_signing
-from payments.backoff import RetryPolicy
-from payments.callbacks import process_callback, store_callback
-from payments.db import utcnow
+from payments.inbound.callbacks import process_callback, store_callback
+from payments.infra import webhook_signing
+from payments.infra.backoff import RetryPolicy
+from payments.infra.db import utcnow
+from payments.infra.schema import alert, event_delivery, manual_review
+from payments.infra.schema import outbox as outbox_table
+from payments.lifecycle import events, outbox
 from payments.providers import build_providers
 from payments.runtime import build_runtime
-from payments.schema import alert, event_delivery, manual_review
-from payments.schema import outbox as outbox_table
 from payments.states import DeliveryStatus, OutboxStatus
 from tests.support import ROOT, TcpProxy, create_payment, env_for, free_port, make_settings, sandbox_event, signed
 
@@ -579,7 +580,7 @@ def give_up_at_once(engine, event_ids: list[str]) -> None:
 
 
 def test_every_event_delivery_give_up_notifies_not_only_the_first_per_destination(engine):
-    from payments import alerts as alert_rows
+    from payments.escalation import alerts as alert_rows
 
     told: list[dict] = []
     for _ in range(3):

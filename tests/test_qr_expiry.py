@@ -20,12 +20,12 @@ import pytest
 from sqlalchemy import select, update
 
 from compensator import query_unresolved, relay_outbox
-from payments.db import utcnow
-from payments.outbound_protocol import EXPIRY_MARGIN
-from payments.providers.alipay import alipay_time
+from payments.infra.db import utcnow
+from payments.infra.schema import payment, provider_call
+from payments.outbound.protocol import EXPIRY_MARGIN
+from payments.providers.alipay.adapter import alipay_time
 from payments.providers.base import ChargeRequest, Failed, Succeeded
 from payments.runtime import build_runtime
-from payments.schema import payment, provider_call
 from sandbox.fakes import wechatpay as wxfake
 from tests.alipay_support import fake_alipay, keys  # noqa: F401
 from tests.outbound_support import new_payment, row

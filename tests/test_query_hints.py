@@ -22,12 +22,12 @@ from sqlalchemy import select, update
 
 from compensator import compensate_callbacks, query_unresolved, relay_outbox
 from gateway import create_app
-from payments.callbacks import store_callback
-from payments.db import utcnow
-from payments.refunds import create_refund
+from payments.inbound.callbacks import store_callback
+from payments.infra.db import utcnow
+from payments.infra.schema import payment, payment_callback_log, query_hint, refund
+from payments.infra.sources import client_address
+from payments.outbound.refunds import create_refund
 from payments.runtime import build_runtime
-from payments.schema import payment, payment_callback_log, query_hint, refund
-from payments.sources import client_address
 from payments.states import CallbackStatus
 from tests.outbound_support import new_payment, row, runtime  # noqa: F401
 from tests.support import create_payment, sandbox_event, signed

@@ -1,4 +1,5 @@
-"""``payments.query_schedule``: the query schedule is fast at first, backs off, is capped, and keeps within the rate."""
+"""``payments.outbound.query_schedule``: the query schedule is fast at first, backs off, is capped, and keeps within the
+rate."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from payments.query_schedule import QUERY_SHARE, query_delay, query_delay_seconds
+from payments.outbound.query_schedule import QUERY_SHARE, query_delay, query_delay_seconds
 from tests.support import make_settings
 
 attempts = st.integers(min_value=1, max_value=200)

@@ -13,8 +13,8 @@ from dataclasses import replace
 from sqlalchemy import delete, select, update
 
 from compensator import query_unresolved, relay_outbox
-from payments.db import utcnow
-from payments.schema import alert, manual_review, payment, provider_breaker
+from payments.infra.db import utcnow
+from payments.infra.schema import alert, manual_review, payment, provider_breaker
 from tests.outbound_support import (
     calls,
     domain_events,

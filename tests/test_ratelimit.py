@@ -1,10 +1,10 @@
-"""payments.ratelimit: per-source token buckets, pure apart from the clock (a fake one here)."""
+"""payments.infra.ratelimit: per-source token buckets, pure apart from the clock (a fake one here)."""
 
 from __future__ import annotations
 
 import threading
 
-from payments.ratelimit import SourceLimiter, source_key
+from payments.infra.ratelimit import SourceLimiter, source_key
 
 
 class Clock:

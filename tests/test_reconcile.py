@@ -16,13 +16,9 @@ from hypothesis import strategies as st
 from sqlalchemy import func, insert, select
 
 from compensator import reconcile as reconcile_job
-from payments import aging, ledger, reconcile
-from payments.db import init_db, make_engine, utcnow
-from payments.locks import named_lock
-from payments.providers.base import ProviderUnavailable
-from payments.reconcile import Finding, Local, classify, differences, provider_view
-from payments.runtime import build_runtime
-from payments.schema import (
+from payments.infra.db import init_db, make_engine, utcnow
+from payments.infra.locks import named_lock
+from payments.infra.schema import (
     RECON_AMOUNT_MISMATCH,
     RECON_FEE,
     RECON_IGNORED,
@@ -42,7 +38,12 @@ from payments.schema import (
     settlement_file,
     settlement_line,
 )
-from payments.settlement import CHARGE, FEE, INVALID, REFUND, SettlementFormatError, SettlementLine, checked
+from payments.money import ledger
+from payments.providers.base import ProviderUnavailable
+from payments.providers.settlement import CHARGE, FEE, INVALID, REFUND, SettlementFormatError, SettlementLine, checked
+from payments.reconciliation import aging, reconcile
+from payments.reconciliation.reconcile import Finding, Local, classify, differences, provider_view
+from payments.runtime import build_runtime
 from payments.states import PaymentStatus
 from tests.support import ROOT, create_payment, env_for, make_settings
 from tests.test_ledger import confirm, create_refund
@@ -794,7 +795,7 @@ def test_aging_shows_where_each_payment_stands_across_the_three_records_by_age(e
         )
         file_id = conn.execute(select(settlement_file.c.id)).scalar_one()
         for n, text in enumerate(path.read_text().splitlines()[1:], start=2):
-            from payments.bills.sandbox import read_line
+            from payments.providers.sandbox.bill import read_line
 
             parsed = read_line(n, text, text.split(","))
             conn.execute(insert(settlement_line).values(**reconcile._line_row(file_id, parsed)))

@@ -23,16 +23,16 @@ from typing import Any
 
 from sqlalchemy import insert, select
 
-from payments import ledger
-from payments.bills.wechatpay import BEIJING
-from payments.db import utcnow
+from payments.infra.db import utcnow
+from payments.infra.schema import RECON_MATCHED, RECON_RESOLVED, payment, refund, settlement_line
+from payments.infra.settings import PROVIDERS, Settings, env_name
+from payments.lifecycle.transitions import apply_decision
+from payments.money import ledger
 from payments.providers.base import ChargeRequest, RefundRequest, Succeeded
-from payments.providers.stripe import StripeProvider
-from payments.providers.wechatpay import WechatPayProvider
-from payments.schema import RECON_MATCHED, RECON_RESOLVED, payment, refund, settlement_line
-from payments.settings import PROVIDERS, Settings, env_name
+from payments.providers.stripe.adapter import StripeProvider
+from payments.providers.wechatpay.adapter import WechatPayProvider
+from payments.providers.wechatpay.bill import BEIJING
 from payments.states import PaymentStatus, decide
-from payments.transitions import apply_decision
 from sandbox.fakes import wechatpay as wechat_fake
 from tests.alipay_support import APP_ID, fake_alipay, keys, provider_for  # noqa: F401
 from tests.stripe_support import API_KEY, OLD_SECRET, FakeServer, charge_request, new_fake

@@ -24,12 +24,8 @@ from sqlalchemy import func, select
 
 from compensator import reconcile as reconcile_job
 from compensator import seal_ledger
-from payments import ledger
-from payments.db import utcnow
-from payments.providers.base import ChargeRequest, Failed, ProviderUnavailable, RefundRequest, Succeeded
-from payments.providers.sandbox import SandboxProvider
-from payments.runtime import build_runtime
-from payments.schema import (
+from payments.infra.db import utcnow
+from payments.infra.schema import (
     RECON_AMOUNT_MISMATCH,
     RECON_LOCAL_ONLY,
     RECON_MATCHED,
@@ -44,6 +40,10 @@ from payments.schema import (
     settlement_file,
     settlement_line,
 )
+from payments.money import ledger
+from payments.providers.base import ChargeRequest, Failed, ProviderUnavailable, RefundRequest, Succeeded
+from payments.providers.sandbox.adapter import SandboxProvider
+from payments.runtime import build_runtime
 from payments.states import PaymentStatus
 from tests.support import API_KEY, SECRET, create_payment, free_port, make_settings
 from tests.test_ledger import confirm, create_refund

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from payments.idempotency import InvalidRequest
-from payments.refunds import MAX_REASON_LENGTH, digest, parse_refund
+from payments.outbound.idempotency import InvalidRequest
+from payments.outbound.refunds import MAX_REASON_LENGTH, digest, parse_refund
 
 reasons = st.none() | st.text(max_size=MAX_REASON_LENGTH)
 amounts = st.integers(min_value=1, max_value=2**63 - 1)

@@ -19,14 +19,22 @@ from sqlalchemy import func, select, update
 
 from compensator import query_unresolved, relay_outbox
 from gateway import create_app
-from payments import ledger
-from payments.callbacks import CallbackResult, process_callback, store_callback
-from payments.charges import CreatePayment, create_payment
-from payments.db import utcnow
-from payments.idempotency import InvalidRequest
+from payments.inbound.callbacks import CallbackResult, process_callback, store_callback
+from payments.infra.db import utcnow
+from payments.infra.schema import (
+    idempotency_request,
+    ledger_event,
+    manual_review,
+    outbox,
+    payment,
+    provider_call,
+    refund,
+)
+from payments.money import ledger
+from payments.outbound.charges import CreatePayment, create_payment
+from payments.outbound.idempotency import InvalidRequest
+from payments.outbound.refunds import create_refund, digest
 from payments.providers.base import RefundRequest, Succeeded
-from payments.refunds import create_refund, digest
-from payments.schema import idempotency_request, ledger_event, manual_review, outbox, payment, provider_call, refund
 from tests.outbound_support import new_payment, row, runtime  # noqa: F401
 from tests.support import make_settings, sandbox_event, signed
 

@@ -1,6 +1,6 @@
 """A refund through relay_outbox (and query_unresolved where it needs one) against each real provider's fake platform.
 
-The refund is requested the merchant API's way (``payments.refunds.create_refund``)
+The refund is requested the merchant API's way (``payments.outbound.refunds.create_refund``)
 for a payment the fake really charged; the relay sends it with the adapter
 (Alipay's out_request_no, WeChat Pay's out_refund_no, Stripe's idempotency
 key and metadata), and the answer, or the query of a refund still
@@ -17,15 +17,15 @@ import pytest
 from sqlalchemy import select, update
 
 from compensator import query_unresolved, relay_outbox
-from payments import ledger
-from payments.backoff import RetryPolicy
-from payments.db import utcnow
+from payments.infra.backoff import RetryPolicy
+from payments.infra.db import utcnow
+from payments.infra.schema import payment, provider_call, refund
+from payments.money import ledger
+from payments.outbound.refunds import create_refund
 from payments.providers.base import ChargeRequest, Succeeded
-from payments.providers.stripe import StripeProvider
-from payments.providers.wechatpay import WechatPayProvider
-from payments.refunds import create_refund
+from payments.providers.stripe.adapter import StripeProvider
+from payments.providers.wechatpay.adapter import WechatPayProvider
 from payments.runtime import Runtime
-from payments.schema import payment, provider_call, refund
 from sandbox.fakes import wechatpay as wechat_fake
 from tests.alipay_support import fake_alipay, keys, provider_for  # noqa: F401
 from tests.stripe_support import API_KEY, OLD_SECRET, FakeServer, charge_request, new_fake

@@ -1,4 +1,5 @@
-"""Charges relayed in groups (``payments.relay_batch``): the same effects as one by one, in far fewer statements.
+"""Charges relayed in groups (``payments.outbound.relay_batch``): the same effects as one by one, in far fewer
+statements.
 
 Every test runs against real MariaDB (and one on SQLite). The comparison
 test relays the same kinds of outcome once through the grouped path and once
@@ -19,10 +20,21 @@ import pytest
 from sqlalchemy import event, select, update
 
 from compensator import relay_outbox
-from payments import breaker, outbound_protocol, provider_calls
-from payments.db import utcnow
-from payments.group_commit import GroupCommit
-from payments.outbound_protocol import Context, Result, charge_params, relay_charge
+from payments.infra.db import utcnow
+from payments.infra.group_commit import GroupCommit
+from payments.infra.schema import (
+    ledger_entry,
+    ledger_event,
+    manual_review,
+    outbox,
+    payment,
+    provider_breaker,
+    provider_call,
+)
+from payments.outbound import breaker, provider_calls
+from payments.outbound import protocol as outbound_protocol
+from payments.outbound.protocol import Context, Result, charge_params, relay_charge
+from payments.outbound.relay_batch import apply_charges, prepare_charges, send_prepared
 from payments.providers.base import (
     Capabilities,
     Dedupe,
@@ -33,9 +45,7 @@ from payments.providers.base import (
     Succeeded,
     Unknown,
 )
-from payments.relay_batch import apply_charges, prepare_charges, send_prepared
 from payments.runtime import build_runtime
-from payments.schema import ledger_entry, ledger_event, manual_review, outbox, payment, provider_breaker, provider_call
 from payments.states import BreakerState, OutboxStatus
 from tests.fake_provider import FakeProvider
 from tests.outbound_support import calls, expire_leases, new_payment, row
@@ -369,7 +379,7 @@ def test_a_prepare_that_fails_writes_nothing_and_leaves_every_row_to_relay_charg
     ids = [new_payment(rt, provider="fake") for _ in range(3)]
     rows = claimed(rt)
     ctx = Context(rt.engine, rt.providers, rt.settings)
-    monkeypatch.setattr("payments.relay_batch.apply_planned", deadlocked)
+    monkeypatch.setattr("payments.outbound.relay_batch.apply_planned", deadlocked)
     prepared, others = prepare_charges(ctx, rows)
     assert prepared == [] and sorted(others) == sorted(outbox_id for outbox_id, _, _ in rows)
     assert all(calls(rt, pid) == [] and row(rt, pid)["status"] == "Created" for pid in ids), "rolled back"
@@ -384,7 +394,7 @@ def test_a_group_whose_transaction_fails_is_applied_one_by_one(mariadb, monkeypa
     ids = [new_payment(rt, provider="fake") for _ in range(3)]
     ctx = Context(rt.engine, rt.providers, rt.settings)
     prepared, _ = prepare_charges(ctx, claimed(rt))
-    monkeypatch.setattr("payments.relay_batch.apply_planned", deadlocked)
+    monkeypatch.setattr("payments.outbound.relay_batch.apply_planned", deadlocked)
     group = GroupCommit(lambda units: apply_charges(ctx, units))
     results = [send_prepared(ctx, charge, group, threading.Lock) for charge in prepared]
     assert len(prepared) == 3 and results == [Result.APPLIED] * 3
@@ -542,7 +552,7 @@ def test_an_error_reaches_every_unit_of_its_group_and_no_other():
 
 def test_a_call_recorded_as_never_sent_starts_no_not_found_grace(mariadb):
     # Withheld by the breaker before it went out: a NotFound about the payment is the whole truth at once.
-    from payments.outbound_protocol import query_payment
+    from payments.outbound.protocol import query_payment
     from tests.outbound_support import claim_for_query
 
     fake = keyed()

@@ -17,10 +17,10 @@ from dataclasses import replace
 from sqlalchemy import event, select
 
 from compensator import relay_outbox, workpool
-from payments import breaker
+from payments.infra.schema import payment, provider_breaker, provider_call
+from payments.outbound import breaker
 from payments.providers.base import Capabilities, Dedupe, Unknown
 from payments.runtime import build_runtime
-from payments.schema import payment, provider_breaker, provider_call
 from tests.fake_provider import FakeProvider
 from tests.outbound_support import new_payment
 from tests.support import make_settings

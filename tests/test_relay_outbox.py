@@ -15,9 +15,9 @@ from dataclasses import replace
 from sqlalchemy import select
 
 from compensator import query_unresolved, relay_outbox
-from payments.db import utcnow
+from payments.infra.db import utcnow
+from payments.infra.schema import alert, outbox
 from payments.runtime import build_runtime
-from payments.schema import alert, outbox
 from payments.states import OutboxStatus
 from tests.outbound_support import (
     calls,

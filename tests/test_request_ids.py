@@ -15,10 +15,10 @@ from sqlalchemy import delete, select
 from compensator import compensate_callbacks
 from consumer.handler import handle
 from gateway import create_app
-from payments.delivery import decode_message, encode_message, sign_document
-from payments.logs import _REQUEST_ID, REQUEST_ID, sane_request_id, scrub, setup_logging
+from payments.inbound.delivery import decode_message, encode_message, sign_document
+from payments.infra.logs import _REQUEST_ID, REQUEST_ID, sane_request_id, scrub, setup_logging
+from payments.infra.schema import payment_callback_log
 from payments.runtime import build_runtime
-from payments.schema import payment_callback_log
 from tests.stack import db_url, delivery_message
 from tests.support import BROKER_KEY, create_payment, make_settings, sandbox_event, signed
 

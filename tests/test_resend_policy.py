@@ -16,10 +16,10 @@ import pytest
 from sqlalchemy import select, update
 
 from compensator import query_unresolved, relay_outbox
-from payments.db import utcnow
+from payments.infra.db import utcnow
+from payments.infra.schema import outbox, payment, provider_call
 from payments.providers.base import Capabilities, Dedupe, Failed, NotFound, Succeeded, Unknown
 from payments.runtime import build_runtime
-from payments.schema import outbox, payment, provider_call
 from payments.states import OutboxStatus
 from tests.fake_provider import FakeProvider
 from tests.outbound_support import calls, domain_events, expire_leases, make_due, new_payment, reviews, row

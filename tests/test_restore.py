@@ -18,7 +18,7 @@ import json
 import pytest
 from sqlalchemy import delete, func, select, text
 
-from payments.schema import ledger_event, payment_callback_log
+from payments.infra.schema import ledger_event, payment_callback_log
 from payments.states import CallbackStatus
 from tests.stack import (
     Stack,

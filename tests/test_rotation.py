@@ -9,14 +9,14 @@ from sqlalchemy import select
 
 from compensator import reverify
 from gateway import create_app
-from payments.backoff import RetryPolicy
-from payments.callbacks import CallbackResult, process_callback, reject_callback, store_callback
-from payments.db import utcnow
 from payments.errors import ConfigError
+from payments.inbound.callbacks import CallbackResult, process_callback, reject_callback, store_callback
+from payments.infra.backoff import RetryPolicy
+from payments.infra.db import utcnow
+from payments.infra.schema import payment_callback_log
+from payments.infra.settings import load_settings
 from payments.providers import build_providers
 from payments.runtime import build_runtime
-from payments.schema import payment_callback_log
-from payments.settings import load_settings
 from payments.states import CallbackStatus
 from tests.stack import Stack, db_url, payment_status
 from tests.support import create_payment, make_settings, sandbox_event, signed

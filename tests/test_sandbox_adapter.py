@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from payments.providers.base import ChargeRequest, Failed, Mismatch, NotFound, Pending, Succeeded, Unknown
-from payments.providers.sandbox import LegacySandboxProvider, SandboxProvider, read_answer, read_charge
+from payments.providers.sandbox.adapter import LegacySandboxProvider, SandboxProvider, read_answer, read_charge
 from tests.support import API_KEY, SECRET, free_port
 
 REQ = ChargeRequest("pay_1", 1000, "CNY")

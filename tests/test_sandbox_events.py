@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from payments.errors import MalformedCallback
-from payments.providers.sandbox import parse_event
+from payments.providers.sandbox.adapter import parse_event
 from tests.support import sandbox_event
 
 

@@ -1,7 +1,7 @@
 """Two independent implementations of the Sandbox-Signature scheme, checked against each other.
 
 The platform signs (``sandbox.signing``); paysync's adapter verifies with its
-own code (``payments.providers.sandbox.verify_signature``), as it would for a
+own code (``payments.providers.sandbox.adapter.verify_signature``), as it would for a
 real provider. A bug in either shows up as a disagreement here: whatever
 header and body arrive, both must accept the same ones and refuse the same
 ones for the same reason.
@@ -14,8 +14,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from payments.errors import SignatureInvalid, TimestampOutOfTolerance
-from payments.providers import sandbox as adapter
-from payments.settings import load_settings
+from payments.infra.settings import load_settings
+from payments.providers.sandbox import adapter
 from sandbox import config, signing
 
 secrets_ = st.text(min_size=1, max_size=40)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from payments.settings import load_settings as load_paysync_settings
+from payments.infra.settings import load_settings as load_paysync_settings
 from sandbox import model, settlement
 from sandbox.config import DEV_API_KEY, SandboxConfigError, load_settings
 from sandbox.faults import Dice, Faults, bad_signature, parse_faults

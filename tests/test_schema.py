@@ -11,8 +11,8 @@ import re
 import pytest
 from sqlalchemy import text
 
-from payments.db import init_db, make_engine, schema_sql
-from payments.schema import APPEND_ONLY_TABLES
+from payments.infra.db import init_db, make_engine, schema_sql
+from payments.infra.schema import APPEND_ONLY_TABLES
 from tests.schema_describe import describe
 from tests.support import ROOT
 
@@ -21,7 +21,7 @@ SCHEMA_FILE = ROOT / "schema.sql"
 
 def test_schema_sql_is_what_the_code_generates():
     assert SCHEMA_FILE.read_text() == schema_sql(), (
-        "schema.sql is stale: run `python -m payments schema-sql > schema.sql` after changing payments/schema.py"
+        "schema.sql is stale: run `python -m payments schema-sql > schema.sql` after changing payments/infra/schema.py"
     )
 
 

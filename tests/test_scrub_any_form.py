@@ -1,6 +1,6 @@
 """Invariant 9 whatever the form: card numbers with any separators, secret names in any case style, PEM blocks.
 
-The scrubber (``payments.logs``) is checked against an independent detector
+The scrubber (``payments.infra.logs``) is checked against an independent detector
 written here: a card number leaks if its digits appear in order with only a
 few non-digits between them, a secret leaks if its value appears at all. The
 first tests feed generated text to every formatting path in-process; the
@@ -24,8 +24,8 @@ import requests
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from payments import logs
-from payments.logs import JsonFormatter, scrub, scrub_logger
+from payments.infra import logs
+from payments.infra.logs import JsonFormatter, scrub, scrub_logger
 from tests.hostile import MERCHANT_TOKEN, OPS_TOKEN
 from tests.support import wait_until
 

@@ -12,10 +12,10 @@ import pytest
 from sqlalchemy import func, insert, select, text
 
 from compensator import seal_ledger
-from payments import ledger
-from payments.db import init_db, utcnow
+from payments.infra.db import init_db, utcnow
+from payments.infra.schema import APPEND_ONLY_TABLES, ledger_seal, ledger_seal_gap
+from payments.money import ledger
 from payments.runtime import build_runtime
-from payments.schema import APPEND_ONLY_TABLES, ledger_seal, ledger_seal_gap
 from tests.support import ROOT, env_for, make_settings
 
 
@@ -282,7 +282,7 @@ def test_a_fresh_unsealed_event_is_not_yet_a_problem_but_an_old_one_is(runtime):
 
 @pytest.mark.mariadb
 def test_a_second_sealer_waits_its_turn(mariadb):
-    from payments.locks import named_lock
+    from payments.infra.locks import named_lock
 
     runtime = runtime_for(mariadb)
     write_events(mariadb, 2)

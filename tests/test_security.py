@@ -19,7 +19,7 @@ import requests
 from sqlalchemy import func, select
 
 from gateway import create_app
-from payments.schema import ledger_event, payment, payment_callback_log
+from payments.infra.schema import ledger_event, payment, payment_callback_log
 from sandbox import signing
 from tests.hostile import MERCHANT_TOKEN, OPS_TOKEN, SECRETS
 from tests.leaks import leaks_in, scan_logs

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from payments.send_pool import SendPool
+from payments.outbound.send_pool import SendPool
 
 
 def test_it_runs_a_send_on_one_of_its_own_workers():

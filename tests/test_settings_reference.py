@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from payments import settings_reference
-from payments.settings import Settings, env_name
+from payments.infra import settings_reference
+from payments.infra.settings import Settings, env_name
 
 PAGE = settings_reference.REFERENCE_PATH
 

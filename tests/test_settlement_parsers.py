@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from payments.bills import sandbox as sandbox_bill
-from payments.settlement import (
+from payments.providers.sandbox import bill as sandbox_bill
+from payments.providers.settlement import (
     CHARGE,
     FEE,
     INFO,

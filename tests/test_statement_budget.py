@@ -43,7 +43,8 @@ def test_every_path_is_counted_commits_and_the_raw_driver_insert_included(counts
     for name, counted in counts.items():
         assert counted.count > 0, name
         assert "COMMIT" in counted.statements, f"{name} commits nothing? {counted.statements}"
-    # The callback INSERT goes to the DBAPI connection itself (payments.db.DriverStatement), past SQLAlchemy's events.
+    # The callback INSERT goes to the DBAPI connection itself (payments.infra.db.DriverStatement), past SQLAlchemy's
+    # events.
     assert any(s.startswith("INSERT INTO payment_callback_log") for s in counts["callback_ingest"].statements)
     assert any(s.startswith("INSERT INTO payment") for s in counts["post_payment"].statements)
 

@@ -7,7 +7,8 @@ from datetime import datetime
 from hypothesis import given
 from hypothesis import strategies as st
 
-from payments import events, ledger
+from payments.lifecycle import events
+from payments.money import ledger
 from payments.providers.base import Failed, Mismatch, NotFound, Pending, Succeeded, Unknown, is_answer, reported_status
 from payments.states import PaymentStatus, StatusChange
 

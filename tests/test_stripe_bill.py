@@ -15,10 +15,10 @@ from datetime import datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from payments.bills.stripe import parse_balance_transactions, read_settlement
-from payments.settlement import CHARGE as CHARGE_KIND
-from payments.settlement import INFO, SUCCEEDED, checked
-from payments.settlement import REFUND as REFUND_KIND
+from payments.providers.settlement import CHARGE as CHARGE_KIND
+from payments.providers.settlement import INFO, SUCCEEDED, checked
+from payments.providers.settlement import REFUND as REFUND_KIND
+from payments.providers.stripe.bill import parse_balance_transactions, read_settlement
 
 CREATED = 1714557600  # 2024-05-01T10:00:00Z
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from payments.errors import EventIgnored, MalformedCallback
-from payments.providers.stripe import parse_event
+from payments.providers.stripe.adapter import parse_event
 from payments.states import PaymentStatus
 from tests.stripe_support import event, payment_intent, refund_object
 

@@ -16,10 +16,8 @@ from sqlalchemy import func, insert, select, update
 
 from compensator import catch_up, compensate_callbacks, query_unresolved, relay_outbox
 from gateway import create_app
-from payments.charges import CreatePayment, create_payment
-from payments.db import utcnow
-from payments.runtime import build_runtime
-from payments.schema import (
+from payments.infra.db import utcnow
+from payments.infra.schema import (
     ledger_event,
     manual_review,
     payment,
@@ -28,6 +26,8 @@ from payments.schema import (
     provider_cursor,
     refund,
 )
+from payments.outbound.charges import CreatePayment, create_payment
+from payments.runtime import build_runtime
 from payments.states import CallbackStatus
 from sandbox.fakes.stripe import IdempotencyRecord
 from tests.outbound_support import push_query_out, query_due_now
@@ -261,7 +261,7 @@ def test_an_unverified_notification_is_a_hint_that_leads_to_a_query_never_a_stat
 
     The rejected row keeps the payment it names (``order_no``, read unverified
     by ``peek_callback``); the gateway brings that payment's query forward
-    (``payments.hints``) and query_unresolved asks Stripe. The forged body says
+    (``payments.inbound.hints``) and query_unresolved asks Stripe. The forged body says
     Succeeded; Stripe says the charge was declined: the query's answer is what is applied.
     """
     served = FakeServer(new_fake())
@@ -457,7 +457,7 @@ def test_catch_up_that_cannot_list_keeps_its_cursor_and_does_nothing_without_str
 
 
 def catch_up_types():
-    from payments.providers.stripe import EVENT_TYPES
+    from payments.providers.stripe.adapter import EVENT_TYPES
 
     return EVENT_TYPES
 

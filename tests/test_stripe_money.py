@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from payments.charges import ISO_4217
-from payments.providers.stripe_money import (
+from payments.outbound.charges import ISO_4217
+from payments.providers.stripe.money import (
     STRIPE_ZERO_DECIMAL,
     AmountError,
     from_stripe,

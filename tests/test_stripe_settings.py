@@ -10,13 +10,13 @@ import pytest
 from sqlalchemy import select
 
 from gateway import create_app
-from payments.charges import CreatePayment
 from payments.errors import ConfigError
+from payments.infra.schema import payment
+from payments.infra.settings import load_settings, validate_stripe
+from payments.outbound.charges import CreatePayment
 from payments.providers import build_providers
 from payments.providers.base import Dedupe
-from payments.providers.stripe import StripeProvider
-from payments.schema import payment
-from payments.settings import load_settings, validate_stripe
+from payments.providers.stripe.adapter import StripeProvider
 from tests.stripe_support import API_KEY, NEW_SECRET, OLD_SECRET, stripe_settings
 from tests.support import make_settings
 

@@ -1,7 +1,7 @@
 """Stripe-Signature verification (pure): the documented scheme, both tolerance sides, rotation, hostile headers.
 
 The reference signer is the fake platform's (``sandbox.fakes.stripe``), an
-implementation independent of ``payments.providers.stripe_sign``.
+implementation independent of ``payments.providers.stripe.sign``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from payments.providers import stripe_sign
+from payments.providers.stripe import sign as stripe_sign
 from sandbox.fakes.stripe import signature_header
 from tests.stripe_support import NEW_SECRET, OLD_SECRET, STRANGER_SECRET
 

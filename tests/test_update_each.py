@@ -1,4 +1,4 @@
-"""payments.db.update_each: several rows by id in one guarded UPDATE, each row given exactly its own values."""
+"""payments.infra.db.update_each: several rows by id in one guarded UPDATE, each row given exactly its own values."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from datetime import datetime, timedelta
 import pytest
 from sqlalchemy import insert, select
 
-from payments import db
-from payments.db import UPDATE_EACH_MAX, update_each
-from payments.schema import provider_call
+from payments.infra import db
+from payments.infra.db import UPDATE_EACH_MAX, update_each
+from payments.infra.schema import provider_call
 
 T0 = datetime(2026, 12, 1, 12, 0, 0, 123456)
 

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from payments import webhook_signing as ws
 from payments.errors import ConfigError, SignatureInvalid, TimestampOutOfTolerance
-from payments.settings import load_settings
+from payments.infra import webhook_signing as ws
+from payments.infra.settings import load_settings
 
 # The reference test vector of the Standard Webhooks libraries
 # (standard-webhooks/standard-webhooks, libraries/python/tests/test_webhooks.py::test_sign_function).

@@ -19,8 +19,17 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from payments.bills.wechatpay import BillFormatError, TradeBill, parse_trade_bill, read_settlement
-from payments.settlement import CHARGE, FAILED, INFO, INVALID, REFUND, SUCCEEDED, SettlementFormatError, checked
+from payments.providers.settlement import (
+    CHARGE,
+    FAILED,
+    INFO,
+    INVALID,
+    REFUND,
+    SUCCEEDED,
+    SettlementFormatError,
+    checked,
+)
+from payments.providers.wechatpay.bill import BillFormatError, TradeBill, parse_trade_bill, read_settlement
 from sandbox.fakes import wechatpay as fake
 
 HEADER = (

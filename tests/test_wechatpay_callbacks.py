@@ -22,13 +22,13 @@ from sqlalchemy import insert, select
 
 from compensator import compensate_callbacks, query_unresolved, relay_outbox
 from gateway import create_app
-from payments.backoff import RetryPolicy
-from payments.callbacks import CallbackResult, process_callback
-from payments.db import utcnow
+from payments.inbound.callbacks import CallbackResult, process_callback
+from payments.infra.backoff import RetryPolicy
+from payments.infra.db import utcnow
+from payments.infra.schema import ledger_event, payment, refund
 from payments.providers import build_providers
 from payments.providers.base import ChargeRequest
 from payments.runtime import build_runtime
-from payments.schema import ledger_event, payment, refund
 from payments.states import CallbackStatus
 from sandbox.fakes import wechatpay as fake
 from tests.outbound_support import push_query_out, query_due_now

@@ -20,11 +20,12 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from gateway import create_app
-from payments.callbacks import CallbackResult, process_callback
 from payments.errors import SignatureInvalid
-from payments.providers import build_providers, wechatpay
+from payments.inbound.callbacks import CallbackResult, process_callback
+from payments.providers import build_providers
 from payments.providers.base import ChargeRequest, Pending, Unknown
-from payments.providers.wechatpay import WechatPayProvider
+from payments.providers.wechatpay import adapter as wechatpay
+from payments.providers.wechatpay.adapter import WechatPayProvider
 from payments.states import CallbackStatus, PaymentStatus
 from sandbox.fakes import wechatpay as fake
 from tests.stack import callback_rows, db_url, payment_status

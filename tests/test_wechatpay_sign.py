@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from payments.errors import ConfigError
-from payments.providers import wechatpay_sign as sign
-from payments.providers.wechatpay import load_config, validate
-from payments.sources import source_allowed
+from payments.infra.sources import source_allowed
+from payments.providers.wechatpay import sign
+from payments.providers.wechatpay.adapter import load_config, validate
 from sandbox.fakes import wechatpay as fake
 from tests.wechatpay_support import MCHID, make_keys, wx_keys, wx_settings  # noqa: F401
 
@@ -228,7 +228,7 @@ def test_production_validation_refuses_an_expired_platform_certificate(wx_keys, 
 
 
 def test_settings_parse_platform_keys_and_refuse_partial_configuration():
-    from payments.settings import load_settings
+    from payments.infra.settings import load_settings
 
     settings = load_settings(
         {
@@ -261,7 +261,7 @@ def test_settings_parse_platform_keys_and_refuse_partial_configuration():
 
 
 def test_source_checks_are_a_pure_membership_question():
-    from payments.settings import load_settings
+    from payments.infra.settings import load_settings
 
     nets = load_settings({"WECHATPAY_SOURCE_CIDRS": "101.226.103.0/25,2001:db8::/32"}).wechatpay_source_cidrs
     assert source_allowed("101.226.103.14", nets)

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from werkzeug.serving import WSGIRequestHandler, make_server
 
-from payments.settings import Settings
+from payments.infra.settings import Settings
 from sandbox.fakes import wechatpay as fake
 from tests.support import make_settings
 

@@ -1,4 +1,4 @@
-"""The ops console: ``/ops/…``, server-rendered pages (Flask + Jinja, no build step) over ``payments.ops_actions``.
+"""The ops console: ``/ops/…``, server-rendered pages (Flask + Jinja, no build step) over ``payments.ops.actions``.
 
 Who may do what:
 
@@ -12,7 +12,7 @@ Who may do what:
   X-Forwarded-Proto from a peer in TRUSTED_PROXIES), valid for
   SESSION_SECONDS. It names the token's role and a fingerprint of the token:
   a token removed from the settings ends its sessions at once.
-- Each login is also a row in ``ops_session`` (``payments.ops_sessions``),
+- Each login is also a row in ``ops_session`` (``payments.ops.sessions``),
   named by a random id in the cookie: logout revokes the row, so a copy of
   the cookie is worthless from then on; no row, no session.
 - The signing key is derived from the first OPS_TOKEN (HMAC, so the cookie
@@ -42,9 +42,9 @@ from itsdangerous import BadSignature
 from werkzeug.exceptions import HTTPException
 
 from gateway.ops import humanize
-from payments import ops_sessions
-from payments.settings import Settings
-from payments.sources import client_address, in_networks
+from payments.infra.settings import Settings
+from payments.infra.sources import client_address, in_networks
+from payments.ops import sessions as ops_sessions
 
 log = logging.getLogger("paysync.gateway.ops")
 
@@ -207,7 +207,7 @@ def _tokens_of(role: str, settings: Settings) -> Iterable[str]:
 def current_user() -> dict[str, Any] | None:
     """The logged-in session's role, actor and identity, if its token is still configured and its row is live.
 
-    The row (``payments.ops_sessions``) is what logout revokes: a signed cookie
+    The row (``payments.ops.sessions``) is what logout revokes: a signed cookie
     without a live row, a copy kept after logout say, is no session.
     """
     role, actor, tk, sid = session.get("role"), session.get("actor"), session.get("tk"), session.get("sid")

@@ -6,7 +6,7 @@ they are, integer minor units and naive UTC times; only the page changes:
 - ``¥2,664.00`` for CNY 266400, ``$12.00`` for USD 1200, ``JPY ¥500`` for a
   zero-decimal currency (the code first, so ¥500 is never read as yuan),
   ``CHF 12.50`` for a currency with no symbol here; the exponent is ISO
-  4217's (``payments.providers.stripe_money.iso_exponent``, the one the
+  4217's (``payments.providers.stripe.money.iso_exponent``, the one the
   ledger uses), and the minor units are in the title, on hover.
 - ``4 min ago`` / ``in 3 min``, with ``2026-12-03 14:30:29 UTC`` on hover,
   whole seconds only.
@@ -20,7 +20,7 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
-from payments.providers.stripe_money import iso_exponent
+from payments.providers.stripe.money import iso_exponent
 
 SYMBOLS = {
     "CNY": "¥",

@@ -1,4 +1,4 @@
-"""The console's pages and actions: each a thin view over ``payments.ops_actions`` (the CLI's module too)."""
+"""The console's pages and actions: each a thin view over ``payments.ops.actions`` (the CLI's module too)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,15 @@ from sqlalchemy.exc import IntegrityError
 
 from gateway import ext
 from gateway.ops import ROLE_OPERATOR, SESSION_SECONDS, bp, client_addr, match_token, safe_next, throttle
-from payments import aging, alert_actions, ops_actions, ops_sessions
-from payments.db import utcnow
-from payments.logs import scrub
-from payments.notify import links
-from payments.ops_actions import Actor, CallbackSearch, OpsRefused
-from payments.schema import RECON_CATEGORIES
+from payments.escalation.notify import links
+from payments.infra.db import utcnow
+from payments.infra.logs import scrub
+from payments.infra.schema import RECON_CATEGORIES
+from payments.ops import actions as ops_actions
+from payments.ops import alert_actions
+from payments.ops import sessions as ops_sessions
+from payments.ops.actions import Actor, CallbackSearch, OpsRefused
+from payments.reconciliation import aging
 from payments.states import CallbackStatus, PaymentStatus, ReviewStatus
 
 log = logging.getLogger("paysync.gateway.ops")
@@ -166,7 +169,7 @@ def overview() -> Any:
 
 @bp.get("/aging")
 def aging_report() -> Any:
-    """The aging report (payments/aging.py) as a table."""
+    """The aging report (payments/reconciliation/aging.py) as a table."""
     report = aging.aging(_engine())
     return render_template("ops/aging.html", report=report, buckets=aging.BUCKETS)
 

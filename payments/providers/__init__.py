@@ -1,10 +1,10 @@
 """Provider adapters, by the name used in URLs and the ``provider`` columns.
 
 A provider exists only when its configuration enables it
-(``payments.settings.PROVIDERS``: its secrets are set). One that is not
+(``payments.infra.settings.PROVIDERS``: its secrets are set). One that is not
 enabled has no callback route (404, nothing stored) and cannot be named in
 POST /payments (400). A new adapter adds its factory to ``FACTORIES`` and its
-settings to ``payments.settings.PROVIDERS``.
+settings to ``payments.infra.settings.PROVIDERS``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from payments.errors import UnknownProvider
+from payments.infra.settings import Settings, enabled_providers
 from payments.providers.base import Provider
-from payments.providers.sandbox import LegacySandboxProvider, SandboxProvider
-from payments.settings import Settings, enabled_providers
+from payments.providers.sandbox.adapter import LegacySandboxProvider, SandboxProvider
 
 FACTORIES: dict[str, Callable[[Settings], Provider]] = {
     "sandbox": lambda s: _sandbox(SandboxProvider, s),
@@ -34,19 +34,19 @@ def _sandbox(cls: type[SandboxProvider], s: Settings) -> Provider:
 
 def _alipay(settings: Settings) -> Provider:
     # Imported here: only a configured merchant loads its keys (read and parsed once, at start).
-    from payments.providers import alipay
+    from payments.providers.alipay import adapter as alipay
 
     return alipay.from_settings(settings)
 
 
 def _wechatpay(settings: Settings) -> Provider:
-    from payments.providers.wechatpay import WechatPayProvider
+    from payments.providers.wechatpay.adapter import WechatPayProvider
 
     return WechatPayProvider.from_settings(settings)
 
 
 def _stripe(settings: Settings) -> Provider:
-    from payments.providers.stripe import StripeProvider
+    from payments.providers.stripe.adapter import StripeProvider
 
     return StripeProvider.from_settings(settings)
 

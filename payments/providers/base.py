@@ -88,7 +88,7 @@ class CallbackEvent:
 
 @dataclass(frozen=True)
 class Evidence:
-    """What one HTTP exchange looked like, for the provider_call row (no secrets: see ``payments.logs.scrub``)."""
+    """What one HTTP exchange looked like, for the provider_call row (no secrets: see ``payments.infra.logs.scrub``)."""
 
     http_status: int | None = None
     """None when no answer arrived (timeout, reset)."""
@@ -334,7 +334,7 @@ class Provider:
 
         Raises ProviderUnavailable when there is no file to be had, and also
         while iterating if the transfer breaks off (a partial file is never
-        passed on as a whole one). Parsing is ``payments.settlement``'s job.
+        passed on as a whole one). Parsing is ``payments.providers.settlement``'s job.
         """
         raise NotImplementedError
 
