@@ -27,7 +27,6 @@ from sqlalchemy import Connection
 from broker import connection
 from payments.escalation import alerts
 from payments.escalation import evaluators as alert_evaluators
-from payments.escalation import rules as alert_rules
 from payments.infra.db import utcnow
 from payments.infra.locks import lock_name, named_lock
 from payments.runtime import Runtime
@@ -61,7 +60,7 @@ def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
 
 
 def _evaluate(conn: Connection, runtime: Runtime, now: datetime) -> int:
-    rules = alert_rules.for_settings(runtime.settings)
+    rules = alert_evaluators.rules_for(runtime.settings)
     with conn.begin():
         firing = alert_evaluators.evaluate(conn, rules, now, probes=probes(runtime))
     with conn.begin():

@@ -31,8 +31,8 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 
 from payments.errors import NotificationFailed
+from payments.escalation import evaluators as alert_evaluators
 from payments.escalation import notifications
-from payments.escalation import rules as alert_rules
 from payments.escalation.notifications import Claimed
 from payments.escalation.notify import Channel, links
 from payments.escalation.notify.channels import build_channels, enabled_channels
@@ -61,7 +61,7 @@ def retry_policy(settings: Settings) -> RetryPolicy:
 def routing_report(settings: Settings) -> tuple[list[str], list[str]]:
     """(configured channels, rules that reach none of them): what the compensator says once at start."""
     configured = enabled_channels(settings)
-    rules = alert_rules.for_settings(settings)
+    rules = alert_evaluators.rules_for(settings)
     unreached = sorted(name for name, r in rules.rules.items() if r.channels and not set(r.channels) & set(configured))
     return configured, unreached
 
@@ -85,7 +85,7 @@ def run_once(runtime: Runtime, *, now: datetime | None = None) -> int:
     if not channels:
         return 0  # alerts are log lines only; once a channel is configured, the alerts firing then are told
     try:
-        rules = alert_rules.for_settings(settings)
+        rules = alert_evaluators.rules_for(settings)
         notifications.plan(runtime.engine, rules, list(channels), clock())
         claimed = notifications.claim(runtime.engine, clock(), BATCH_SIZE, list(channels))
         if not claimed:

@@ -31,7 +31,7 @@ import requests
 
 from compensator.events_amqp import CONNECT_TIMEOUT_SECONDS, BrokerUnavailable, EventPublisher, MessageRefused
 from compensator.events_webhook import post_event
-from payments.escalation import rules as alert_rules
+from payments.escalation import evaluators as alert_evaluators
 from payments.infra import failpoints
 from payments.infra.backoff import RetryPolicy
 from payments.infra.db import utcnow
@@ -173,7 +173,7 @@ def run_once(runtime: Runtime, *, max_seconds: float | None = None) -> int:
                 break
     finally:
         run.close()
-    sustain = alert_rules.for_settings(settings).route("event_delivery_failing").sustain_seconds
+    sustain = alert_evaluators.rules_for(settings).route("event_delivery_failing").sustain_seconds
     events.note_health(engine, {d: (ok, failed) for d, (ok, failed) in run.outcomes.items()}, utcnow(), sustain)
     if handled:
         log.info("handled %s domain events", handled, extra={"outcomes": run.outcomes})

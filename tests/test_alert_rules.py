@@ -171,17 +171,17 @@ def test_a_bad_rules_file_stops_the_compensator_with_one_line(tmp_path):
 def test_a_bad_edit_while_running_keeps_the_last_good_rules_and_says_so_once(tmp_path, caplog):
     path = tmp_path / "rules.toml"
     path.write_text(GOOD)
-    assert alert_rules.load_rules(str(path)).get("callback_backlog").threshold == 5
+    assert alert_rules.load_rules(str(path), alert_evaluators.validate).get("callback_backlog").threshold == 5
     path.write_text(GOOD.replace("threshold = 5", 'threshold = "five"'))
     for _ in range(3):
-        assert alert_rules.load_rules(str(path)).get("callback_backlog").threshold == 5
+        assert alert_rules.load_rules(str(path), alert_evaluators.validate).get("callback_backlog").threshold == 5
     errors = [r.getMessage() for r in caplog.records if r.name == "paysync.alerts.rules"]
     assert len(errors) == 1 and "rule callback_backlog: threshold: must be a number" in errors[0]
     path.write_text(GOOD.replace("threshold = 5", "threshold = 19"))
-    assert alert_rules.load_rules(str(path)).get("callback_backlog").threshold == 19
-    # A file that names a rule nobody evaluates counts as bad too.
+    assert alert_rules.load_rules(str(path), alert_evaluators.validate).get("callback_backlog").threshold == 19
+    # A file that names a rule nobody evaluates counts as bad too, for a load checked against the registry.
     path.write_text(GOOD + "\n[rules.no_such_rule]\nthreshold = 1\n")
-    assert alert_rules.load_rules(str(path)).get("callback_backlog").threshold == 19
+    assert alert_rules.load_rules(str(path), alert_evaluators.validate).get("callback_backlog").threshold == 19
 
 
 def _rules_raised_in_code() -> dict[str, str]:

@@ -24,6 +24,11 @@ from payments.states import AlertStatus
 log = logging.getLogger("paysync.alerts")
 
 
+def breaker_alert_key(provider: str) -> str:
+    """The dedupe key of one provider's open-breaker alert: the breaker raises it, the evaluator keeps it true."""
+    return f"provider_circuit_open:{provider}"
+
+
 def _dumps(details: dict[str, Any] | None) -> str | None:
     return json.dumps(details, sort_keys=True, default=str) if details else None
 

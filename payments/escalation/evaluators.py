@@ -31,23 +31,28 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, func, or_, select
+from sqlalchemy import Connection, String, and_, case, cast, func, literal, or_, select
 
 from payments.errors import ConfigError
 from payments.escalation import alerts
+from payments.escalation import rules as rules_module
 from payments.escalation.rules import Rule, RuleSet
 from payments.infra.retention import refused_clause
 from payments.infra.schema import (
+    RECON_UNREADABLE,
+    UNEXPLAINED,
     alert,
     ledger_event,
     ledger_seal,
     ledger_seal_gap,
+    manual_review,
     payment,
     payment_callback_log,
     provider_breaker,
+    reconciliation_item,
+    reconciliation_run,
     refund,
 )
-from payments.ops.monitoring import unexplained_by_provider
 from payments.states import (
     CALLBACK_RETRYABLE,
     TERMINAL,
@@ -55,6 +60,8 @@ from payments.states import (
     BreakerState,
     CallbackStatus,
     PaymentStatus,
+    ReconciliationRunStatus,
+    ReviewStatus,
 )
 
 log = logging.getLogger("paysync.alerts.rules")
@@ -229,8 +236,6 @@ def refused_sources(conn: Connection, rule: Rule, now: datetime) -> list[Finding
 
 def provider_circuit_open(conn: Connection, rule: Rule, now: datetime) -> list[Finding]:
     """A provider's circuit breaker is open (payments/outbound/breaker.py also raises this the moment it opens)."""
-    from payments.outbound.breaker import alert_key
-
     t = provider_breaker
     rows = conn.execute(
         select(t.c.provider, t.c.opened_at, t.c.consecutive_failures, t.c.retry_at)
@@ -239,7 +244,7 @@ def provider_circuit_open(conn: Connection, rule: Rule, now: datetime) -> list[F
     ).all()
     return [
         Finding(
-            alert_key(r.provider),
+            alerts.breaker_alert_key(r.provider),
             f"provider {r.provider} circuit open since {r.opened_at} ({r.consecutive_failures} failed calls)",
             {"provider": r.provider, "consecutive_failures": r.consecutive_failures, "retry_at": str(r.retry_at)},
         )
@@ -360,6 +365,11 @@ def validate(rules: RuleSet) -> None:
                 raise ConfigError(f"alert rules {rules.source}: rule {name}: {needed} is required")
 
 
+def rules_for(settings: Any) -> RuleSet:
+    """The rules file ``settings`` name, parsed and checked against this registry (cached while unchanged)."""
+    return rules_module.for_settings(settings, validate)
+
+
 def evaluate(conn: Connection, rules: RuleSet, now: datetime, *, probes: Mapping[str, Probe] | None = None) -> int:
     """Run every evaluator against ``conn`` (inside the caller's transaction); return how many alerts fire.
 
@@ -402,3 +412,55 @@ def evaluate(conn: Connection, rules: RuleSet, now: datetime, *, probes: Mapping
             if alerts.clear(conn, key=key, now=now):
                 log.info("alert %s resolved", key, extra={"rule": name})
     return firing
+
+
+def unexplained_by_provider(conn: Connection) -> dict[str, tuple[int, int]]:
+    """provider -> (its latest completed run, unexplained items of it a person has not yet resolved).
+
+    Reconciliation links each escalated item to its manual review
+    (``manual_review_id``); once a person resolves the review the item no
+    longer counts. An unreadable line re-read by a re-run of its file is not
+    escalated again and has no link: it counts while the file's review
+    (``reconciliation_unreadable:<provider>:file:<id>``) is open. An item with
+    neither (never handed to a person) counts. Only the latest run is read, so
+    a later clean run of the provider counts nothing. Both the
+    ``reconciliation_unexplained`` rule and ``/metrics`` read this.
+    """
+    run, item = reconciliation_run, reconciliation_item
+    linked, file_review = manual_review.alias("linked"), manual_review.alias("file_review")
+    latest = (
+        select(run.c.provider, func.max(run.c.id).label("run_id"))
+        .where(run.c.status == ReconciliationRunStatus.COMPLETED)
+        .group_by(run.c.provider)
+        .subquery()
+    )
+    file_review_key = (
+        literal(f"reconciliation_{RECON_UNREADABLE}:")
+        + latest.c.provider
+        + literal(":file:")
+        + cast(item.c.settlement_file_id, String)
+    )
+    # Two joins, each on a unique key (the review's id; its open_key, NULL once resolved), rather than one OR.
+    still_unexplained = or_(
+        linked.c.status == ReviewStatus.OPEN,
+        file_review.c.id.is_not(None),
+        and_(item.c.manual_review_id.is_(None), item.c.category != RECON_UNREADABLE),
+    )
+    rows = conn.execute(
+        select(latest.c.provider, latest.c.run_id, func.count())
+        .select_from(latest)
+        .join(item, item.c.run_id == latest.c.run_id)
+        .outerjoin(linked, linked.c.id == item.c.manual_review_id)
+        .outerjoin(
+            file_review,
+            and_(
+                item.c.manual_review_id.is_(None),
+                item.c.category == RECON_UNREADABLE,
+                file_review.c.open_key == file_review_key,
+            ),
+        )
+        .where(item.c.category.in_(UNEXPLAINED), still_unexplained)
+        .group_by(latest.c.provider, latest.c.run_id)
+        .order_by(latest.c.provider)
+    ).all()
+    return {provider: (run_id, count) for provider, run_id, count in rows}

@@ -18,7 +18,8 @@ with one line instead of silently disabling an alert. The file has two tables:
   of that severity, besides the rule's own ``mentions``.
 
 Which rules may appear, and which fields each needs, is the evaluator
-registry's business (``payments/escalation/evaluators.py``: ``validate``).
+registry's business (``payments/escalation/evaluators.py``: ``validate``,
+passed in as ``check``; ``evaluators.rules_for`` is the checked load).
 ``cooldown_seconds = 0`` means one notification per incident and no reminders.
 """
 
@@ -30,7 +31,7 @@ import os
 import re
 import threading
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -243,60 +244,63 @@ def rules_path(settings: Any) -> str:
     return settings.alert_rules_file or str(DEFAULT_RULES_FILE)
 
 
-def load_rules(path: str) -> RuleSet:
-    """Read, parse and check (against the evaluator registry) the rules file at ``path``.
+Check = Callable[[RuleSet], None]
+"""Validates a parsed RuleSet beyond its syntax (the evaluators' registry: which rules exist); ConfigError if not."""
+
+
+def load_rules(path: str, check: Check | None = None) -> RuleSet:
+    """Read, parse and (with ``check``, e.g. ``evaluators.validate``) validate the rules file at ``path``.
 
     Read again only when the file changes (mtime or size), so thresholds can
     be tuned without a restart. A file that cannot be read or is invalid
     raises ConfigError the first time; once a good version was loaded, a bad
     edit is logged once and the last good rules stay in force, so a typo made
-    while running does not switch alerting off.
+    while running does not switch alerting off. The check is the caller's:
+    this module sits below the evaluators and does not know which rules exist.
     """
     try:
         stat = os.stat(path)
         version = (stat.st_mtime_ns, stat.st_size)
     except OSError as exc:
         version, error = None, ConfigError(f"ALERT_RULES_FILE {path}: cannot read it ({exc.strerror})")
+    key = (path, check)
     with _lock:
-        seen = _seen.get(path)
+        seen = _seen.get(key)
         if seen is not None and seen[0] == version:
             result = seen[1]
         else:
-            result = _read(path) if version is not None else error
-            _seen[path] = (version, result)
+            result = _read(path, check) if version is not None else error
+            _seen[key] = (version, result)
             if isinstance(result, RuleSet):
-                _good[path] = result
-            elif path in _good:
+                _good[key] = result
+            elif key in _good:
                 log.error("%s; keeping the rules loaded before", result)
     if isinstance(result, RuleSet):
         return result
-    if path in _good:
-        return _good[path]
+    if key in _good:
+        return _good[key]
     raise result
 
 
 _lock = threading.Lock()
-_seen: dict[str, tuple[tuple[int, int] | None, RuleSet | ConfigError]] = {}
-_good: dict[str, RuleSet] = {}
+_seen: dict[tuple[str, Check | None], tuple[tuple[int, int] | None, RuleSet | ConfigError]] = {}
+_good: dict[tuple[str, Check | None], RuleSet] = {}
 
 
-def _read(path: str) -> RuleSet | ConfigError:
-    from payments.escalation import (
-        evaluators as alert_evaluators,  # the registry knows which rules exist and what each needs
-    )
-
+def _read(path: str, check: Check | None) -> RuleSet | ConfigError:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         return ConfigError(f"ALERT_RULES_FILE {path}: cannot read it ({exc})")
     try:
         rules = parse_rules(text, source=path)
-        alert_evaluators.validate(rules)
+        if check is not None:
+            check(rules)
     except ConfigError as exc:
         return exc
     return rules
 
 
-def for_settings(settings: Any) -> RuleSet:
-    """The rules ``settings`` point at (cached while the file is unchanged)."""
-    return load_rules(rules_path(settings))
+def for_settings(settings: Any, check: Check | None = None) -> RuleSet:
+    """The rules ``settings`` point at (cached while the file is unchanged); ``check`` as for ``load_rules``."""
+    return load_rules(rules_path(settings), check)

@@ -524,6 +524,8 @@ RECON_CATEGORIES = (
     RECON_IGNORED,
     RECON_UNREADABLE,
 )
+UNEXPLAINED = (RECON_AMOUNT_MISMATCH, RECON_STATUS_MISMATCH, RECON_PROVIDER_ONLY, RECON_LOCAL_ONLY, RECON_UNREADABLE)
+"""Categories a person must look at (reconciliation escalates each; the alert evaluators count them)."""
 
 reconciliation_run = Table(
     "reconciliation_run",

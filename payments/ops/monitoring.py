@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, String, and_, case, cast, func, literal, or_, select
+from sqlalchemy import Connection, case, func, select
 
+from payments.escalation.evaluators import unexplained_by_provider
 from payments.infra.schema import (
-    RECON_UNREADABLE,
     alert,
     manual_review,
     outbox,
@@ -34,7 +34,6 @@ from payments.infra.schema import (
     refund,
 )
 from payments.reconciliation.aging import AGE_LIMITS
-from payments.reconciliation.reconcile import UNEXPLAINED
 from payments.states import (
     CALLBACK_RETRYABLE,
     BreakerState,
@@ -178,58 +177,6 @@ def latest_reconciliation(conn: Connection) -> dict[tuple[str, str], int]:
         .group_by(latest.c.provider, i.c.category)
     )
     return {(provider, category): count for provider, category, count in rows}
-
-
-def unexplained_by_provider(conn: Connection) -> dict[str, tuple[int, int]]:
-    """provider -> (its latest completed run, unexplained items of it a person has not yet resolved).
-
-    Reconciliation links each escalated item to its manual review
-    (``manual_review_id``); once a person resolves the review the item no
-    longer counts. An unreadable line re-read by a re-run of its file is not
-    escalated again and has no link: it counts while the file's review
-    (``reconciliation_unreadable:<provider>:file:<id>``) is open. An item with
-    neither (never handed to a person) counts. Only the latest run is read, so
-    a later clean run of the provider counts nothing. Both the
-    ``reconciliation_unexplained`` rule and ``/metrics`` read this.
-    """
-    run, item = reconciliation_run, reconciliation_item
-    linked, file_review = manual_review.alias("linked"), manual_review.alias("file_review")
-    latest = (
-        select(run.c.provider, func.max(run.c.id).label("run_id"))
-        .where(run.c.status == ReconciliationRunStatus.COMPLETED)
-        .group_by(run.c.provider)
-        .subquery()
-    )
-    file_review_key = (
-        literal(f"reconciliation_{RECON_UNREADABLE}:")
-        + latest.c.provider
-        + literal(":file:")
-        + cast(item.c.settlement_file_id, String)
-    )
-    # Two joins, each on a unique key (the review's id; its open_key, NULL once resolved), rather than one OR.
-    still_unexplained = or_(
-        linked.c.status == ReviewStatus.OPEN,
-        file_review.c.id.is_not(None),
-        and_(item.c.manual_review_id.is_(None), item.c.category != RECON_UNREADABLE),
-    )
-    rows = conn.execute(
-        select(latest.c.provider, latest.c.run_id, func.count())
-        .select_from(latest)
-        .join(item, item.c.run_id == latest.c.run_id)
-        .outerjoin(linked, linked.c.id == item.c.manual_review_id)
-        .outerjoin(
-            file_review,
-            and_(
-                item.c.manual_review_id.is_(None),
-                item.c.category == RECON_UNREADABLE,
-                file_review.c.open_key == file_review_key,
-            ),
-        )
-        .where(item.c.category.in_(UNEXPLAINED), still_unexplained)
-        .group_by(latest.c.provider, latest.c.run_id)
-        .order_by(latest.c.provider)
-    ).all()
-    return {provider: (run_id, count) for provider, run_id, count in rows}
 
 
 def settled_counts(conn: Connection) -> Settled:

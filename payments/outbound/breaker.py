@@ -60,9 +60,8 @@ class Snapshot:
     retry_at: datetime | None = None
 
 
-def alert_key(provider: str) -> str:
-    """The alert's dedupe key for one provider's open breaker."""
-    return f"provider_circuit_open:{provider}"
+alert_key = alerts.breaker_alert_key
+"""The alert's dedupe key for one provider's open breaker (kept in alerts, where the evaluator reads it too)."""
 
 
 CACHE_SECONDS = 0.2

@@ -82,6 +82,7 @@ from payments.infra.schema import (
     RECON_STATUS_MISMATCH,
     RECON_UNREADABLE,
     TS,
+    UNEXPLAINED,
     ledger_entry,
     ledger_event,
     payment,
@@ -388,10 +389,6 @@ class Tally:
             "reviews": self.reviews,
             "fx_converted": self.conversions,
         }
-
-
-UNEXPLAINED = (RECON_AMOUNT_MISMATCH, RECON_STATUS_MISMATCH, RECON_PROVIDER_ONLY, RECON_LOCAL_ONLY, RECON_UNREADABLE)
-"""Categories a person must look at (each one was escalated)."""
 
 
 @dataclass
