@@ -38,8 +38,7 @@ from collections.abc import Callable
 from datetime import UTC, date, datetime
 
 from payments.errors import ConfigError
-from payments.infra.settings import start_process
-from payments.runtime import Runtime, build_runtime
+from payments.runtime import Runtime, build_runtime, start_process
 
 log = logging.getLogger("paysync.compensator")
 

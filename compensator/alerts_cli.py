@@ -25,11 +25,11 @@ import time
 from payments.errors import NotificationFailed
 from payments.escalation.notify import CHANNEL_NAMES, TEST, Notice
 from payments.escalation.notify.channels import SPECS, build_channels
-from payments.infra.settings import env_name, start_process
+from payments.infra.settings import env_name
 from payments.ops import actions as ops_actions
 from payments.ops import alert_actions
 from payments.ops.actions import Actor, OpsRefused
-from payments.runtime import Runtime, build_runtime
+from payments.runtime import Runtime, build_runtime, start_process
 
 
 def test_notice() -> Notice:

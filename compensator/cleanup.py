@@ -67,8 +67,7 @@ def dry_run(runtime: Runtime) -> dict[str, int]:
 
 def main(argv: list[str]) -> int:
     """``python -m compensator cleanup [--once | --dry-run]``."""
-    from payments.infra.settings import start_process
-    from payments.runtime import build_runtime
+    from payments.runtime import build_runtime, start_process
 
     parser = argparse.ArgumentParser(prog="python -m compensator cleanup", description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group(required=True)

@@ -28,10 +28,9 @@ from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 
-from payments.infra.settings import start_process
 from payments.ops import actions as ops_actions
 from payments.ops.actions import Actor, OpsRefused
-from payments.runtime import Runtime, build_runtime
+from payments.runtime import Runtime, build_runtime, start_process
 
 
 def _parser() -> argparse.ArgumentParser:

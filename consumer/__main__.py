@@ -16,8 +16,7 @@ import sys
 from broker.consume import Action, ConsumeLoop
 from consumer.handler import Answer, handle, handle_batch
 from payments.infra import failpoints, metrics
-from payments.infra.settings import start_process
-from payments.runtime import Runtime, build_runtime
+from payments.runtime import Runtime, build_runtime, start_process
 
 log = logging.getLogger("paysync.consumer")
 

@@ -17,7 +17,7 @@ from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
 
 from payments.infra.settings import Settings, load_settings
-from payments.runtime import Runtime, build_runtime
+from payments.runtime import Runtime, build_runtime, check_deployment
 
 log = logging.getLogger("paysync.gateway")
 
@@ -52,7 +52,11 @@ def create_app(
     from payments.outbound.send_pool import SendPool
 
     if runtime is None:
-        runtime = build_runtime(settings or load_settings(), engine)
+        if settings is None:
+            # What the settings no longer check themselves, the start-up step does (a bad rules file, key file).
+            settings = load_settings()
+            check_deployment(settings)
+        runtime = build_runtime(settings, engine)
     settings = runtime.settings
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.callback_max_body_bytes

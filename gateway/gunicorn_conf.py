@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from payments.infra.logs import scrub_every_handler, scrub_logger
-from payments.infra.settings import start_process
+from payments.runtime import start_process
 
 # Refuses weak secrets in production (exit 2, one line) before any worker forks; warns once in development.
 _settings = start_process("web")

@@ -1,6 +1,6 @@
 """The WSGI entry point gunicorn loads: ``gateway.wsgi:app``.
 
-The gateway starts like every other process (``payments.infra.settings.start_process``
+The gateway starts like every other process (``payments.runtime.start_process``
 then ``payments.runtime.build_runtime``): a bad setting is one line on stderr
 and exit code 2, logging is set up, failpoints are armed, the engine and
 adapters are built. Under the Procfile's ``web`` line gunicorn's master has
@@ -9,8 +9,7 @@ gets this far with a bad one.
 """
 
 from gateway import create_app
-from payments.infra.settings import start_process
-from payments.runtime import build_runtime
+from payments.runtime import build_runtime, start_process
 
 # gunicorn_conf.py already checked the settings and warned, once, in the master.
 _settings = start_process("web", warn=False)

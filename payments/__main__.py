@@ -10,7 +10,7 @@ import tempfile
 
 from payments.errors import PaysyncError
 from payments.infra.db import make_engine, schema_sql
-from payments.infra.settings import start_process
+from payments.runtime import start_process
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from payments.escalation import evaluators as alert_evaluators
 from payments.escalation import rules as alert_rules
 from payments.escalation.rules import DEFAULT_RULES_FILE, parse_rules
 from payments.infra.settings import load_settings
+from payments.runtime import check_deployment
 from tests.support import ROOT, env_for
 
 GOOD = """
@@ -143,8 +144,16 @@ def test_alert_rules_file_points_at_another_file(tmp_path):
     ],
 )
 def test_settings_refuse_a_missing_rules_file_and_the_retired_alert_settings(environ, message):
+    # The retired settings are refused by the settings' parsing, the missing file by the start-up check.
     with pytest.raises(ConfigError, match=message):
-        load_settings({"PAYSYNC_ENV": "development", **environ})
+        check_deployment(load_settings({"PAYSYNC_ENV": "development", **environ}))
+
+
+def test_the_settings_parse_a_rules_file_name_and_leave_reading_it_to_the_start_up_check():
+    settings = load_settings({"PAYSYNC_ENV": "development", "ALERT_RULES_FILE": "/nonexistent/rules.toml"})
+    assert settings.alert_rules_file == "/nonexistent/rules.toml"
+    with pytest.raises(ConfigError, match="cannot read it"):
+        alert_evaluators.check_alerting(settings)
 
 
 @pytest.mark.server

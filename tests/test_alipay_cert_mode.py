@@ -17,10 +17,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from payments.errors import ConfigError
-from payments.infra.settings import check_alipay_settings
 from payments.providers import build_providers
 from payments.providers.alipay import sign as sig
 from payments.providers.alipay.adapter import from_settings
+from payments.providers.alipay.adapter import validate as check_alipay_settings
 from payments.providers.base import ChargeRequest, Failed, NotFound, Pending
 from sandbox.fakes import alipay as fake_platform
 from sandbox.fakes.alipay import FakeAlipay, serve

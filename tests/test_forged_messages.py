@@ -23,7 +23,8 @@ from sqlalchemy import select
 
 from payments.errors import ConfigError
 from payments.infra.schema import alert, ledger_event
-from payments.infra.settings import check_deployment, load_settings
+from payments.infra.settings import load_settings
+from payments.runtime import check_deployment
 from tests.stack import Stack, amqp_channel, callback_rows, db_url, payment_status, post, publish_raw, ready_count
 from tests.support import create_payment, sandbox_event, signed, wait_until
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from payments.errors import ConfigError
+from payments.escalation.evaluators import check_alerting
 from payments.escalation.notify.channels import build_channels, enabled_channels
 from payments.infra.settings import load_settings
 from tests.support import ROOT, env_for
@@ -106,16 +107,17 @@ def test_every_channel_is_enabled_by_its_own_settings_and_lists_parse():
     ],
 )
 def test_a_bad_or_partial_channel_setting_is_refused_naming_the_variable(environ, message):
+    # Refused at start-up: by the settings' own parsing, or by the channels checking theirs (check_alerting).
     with pytest.raises(ConfigError) as info:
-        load_settings({**DEV, **environ})
+        check_alerting(load_settings({**DEV, **environ}))
     assert message in str(info.value)
 
 
 def test_production_refuses_plain_http_for_a_url_that_carries_a_token_but_not_to_loopback():
     with pytest.raises(ConfigError, match="WECOM_WEBHOOK_URL must be https:// in production"):
-        load_settings({"WECOM_WEBHOOK_URL": "http://qyapi.weixin.qq.com/cgi-bin/webhook/send?key=t"})
-    load_settings({"WECOM_WEBHOOK_URL": "http://127.0.0.1:9000/cgi-bin/webhook/send?key=t"})
-    load_settings({**DEV, "WECOM_WEBHOOK_URL": "http://wecom.internal/cgi-bin/webhook/send?key=t"})
+        check_alerting(load_settings({"WECOM_WEBHOOK_URL": "http://qyapi.weixin.qq.com/cgi-bin/webhook/send?key=t"}))
+    check_alerting(load_settings({"WECOM_WEBHOOK_URL": "http://127.0.0.1:9000/cgi-bin/webhook/send?key=t"}))
+    check_alerting(load_settings({**DEV, "WECOM_WEBHOOK_URL": "http://wecom.internal/cgi-bin/webhook/send?key=t"}))
 
 
 def test_a_bad_channel_setting_stops_the_process_with_one_line_and_no_secret(tmp_path):

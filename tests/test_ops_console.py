@@ -14,8 +14,8 @@ from gateway import create_app
 from gateway.ops import LOGIN_FAILURES, throttle
 from payments.errors import ConfigError
 from payments.infra.schema import manual_review, ops_action, payment_callback_log
-from payments.infra.settings import check_deployment, load_settings
-from payments.runtime import build_runtime
+from payments.infra.settings import load_settings
+from payments.runtime import build_runtime, check_deployment
 from payments.states import CallbackStatus
 from tests.ops_support import given_up_callback, review_for, settled_review
 from tests.support import create_payment, make_settings

@@ -19,7 +19,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from payments.errors import ConfigError
-from payments.infra.settings import check_deployment, enabled_providers, load_settings
+from payments.infra.settings import enabled_providers, load_settings
+from payments.runtime import check_deployment
 from tests.support import Proc, free_port, wait_until
 from tests.wechatpay_support import make_keys
 

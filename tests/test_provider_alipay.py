@@ -19,11 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from payments.errors import ConfigError, MalformedCallback, SignatureInvalid, TimestampOutOfTolerance
-from payments.infra.settings import check_alipay_settings, load_settings
+from payments.infra.settings import load_settings
 from payments.infra.sources import source_allowed
 from payments.providers import build_providers
 from payments.providers.alipay import sign as sig
 from payments.providers.alipay.adapter import NOTIFY_RETRY_WINDOW_SECONDS, parse_form, read_notify
+from payments.providers.alipay.adapter import validate as check_alipay_settings
 from payments.providers.alipay.bill import read_settlement, refund_reference
 from payments.providers.base import (
     AMOUNT_MISMATCH,

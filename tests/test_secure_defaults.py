@@ -10,8 +10,9 @@ import pytest
 
 from gateway import create_app
 from payments.errors import ConfigError
-from payments.infra.settings import check_deployment, enabled_providers, load_settings
+from payments.infra.settings import enabled_providers, load_settings
 from payments.providers import build_providers
+from payments.runtime import check_deployment
 from payments.states import CallbackStatus
 from tests.stack import callback_rows, db_url
 from tests.support import ROOT, env_for, free_port, procfile_command, sandbox_event, signed

@@ -365,6 +365,17 @@ def validate(rules: RuleSet) -> None:
                 raise ConfigError(f"alert rules {rules.source}: rule {name}: {needed} is required")
 
 
+def check_alerting(settings: Any) -> None:
+    """The alert channels' settings hold together and ALERT_RULES_FILE is a valid rules file (ConfigError if not).
+
+    Part of the start-up step ``payments.runtime.check_deployment``.
+    """
+    from payments.escalation.notify import channels
+
+    channels.validate(settings)
+    rules_for(settings)
+
+
 def rules_for(settings: Any) -> RuleSet:
     """The rules file ``settings`` name, parsed and checked against this registry (cached while unchanged)."""
     return rules_module.for_settings(settings, validate)

@@ -4,16 +4,20 @@ Nothing else in paysync reads ``os.environ``. Every setting has a default that
 works on one machine (SQLite in ``var/``, no broker, the sandbox platform on
 localhost), and a bad value stops the process at start with a message that
 names the variable.
+
+This module parses values and judges them as values (ranges, formats, the
+strength of secrets). What only a capability can judge (a provider's key
+files, the alert rules and channels' templates) each capability checks
+itself, asked by the start-up step ``payments.runtime.check_deployment``:
+settings sit on the infra floor and import no wing above it.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import logging
 import os
 import re
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -568,14 +572,14 @@ _PARSERS = {
     "smtp_to": lambda n, v: tuple(_email(n, item) for item in _list(v)),
     "smtp_ca_file": lambda n, v: v.strip(),
     "sms_gateway_url": lambda n, v: _url(n, v, ("http://", "https://")),
-    "sms_gateway_template": lambda n, v: _json_template(n, v, "sms"),
+    "sms_gateway_template": lambda n, v: _json_template(n, v),
     "sms_gateway_token": lambda n, v: _secrets(n, v),
     "sms_recipients": lambda n, v: _phones(n, v),
     "aliyun_sms_access_key_id": lambda n, v: _matching(n, v, _ACCESS_KEY_ID, "an AccessKey ID (letters and digits)"),
     "aliyun_sms_access_key_secret": lambda n, v: _secrets(n, v),
     "aliyun_sms_sign_name": lambda n, v: v.strip(),
     "aliyun_sms_template_code": lambda n, v: _matching(n, v, _TEMPLATE_CODE, "a template code such as SMS_123456"),
-    "aliyun_sms_template_param": lambda n, v: _json_template(n, v, "aliyun_sms"),
+    "aliyun_sms_template_param": lambda n, v: _json_template(n, v),
     "aliyun_sms_phone_numbers": lambda n, v: _phones(n, v),
     "aliyun_sms_endpoint": lambda n, v: _url(n, v, ("http://", "https://")) or "https://dysmsapi.aliyuncs.com",
     "dingtalk_webhook_url": lambda n, v: _url(n, v, ("http://", "https://")),
@@ -685,16 +689,11 @@ def _phones(name: str, raw: str) -> tuple[str, ...]:
     return phones
 
 
-def _json_template(name: str, raw: str, channel: str) -> str:
-    from payments.escalation.notify import aliyun_sms, sms_http, template
-
-    allowed = sms_http.ALLOWED if channel == "sms" else aliyun_sms.ALLOWED
+def _json_template(name: str, raw: str) -> str:
+    # The placeholders a template may use are its channel's business: escalation.notify.channels.validate checks
+    # them at start-up (runtime.check_deployment). Here an empty value means the default template.
     if not raw.strip():
         return getattr(Settings, name.lower())
-    try:
-        template.parse(raw, allowed)
-    except ValueError as exc:
-        raise ConfigError(f"{name}: {exc}") from None
     return raw.strip()
 
 
@@ -813,30 +812,6 @@ def _app_id(name: str, raw: str) -> str:
     return value
 
 
-def check_alipay_settings(settings: Settings) -> None:
-    """When Alipay is enabled: its three settings present, its keys readable RSA of 2048+ bits, certificate
-    mode whole (ALIPAY_APP_CERT_FILE with our key's certificate, ALIPAY_ROOT_CERT_FILE) or not used at all.
-
-    Raises ConfigError naming the variable, the file and why; the production
-    start-up check calls this (build_providers reads the keys the same way).
-    """
-    _check_complete(settings)
-    if "alipay" in enabled_providers(settings):
-        from payments.providers.alipay import sign as alipay_sign
-
-        key = alipay_sign.load_private_key("ALIPAY_APP_PRIVATE_KEY_FILE", settings.alipay_app_private_key_file)
-        alipay_sign.load_public_keys("ALIPAY_PUBLIC_KEY_FILES", settings.alipay_public_key_files)
-        alipay_sign.cert_mode(
-            settings.alipay_app_cert_file, settings.alipay_root_cert_file, settings.alipay_public_key_files, key
-        )
-
-
-def _check_wechatpay(settings: Settings) -> None:
-    from payments.providers.wechatpay import adapter as wechatpay
-
-    wechatpay.validate(settings)
-
-
 def _time_of_day(name: str, raw: str) -> str:
     value = raw.strip()
     match = re.fullmatch(r"(\d{2}):(\d{2})", value)
@@ -900,8 +875,6 @@ class ProviderSettings:
     """Its other settings that must all be given once any of its settings is (ids, key files)."""
     switch: str | None = None
     """A boolean setting that must also be true (an optional variant of another provider)."""
-    check: Callable[[Settings], None] | None = None
-    """Validates what a length check cannot (key files readable, keys strong); raises ConfigError."""
 
     @property
     def settings(self) -> tuple[str, ...]:
@@ -920,7 +893,6 @@ PROVIDERS: dict[str, ProviderSettings] = {
     "alipay": ProviderSettings(
         sources="alipay_source_cidrs",
         required=("alipay_app_id", "alipay_app_private_key_file", "alipay_public_key_files"),
-        check=lambda s: check_alipay_settings(s),
     ),
     "wechatpay": ProviderSettings(
         sources="wechatpay_source_cidrs",
@@ -934,15 +906,14 @@ PROVIDERS: dict[str, ProviderSettings] = {
             "wechatpay_platform_keys",
             "wechatpay_notify_url",
         ),
-        check=lambda s: _check_wechatpay(s),
     ),
     "stripe": ProviderSettings(
         sources="stripe_source_cidrs",
         secrets=("stripe_api_key", "stripe_webhook_secrets"),
-        check=lambda s: validate_stripe(s, production=s.paysync_env == "production"),
     ),
 }
-"""Every provider paysync knows, and the settings that enable it. A new adapter adds its line here."""
+"""Every provider paysync knows, and the settings that enable it. A new adapter adds its line here (and, for what
+a value check cannot see, its validator to ``payments.providers.VALIDATORS``)."""
 
 
 def source_cidrs(settings: Settings, provider: str) -> tuple[str, ...]:
@@ -966,7 +937,7 @@ def enabled_providers(settings: Settings) -> list[str]:
     return enabled
 
 
-def _check_complete(settings: Settings) -> None:
+def check_complete(settings: Settings) -> None:
     """A provider with some of its settings given and others not is refused in either environment."""
     for name in enabled_providers(settings):
         spec = PROVIDERS[name]
@@ -1017,11 +988,12 @@ def _shared(settings: Settings, names: list[str]) -> list[tuple[str, str]]:
     return problems
 
 
-def check_deployment(settings: Settings) -> str | None:
-    """Refuse (ConfigError) what must not run in production; in development return the one warning, if any.
+def check_secrets(settings: Settings) -> str | None:
+    """Refuse (ConfigError) secrets that must not run in production; in development return the one warning, if any.
 
-    Checked: MERCHANT_API_TOKEN, OPS_TOKEN, OPS_READONLY_TOKEN and METRICS_TOKEN
-    (the last two when set), BROKER_MESSAGE_SECRET (with a broker) and the
+    The values' part of ``payments.runtime.check_deployment``. Checked:
+    MERCHANT_API_TOKEN, OPS_TOKEN, OPS_READONLY_TOKEN and METRICS_TOKEN (the
+    last two when set), BROKER_MESSAGE_SECRET (with a broker) and the
     secrets of every enabled provider are set, not a development default, at
     least MIN_SECRET_LENGTH characters long with at least MIN_SECRET_DISTINCT
     distinct characters (every value of a rotation list), and no value is
@@ -1030,10 +1002,7 @@ def check_deployment(settings: Settings) -> str | None:
     in either environment.
     """
     enabled = enabled_providers(settings)
-    _check_complete(settings)
-    for name in enabled:
-        if PROVIDERS[name].check is not None:
-            PROVIDERS[name].check(settings)
+    check_complete(settings)
     if settings.sandbox_legacy_enabled and "sandbox_legacy" not in enabled:
         raise ConfigError("SANDBOX_LEGACY_ENABLED=true needs SANDBOX_WEBHOOK_SECRET and SANDBOX_API_KEY")
     if settings.has_broker and not settings.broker_message_secret:
@@ -1059,26 +1028,6 @@ def check_deployment(settings: Settings) -> str | None:
     return f"PAYSYNC_ENV=development, not for real money: {listed}"
 
 
-def start_process(process: str, environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Settings:
-    """Every entry point's first call: load and check the settings, set up logging, warn once in development.
-
-    A bad value prints one line naming the variable to stderr and exits with
-    status 2 (no traceback).
-    """
-    from payments.infra.logs import setup_logging
-
-    try:
-        settings = load_settings(environ)
-        warning = check_deployment(settings)
-    except ConfigError as exc:
-        print(f"{process}: bad configuration: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    setup_logging(settings.log_level, process)
-    if warning and warn:
-        logging.getLogger(f"paysync.{process}").warning(warning)
-    return settings
-
-
 _RULES_HINT = "set it in ALERT_RULES_FILE (default ops/alert_rules.toml)"
 RETIRED_SETTINGS = {
     "ALERT_BACKLOG_THRESHOLD": f"the backlog alert's threshold is rule callback_backlog's threshold; {_RULES_HINT}",
@@ -1093,7 +1042,8 @@ RETIRED_SETTINGS = {
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Build Settings from the environment; raise ConfigError naming the bad variable.
 
-    Parsing only: ``check_deployment`` judges the secrets. In development a
+    Parsing only: ``check_secrets`` judges the secrets and ``payments.runtime.check_deployment``
+    asks each capability to check its own settings. In development a
     secret that is not set takes its DEV_DEFAULTS value; in production it stays
     empty (and a provider whose secret is empty is not enabled).
     """
@@ -1119,7 +1069,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     if settings.events_lease_seconds < 2 * settings.merchant_webhook_timeout_seconds + 30:
         # publish_events stops starting deliveries once the slowest one could outlive the lease.
         raise ConfigError("EVENTS_LEASE_SECONDS must be >= 2 * MERCHANT_WEBHOOK_TIMEOUT_SECONDS + 30")
-    _check_complete(settings)
+    check_complete(settings)
     if set(settings.ops_readonly_token) & set(settings.ops_token):
         # One token in both lists would make its holder's role a matter of which list is read first.
         raise ConfigError("OPS_READONLY_TOKEN repeats a value of OPS_TOKEN: the read-only role needs its own token")
@@ -1127,7 +1077,6 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("MERCHANT_WEBHOOK_SECRET (whsec_…) is required when MERCHANT_WEBHOOK_URL is set")
     if settings.alert_notify_retry_max_seconds < settings.alert_notify_retry_base_seconds:
         raise ConfigError("ALERT_NOTIFY_RETRY_MAX_SECONDS must be >= ALERT_NOTIFY_RETRY_BASE_SECONDS")
-    check_alerting(settings)
     return settings
 
 
@@ -1140,7 +1089,7 @@ def validate_stripe(settings: Settings, *, production: bool) -> None:
     """
     if "stripe" not in enabled_providers(settings):
         return
-    _check_complete(settings)
+    check_complete(settings)
     _stripe_api_key("STRIPE_API_KEY", settings.stripe_api_key)
     _stripe_webhook_secrets("STRIPE_WEBHOOK_SECRETS", ",".join(settings.stripe_webhook_secrets))
     if not production:
@@ -1149,12 +1098,3 @@ def validate_stripe(settings: Settings, *, production: bool) -> None:
         raise ConfigError("STRIPE_API_KEY is a test-mode key (…_test_…); production needs a live key")
     if not settings.stripe_api_base.startswith("https://"):
         raise ConfigError("STRIPE_API_BASE must be https:// in production")
-
-
-def check_alerting(settings: Settings) -> None:
-    """The alert channels' settings hold together and ALERT_RULES_FILE is a valid rules file (ConfigError if not)."""
-    from payments.escalation import rules as alert_rules
-    from payments.escalation.notify import channels
-
-    channels.validate(settings)
-    alert_rules.for_settings(settings)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from payments.errors import UnknownProvider
-from payments.infra.settings import Settings, enabled_providers
+from payments.infra.settings import Settings, enabled_providers, validate_stripe
 from payments.providers.base import Provider
 from payments.providers.sandbox.adapter import LegacySandboxProvider, SandboxProvider
 
@@ -49,6 +49,39 @@ def _stripe(settings: Settings) -> Provider:
     from payments.providers.stripe.adapter import StripeProvider
 
     return StripeProvider.from_settings(settings)
+
+
+def _validate_alipay(settings: Settings) -> None:
+    from payments.providers.alipay import adapter
+
+    adapter.validate(settings)
+
+
+def _validate_wechatpay(settings: Settings) -> None:
+    from payments.providers.wechatpay import adapter
+
+    adapter.validate(settings)
+
+
+def _validate_stripe(settings: Settings) -> None:
+    validate_stripe(settings, production=settings.paysync_env == "production")
+
+
+VALIDATORS: dict[str, Callable[[Settings], None]] = {
+    "alipay": _validate_alipay,
+    "wechatpay": _validate_wechatpay,
+    "stripe": _validate_stripe,
+}
+"""What each provider checks of its settings beyond their values (key files readable, keys strong, certificates in
+date, a live key in production); ConfigError naming the variable. A provider without an entry has nothing more."""
+
+
+def validate(settings: Settings) -> None:
+    """Ask every enabled provider to check its own settings (the start-up step, ``payments.runtime``)."""
+    for name in enabled_providers(settings):
+        check = VALIDATORS.get(name)
+        if check is not None:
+            check(settings)
 
 
 def build_providers(settings: Settings) -> dict[str, Provider]:

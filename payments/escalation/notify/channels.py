@@ -9,7 +9,9 @@ works while it sends nothing, so it stops the process instead.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from payments.errors import ConfigError
@@ -113,8 +115,19 @@ def _loopback(url: str) -> bool:
         return False
 
 
+def _template(name: str, text: str, allowed: Iterable[str]) -> Any:
+    """A channel's JSON template parsed, or ConfigError naming its variable (the settings keep it as text)."""
+    try:
+        return template.parse(text, allowed)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
 def validate(settings: object) -> None:
     """Raise ConfigError naming the variable when an enabled channel's settings do not hold together."""
+    # The templates first, as when the settings parsed them: a bad one is refused whether its channel is on or not.
+    _template("SMS_GATEWAY_TEMPLATE", settings.sms_gateway_template, sms_http.ALLOWED)
+    _template("ALIYUN_SMS_TEMPLATE_PARAM", settings.aliyun_sms_template_param, aliyun_sms.ALLOWED)
     for name in enabled_channels(settings):
         spec = SPECS[name]
         missing = [_env(f) for f in spec.required if not getattr(settings, f)]
@@ -136,7 +149,7 @@ def validate(settings: object) -> None:
         raise ConfigError("SMTP_USERNAME and SMTP_PASSWORD go together: set both (AUTH) or neither")
     if s.smtp_password and s.smtp_tls == smtp.OFF:
         raise ConfigError("SMTP_PASSWORD needs SMTP_TLS=starttls or implicit: AUTH would send it in clear")
-    sms_template = template.parse(s.sms_gateway_template, sms_http.ALLOWED)
+    sms_template = _template("SMS_GATEWAY_TEMPLATE", s.sms_gateway_template, sms_http.ALLOWED)
     if s.sms_gateway_url and not ({"phone", "phones"} & set(template.placeholders(sms_template))):
         raise ConfigError("SMS_GATEWAY_TEMPLATE names no recipient: use {{phone}} (one request each) or {{phones}}")
 

@@ -390,6 +390,26 @@ class AlipayProvider(Provider):
         return replace(outcome, evidence=_evidence(response, latency))
 
 
+def validate(settings: Any) -> None:
+    """When Alipay is enabled: its three settings present, its keys readable RSA of 2048+ bits, certificate
+    mode whole (ALIPAY_APP_CERT_FILE with our key's certificate, ALIPAY_ROOT_CERT_FILE) or not used at all.
+
+    Raises ConfigError naming the variable, the file and why; the start-up
+    check (``payments.runtime.check_deployment``, through
+    ``payments.providers.validate``) calls this; ``from_settings`` reads the
+    keys the same way.
+    """
+    from payments.infra.settings import check_complete, enabled_providers
+
+    check_complete(settings)
+    if "alipay" in enabled_providers(settings):
+        key = sig.load_private_key("ALIPAY_APP_PRIVATE_KEY_FILE", settings.alipay_app_private_key_file)
+        sig.load_public_keys("ALIPAY_PUBLIC_KEY_FILES", settings.alipay_public_key_files)
+        sig.cert_mode(
+            settings.alipay_app_cert_file, settings.alipay_root_cert_file, settings.alipay_public_key_files, key
+        )
+
+
 def from_settings(settings: Any) -> AlipayProvider:
     """Build the adapter from Settings, reading and parsing the keys once; ConfigError naming the bad file."""
     if not settings.alipay_app_id:
