@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
@@ -78,3 +79,64 @@ def test_the_command_prints_the_graph_and_succeeds():
     assert "gateway      -> broker, payments" in done.stdout
     assert "import graph: every edge allowed" in done.stdout
     assert import_graph.main.__doc__
+
+
+def test_payments_floors_hold_no_upward_or_sideways_import_and_no_circle():
+    assert import_graph.floor_violations() == []
+
+
+def test_every_module_of_payments_is_in_a_wing_and_the_kernel_is_the_ground_floor():
+    modules = import_graph.payments_modules()
+    assert {m for m in modules if import_graph.wing_of(m) is None} == set()
+    assert {m for m in modules if import_graph.wing_of(m) == "kernel"} == {"payments.errors", "payments.states"}
+    # The kernel imports nothing of payments: every wing may stand on it.
+    assert [e for e in import_graph.module_edges() if import_graph.wing_of(e[0]) == "kernel"] == []
+    assert import_graph.floor_of("kernel") == 0
+    assert import_graph.floor_of("top") == len(import_graph.FLOORS) - 1
+
+
+def test_every_wing_says_in_its_docstring_what_it_owns_and_what_it_may_import():
+    for floor in import_graph.FLOORS:
+        for wing in set(floor) - {"kernel", "top"}:
+            init = ROOT / "payments" / wing / "__init__.py"
+            doc = ast.get_docstring(ast.parse(init.read_text()))
+            assert doc, f"{init} has no docstring"
+            assert "import" in doc, f"{init}: say what the wing may import"
+
+
+def test_the_floor_checker_names_upward_and_sideways_imports_circles_and_modules_outside_every_wing(tmp_path):
+    files = {
+        "payments/__init__.py": "",
+        "payments/errors.py": "",
+        "payments/states.py": "from payments import errors\n",  # the kernel among itself: allowed
+        "payments/infra/__init__.py": "",
+        "payments/infra/settings.py": "def f():\n    from payments.providers.alipay import adapter\n",  # upward
+        "payments/infra/db.py": "import payments.infra.schema\n",
+        "payments/infra/schema.py": "from payments.infra import db\n",  # db <-> schema: a circle
+        "payments/providers/__init__.py": "",
+        "payments/providers/alipay/__init__.py": "",
+        "payments/providers/alipay/adapter.py": "from payments.states import PaymentStatus\nfrom ..base import X\n",
+        "payments/providers/base.py": "from payments.money.ledger import post\n",  # sideways, same floor
+        "payments/money/__init__.py": "",
+        "payments/money/ledger.py": "from payments.infra.schema import ledger_event\n",
+        "payments/relay.py": "",  # a module left flat, in no wing
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert import_graph.floor_violations(tmp_path) == [
+        "payments/relay.py: in no wing of FLOORS",
+        "payments/infra/settings.py:2: payments.infra.settings (infra) imports payments.providers.alipay.adapter "
+        "(providers), a floor above",
+        "payments/providers/base.py:1: payments.providers.base (providers) imports payments.money.ledger (money), "
+        "another wing of its floor",
+        "circle: payments.infra.db -> payments.infra.schema",
+    ]
+
+
+def test_the_command_prints_the_floors_with_their_modules():
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.import_graph"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert "payments/ floors, bottom first" in done.stdout
+    assert "  0: kernel 2 (" in done.stdout

@@ -5,6 +5,11 @@ A provider exists only when its configuration enables it
 enabled has no callback route (404, nothing stored) and cannot be named in
 POST /payments (400). A new adapter adds its factory to ``FACTORIES`` and its
 settings to ``payments.infra.settings.PROVIDERS``.
+
+The providers wing owns each provider's folder (``<name>/``: adapter,
+signing, money, bill parser), the adapter interface (``base``) and the
+settlement-line interface the bill parsers share (``settlement``). It may
+import the kernel and ``payments.infra``; the wings above call it.
 """
 
 from __future__ import annotations
