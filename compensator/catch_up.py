@@ -1,12 +1,12 @@
 """Job ``catch_up``: fetch the Stripe events that never arrived as webhooks, and apply them like webhooks.
 
-The work is ``payments.lifecycle.event_catch_up`` (what is listed, what is stored, when the cursor moves); this is
+The work is ``payments.inbound.catch_up`` (what is listed, what is stored, when the cursor moves); this is
 the job's schedule.
 """
 
 from __future__ import annotations
 
-from payments.lifecycle.event_catch_up import catch_up
+from payments.inbound.catch_up import catch_up
 from payments.runtime import Runtime
 
 INTERVAL_SECONDS = 120.0

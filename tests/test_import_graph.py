@@ -55,7 +55,9 @@ def test_the_checker_names_each_forbidden_import_with_its_place(tmp_path):
         {
             "payments/core.py": "import os\nfrom sandbox import signing\n",
             "sandbox/app.py": "def f():\n    from payments.infra.ids import new_id\n",  # inside a function counts too
-            "gateway/x.py": "from consumer.handler import handle\nimport payments.infra.db\nfrom broker import publisher\n",
+            "gateway/x.py": (
+                "from consumer.handler import handle\nimport payments.infra.db\nfrom broker import publisher\n"
+            ),
             "compensator/y.py": "import pika.exceptions\n",
             "payments/z.py": "from flask import Flask\nfrom . import core\n",
             "sandbox/fakes/f.py": "import flask\nfrom payments.providers import stripe_sign\n",

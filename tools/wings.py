@@ -94,7 +94,7 @@ MOVES: dict[str, str] = {
     "payments.callback_intake": "payments.inbound.intake",
     "payments.callback_processing": "payments.inbound.processing",
     "payments.callback_reverify": "payments.inbound.reverify",
-    "payments.event_catch_up": "payments.lifecycle.event_catch_up",
+    "payments.event_catch_up": "payments.inbound.catch_up",
     "payments.alert_actions": "payments.ops.alert_actions",
     "payments.settings_reference": "payments.infra.settings_reference",
     "payments.ops_actions": "payments.ops.actions",

@@ -51,6 +51,7 @@ from payments.inbound.callbacks import (
     process_locked_batch,
     record_failure,
 )
+from payments.inbound.context import Context
 from payments.inbound.delivery import Delivery, ForgedMessage, UnreadableMessage, body_digest, decode_messages
 from payments.inbound.hints import HintLimits
 from payments.infra import metrics
@@ -59,7 +60,6 @@ from payments.infra.db import claim_rows, utcnow
 from payments.infra.logs import REQUEST_ID
 from payments.infra.schema import SOURCE_WEBHOOK, payment_callback_log
 from payments.providers.base import Provider
-from payments.runtime import Runtime
 from payments.states import CALLBACK_RETRYABLE, CallbackStatus
 
 log = logging.getLogger("paysync.delivery")  # the lines keep the name they had before processing moved here
@@ -311,7 +311,7 @@ FORGED_ALERT_RULE = "broker_message_forged"
 """The alert raised (one open alert, seen again at each forgery) when a message without paysync's signature arrives."""
 
 
-def consume_message(runtime: Runtime, body: bytes) -> Consumed:
+def consume_message(runtime: Context, body: bytes) -> Consumed:
     """Process one message; return what to tell the broker and what processing did."""
     messages = _decode(runtime, body)
     if messages is None:
@@ -335,7 +335,7 @@ def consume_message(runtime: Runtime, body: bytes) -> Consumed:
 
 
 def consume_messages(
-    runtime: Runtime,
+    runtime: Context,
     bodies: list[bytes],
     stop: Callable[[], bool] | None = None,
     decoded: list[list[Delivery | int]] | None = None,
@@ -367,7 +367,7 @@ def consume_messages(
 
 
 def _process_in_chunks(
-    runtime: Runtime, deliveries: list[Delivery | int], stop: Callable[[], bool] | None
+    runtime: Context, deliveries: list[Delivery | int], stop: Callable[[], bool] | None
 ) -> list[CallbackResult | None]:
     """``process_batch`` over CONSUMER_BATCH_SIZE deliveries at a time; None for each one not processed."""
     size = max(runtime.settings.consumer_batch_size, 1)
@@ -388,7 +388,7 @@ def _process_in_chunks(
     return outcomes
 
 
-def _decode(runtime: Runtime, body: bytes) -> list[Delivery | int] | None:
+def _decode(runtime: Context, body: bytes) -> list[Delivery | int] | None:
     """The message's deliveries, or None: it goes to the dead-letter queue (logged, and alerted if forged)."""
     settings = runtime.settings
     try:
@@ -401,7 +401,7 @@ def _decode(runtime: Runtime, body: bytes) -> list[Delivery | int] | None:
     return None
 
 
-def _alert_forged(runtime: Runtime, reason: str, size: int) -> None:
+def _alert_forged(runtime: Context, reason: str, size: int) -> None:
     # Someone with access to the broker published as if they were a gateway (or a gateway has a key the
     # consumers do not list): a person must look. The message itself stays in the dead-letter queue.
     try:

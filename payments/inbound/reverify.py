@@ -29,10 +29,10 @@ from sqlalchemy import select, update
 
 from payments.errors import CallbackRejected, ConfigError
 from payments.inbound.callbacks import refused_for_source, verify_callback
+from payments.inbound.context import Context
 from payments.infra.db import utcnow
 from payments.infra.schema import SOURCE_WEBHOOK, payment_callback_log
 from payments.infra.sources import source_allowed
-from payments.runtime import Runtime
 from payments.states import CallbackStatus
 
 log = logging.getLogger("paysync.compensator.reverify")  # the command's lines keep their name
@@ -51,7 +51,7 @@ class Reverified:
     """Rows left refused for their source, not verified at all."""
 
 
-def reverify(runtime: Runtime, provider: str, since: datetime | None = None, now: datetime | None = None) -> Reverified:
+def reverify(runtime: Context, provider: str, since: datetime | None = None, now: datetime | None = None) -> Reverified:
     """Re-verify ``provider``'s status-3 rows received at or after ``since``; move those that verify to status 0."""
     adapter = runtime.providers.get(provider)
     if adapter is None:
@@ -91,7 +91,7 @@ def _refused_for_source(row, allowed: tuple[str, ...]) -> bool:  # noqa: ANN001
     return row.source == SOURCE_WEBHOOK and not source_allowed(row.remote_addr, allowed)
 
 
-def _reverify(runtime: Runtime, adapter, row, now: datetime) -> bool:  # noqa: ANN001
+def _reverify(runtime: Context, adapter, row, now: datetime) -> bool:  # noqa: ANN001
     received = (row.create_time - datetime(1970, 1, 1)).total_seconds()
     try:
         verify_callback(adapter, bytes(row.callback_data), json.loads(row.headers), now=received)

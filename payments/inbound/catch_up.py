@@ -36,10 +36,10 @@ from sqlalchemy import Engine, exists, or_, select
 
 from payments.errors import EventIgnored, MalformedCallback
 from payments.inbound.callbacks import process_callback, store_callback
+from payments.inbound.context import Context
 from payments.infra.cursors import advance_cursor, read_cursor
 from payments.infra.schema import SOURCE_API, payment_callback_log, processed_event
 from payments.providers.base import Provider, ProviderUnavailable
-from payments.runtime import Runtime
 from payments.states import CallbackStatus
 
 log = logging.getLogger("paysync.compensator.catch_up")  # the job's lines keep their name
@@ -56,7 +56,7 @@ RETENTION_SECONDS = 30 * 86400 - 3600
 """Stripe lists events up to 30 days old; never ask for more."""
 
 
-def catch_up(runtime: Runtime, *, now: float | None = None) -> int:
+def catch_up(runtime: Context, *, now: float | None = None) -> int:
     """List recent Stripe events and feed the missed ones into the pipeline; return how many were fed."""
     provider = runtime.providers.get(PROVIDER)
     if provider is None or not hasattr(provider, "list_events"):
@@ -86,7 +86,7 @@ def catch_up(runtime: Runtime, *, now: float | None = None) -> int:
     return fed
 
 
-def _feed(runtime: Runtime, provider: Provider, event: dict[str, Any]) -> bool:
+def _feed(runtime: Context, provider: Provider, event: dict[str, Any]) -> bool:
     """Store and process one listed event unless it was received already or is not ours; True if it was fed."""
     event_id = event.get("id")
     if not isinstance(event_id, str) or _received(runtime.engine, event_id):
