@@ -27,7 +27,7 @@ from typing import Any
 
 import pika.exceptions
 
-from broker.connection import connect
+from broker.connection import Nodes, connect, where
 from broker.topology import declare_callback_queue
 
 log = logging.getLogger("paysync.broker.consume")
@@ -62,6 +62,7 @@ class ConsumeLoop:
         batch_size: int = 1,
     ) -> None:
         self.url = url
+        self.nodes = Nodes(url)
         self.queue = queue
         self.handler = handler
         self.batch_handler = batch_handler if batch_size > 1 else None
@@ -85,13 +86,16 @@ class ConsumeLoop:
                 self._consume()
                 delay = 0.5
             except (pika.exceptions.AMQPError, OSError) as exc:
-                wait = random.uniform(delay / 2, delay)
-                log.warning("broker unavailable (%s); reconnecting in %.1f s", type(exc).__name__, wait)
+                # Lost (or never reached) this node: the next attempt starts at the next one of a cluster.
+                lost = where(self.nodes.current())
+                self.nodes.advance()
+                wait = random.uniform(delay / 2, delay) if len(self.nodes) == 1 or delay > 0.5 else 0.0
+                log.warning("broker at %s unavailable (%s); reconnecting in %.1f s", lost, type(exc).__name__, wait)
                 self.stopping.wait(wait)
                 delay = min(delay * 2, MAX_RECONNECT_SECONDS)
 
     def _consume(self) -> None:
-        connection = connect(self.url, self.timeout)
+        connection = connect(self.url, self.timeout, self.nodes)
         try:
             channel = connection.channel()
             declare_callback_queue(channel, self.queue, self.quorum)

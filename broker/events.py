@@ -16,7 +16,7 @@ import logging
 import pika
 import pika.exceptions
 
-from broker.connection import STACK_FACTOR, connect
+from broker.connection import STACK_FACTOR, Nodes, connect
 from broker.topology import declare_events_exchange
 
 log = logging.getLogger("paysync.broker.events")
@@ -38,13 +38,14 @@ class EventsPublisher:
 
     def __init__(self, amqp_url: str, exchange: str, *, connect_timeout: float = CONNECT_TIMEOUT_SECONDS) -> None:
         self._url = amqp_url
+        self._nodes = Nodes(amqp_url)  # a cluster's nodes: a run that loses one starts the next at another
         self._exchange = exchange
         self._timeout = connect_timeout / STACK_FACTOR  # the socket timeout whose bring-up bound is connect_timeout
         self._connection: pika.BlockingConnection | None = None
         self._channel = None
 
     def _connect(self) -> None:
-        connection = connect(self._url, self._timeout)
+        connection = connect(self._url, self._timeout, self._nodes)
         try:
             channel = connection.channel()
             declare_events_exchange(channel, self._exchange)
@@ -79,6 +80,7 @@ class EventsPublisher:
             raise MessageRefused(message_id) from None
         except Exception as exc:  # noqa: BLE001 - any other broker trouble ends this run's use of it
             self.close()
+            self._nodes.advance()
             raise BrokerUnavailable(type(exc).__name__) from exc
 
     def close(self) -> None:

@@ -19,12 +19,23 @@ one message and one confirm for many callbacks. The callback's answer never
 waits for any of it. If the broker is down, messages are
 dropped and counted, and the connection is re-established, with backoff, on a later
 callback: the compensator's sweep finds those rows after its grace period.
+
+On a cluster (several node URLs in AMQP_URL) a lost connection moves the
+publisher to the next node at once, and the messages that were not yet
+confirmed go with it, to be published there. A message the broker refuses
+(a nack: a quorum queue with no leader while one is elected, a queue over
+its length limit) is published again after a short, growing pause. Either way
+a message is retried for at most ``retry_seconds`` (RETRY_SECONDS) from its
+first failure and then left to the sweep, so a node loss or a leader election
+costs the fast path a few seconds, not the sweep's grace period. A callback
+counts as published only when the broker confirmed it.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -35,13 +46,25 @@ import pika
 import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
 
-from broker.connection import parameters
+from broker.connection import Nodes, parameters, where
 from broker.topology import declare_callback_queue
 
 log = logging.getLogger("paysync.publisher")
 
 PACKING_BYTES = 64
 """Room ``pack`` may add around the bodies of a batch (the envelope), counted against batch_bytes."""
+
+RETRY_SECONDS = 15.0
+"""How long after its first nack or lost connection a message is still published again (then: the sweep).
+
+A quorum queue's leader election took about 11 s when its node was SIGKILLed (issue 24)."""
+RETRY_FIRST_PAUSE_SECONDS = 0.2
+"""Pause before publishing a nacked message again; it doubles up to RETRY_MAX_PAUSE_SECONDS (jittered)."""
+RETRY_MAX_PAUSE_SECONDS = 2.0
+"""Longest pause between two attempts at a nacked message."""
+
+Message = tuple[int, bytes]
+"""(log id, body) of one callback delivery."""
 
 _OUR_CLOSE = (pika.exceptions.ConnectionClosedByClient, pika.exceptions.ChannelClosedByClient)
 
@@ -55,6 +78,10 @@ class PublisherStats:
     failed: int = 0
     dropped: int = 0
     reconnects: int = 0
+    retried: int = 0
+    """Messages published again after a nack or a lost connection (each time)."""
+    node: str | None = None
+    """host:port of the node of the current (or last) connection."""
     last_error: str | None = None
 
 
@@ -75,8 +102,11 @@ class CallbackPublisher:
         pack: Callable[[list[bytes]], bytes] | None = None,
         batch_max: int = 1,
         batch_bytes: int = 1 << 20,
+        retry_seconds: float = RETRY_SECONDS,
     ) -> None:
         self._url = amqp_url
+        self._nodes = Nodes(amqp_url) if amqp_url else None
+        self._retry_seconds = retry_seconds
         self._on_failure = on_failure  # (reason, count): the gateway counts failures in its metrics
         self._queue_name = queue_name
         self._quorum = quorum
@@ -99,10 +129,14 @@ class CallbackPublisher:
         self._channel: Any = None
         self._ready = False
         self._next_tag = 0
-        self._unconfirmed: dict[int, list[int]] = {}  # delivery tag -> its messages' log ids, in publishing order
-        self._in_flight = 0  # log ids in _unconfirmed
+        self._unconfirmed: dict[int, list[Message]] = {}  # delivery tag -> its messages, in publishing order
+        self._in_flight = 0  # messages in _unconfirmed and _nacked
         self._window_full = False  # _drain stopped at max_pending in flight: a confirm drains again
-        self._carried: list[tuple[int, bytes]] = []  # taken from the queue before the connection was ready
+        # Taken from the queue, to publish as soon as the connection is ready: the message that started it,
+        # and what a lost connection left unconfirmed (carried over to the next node).
+        self._carried: list[Message] = []
+        self._nacked: list[Message] = []  # refused by the broker, waiting for their next attempt
+        self._give_up_at: dict[int, float] = {}  # log id -> when it stops being retried (set at its first failure)
         self._opened = False
         self._reported = False  # this connection's loss was logged (channel and connection both report it)
         self._wake_pending = False
@@ -179,37 +213,56 @@ class CallbackPublisher:
     # --- the I/O thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        assert self._nodes is not None
         backoff = 0.1
         retry_at = 0.0
+        failed_opens = 0  # in a row: after a whole round of the nodes, back off
         while not self._stopping.is_set():
-            try:
-                first = self._pending.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if time.monotonic() < retry_at:
-                # Broker recently unreachable: drop; the sweep will find the row.
-                self.stats.dropped += 1
-                self._pending.task_done()
-                continue
-            opened = self._serve(first)
+            carried, self._carried = self._carried, []
+            if carried:
+                # A lost connection left these unconfirmed: take them to the next node now (or after the backoff).
+                self._stopping.wait(max(0.0, retry_at - time.monotonic()))
+            else:
+                try:
+                    carried = [self._pending.get(timeout=1.0)]
+                except queue.Empty:
+                    continue
+                if time.monotonic() < retry_at:
+                    # Every node recently unreachable: drop; the sweep will find the row.
+                    self.stats.dropped += 1
+                    self._pending.task_done()
+                    continue
+            opened = self._serve(carried)
             if self._stopping.is_set():
                 break
+            self._nodes.advance()  # lost or never opened: the next connection goes to the next node
             if opened:
-                backoff = 0.1
-            retry_at = time.monotonic() + backoff
-            backoff = min(backoff * 2, self._max_backoff)
+                backoff, failed_opens, retry_at = 0.1, 0, 0.0
+                continue
+            failed_opens += 1
+            if failed_opens % len(self._nodes) == 0:
+                # No node answers: leave what is carried to the sweep (as with one node down), back off.
+                self._fail(self._carried, "connection_lost")
+                self._carried = []
+                retry_at = time.monotonic() + backoff
+                backoff = min(backoff * 2, self._max_backoff)
+        self._fail(self._carried, "connection_lost")
+        self._carried = []
 
-    def _serve(self, first: tuple[int, bytes]) -> bool:
-        """Connect, publish ``first`` and whatever follows until the connection is lost; True if it opened."""
+    def _serve(self, carried: list[Message]) -> bool:
+        """Connect, publish ``carried`` and whatever follows until the connection is lost; True if it opened."""
+        assert self._nodes is not None
         self._ready = False
         self._opened = False
         self._reported = False
         self._next_tag = 0
         self._in_flight = 0
-        self._carried = [first]
+        self._carried = carried
+        node = self._nodes.current()
+        self.stats.node = where(node)
         try:
             conn = SelectConnection(
-                parameters(self._url, self._timeout),
+                parameters(node, self._timeout),
                 on_open_callback=self._on_open,
                 on_open_error_callback=self._on_open_error,
                 on_close_callback=self._on_closed,
@@ -241,10 +294,16 @@ class CallbackPublisher:
         self._ready = True
         self._connected = True
         self.stats.reconnects += 1
-        carried, self._carried = self._carried, []  # the one message that started this connection
-        if carried and not self._publish(carried):
-            return
-        self._drain()
+        carried, self._carried = self._carried, []  # what started this connection, and what the last one left
+        if len(carried) > 1:
+            self.stats.retried += len(carried) - 1
+            log.info(
+                "publishing %s callbacks left unconfirmed by the last connection on %s",
+                len(carried) - 1,
+                self.stats.node,
+            )
+        if self._publish_all(carried):
+            self._drain()
 
     def _drain_soon(self) -> None:
         """Woken by a request thread: drain after the linger, so what arrives meanwhile shares the message."""
@@ -257,7 +316,7 @@ class CallbackPublisher:
         self._wake_pending = False
         if not self._ready:
             return  # _on_ready drains
-        taken: list[tuple[int, bytes]] = []
+        taken: list[Message] = []
         room = self._max_unconfirmed - self._in_flight
         while len(taken) < room:
             try:
@@ -265,14 +324,24 @@ class CallbackPublisher:
             except queue.Empty:
                 break
         self._window_full = len(taken) >= room
-        for batch in self._batches(taken):
-            if not self._publish(batch):
-                return
+        self._publish_all(taken)
 
-    def _batches(self, messages: list[tuple[int, bytes]]) -> list[list[tuple[int, bytes]]]:
+    def _publish_all(self, messages: list[Message]) -> bool:
+        """Publish ``messages`` in batches; False if the connection failed (the rest is carried over with it)."""
+        batches = self._batches(messages)
+        for number, batch in enumerate(batches):
+            if not self._publish(batch):
+                rest = [message for later in batches[number + 1 :] for message in later]
+                again, expired = self._split_by_deadline(rest, time.monotonic())
+                self._carried.extend(again)
+                self._fail(expired, "connection_lost")
+                return False
+        return True
+
+    def _batches(self, messages: list[Message]) -> list[list[Message]]:
         """``messages`` in order, cut into runs of at most batch_max deliveries and batch_bytes bytes."""
-        batches: list[list[tuple[int, bytes]]] = []
-        batch: list[tuple[int, bytes]] = []
+        batches: list[list[Message]] = []
+        batch: list[Message] = []
         size = PACKING_BYTES
         for message in messages:
             grown = size + len(message[1]) + 1  # and a separator
@@ -285,20 +354,18 @@ class CallbackPublisher:
             batches.append(batch)
         return batches
 
-    def _publish(self, batch: list[tuple[int, bytes]]) -> bool:
+    def _publish(self, batch: list[Message]) -> bool:
         """Publish ``batch`` as one message; False (the connection is being closed) if that failed."""
         try:
             body = batch[0][1] if self._pack is None or len(batch) == 1 else self._pack([b for _, b in batch])
             self._channel.basic_publish("", self._queue_name, body, self._props)
         except Exception as exc:  # noqa: BLE001
-            self._failed("publish_error", len(batch))
-            for _ in batch:
-                self._pending.task_done()
+            self._carried.extend(batch)  # _lost decides: to the next node, or (past its retry time) the sweep
             self._lost(exc)
             self._close_connection()
             return False
         self._next_tag += 1
-        self._unconfirmed[self._next_tag] = [log_id for log_id, _ in batch]
+        self._unconfirmed[self._next_tag] = batch
         self._in_flight += len(batch)
         self.stats.published += len(batch)
         return True
@@ -314,18 +381,68 @@ class CallbackPublisher:
                 tags.append(tag)
         else:
             tags = [method.delivery_tag] if method.delivery_tag in self._unconfirmed else []
+        refused: list[Message] = []
         for tag in tags:
-            log_ids = self._unconfirmed.pop(tag)
-            self._in_flight -= len(log_ids)
-            if acked:
-                self.stats.confirmed += len(log_ids)
-            else:
-                self._failed("nack", len(log_ids))
-                log.warning("broker refused callbacks %s (nack); the sweep will pick them up", log_ids[:10])
-            for _ in log_ids:
+            batch = self._unconfirmed.pop(tag)
+            if not acked:
+                refused.extend(batch)
+                continue
+            self._in_flight -= len(batch)
+            self.stats.confirmed += len(batch)
+            for log_id, _ in batch:
+                self._give_up_at.pop(log_id, None)
                 self._pending.task_done()
+        if refused:
+            self._refused(refused)
         if self._window_full:
             self._drain()  # the full in-flight window left ids waiting (and no wake-up is coming for them)
+
+    def _refused(self, messages: list[Message]) -> None:
+        """Nacked: publish again after a pause while within their retry time; past it, leave them to the sweep."""
+        now = time.monotonic()
+        again, expired = self._split_by_deadline(messages, now)
+        self._in_flight -= len(expired)
+        if expired:
+            self._fail(expired, "nack")
+            log.warning(
+                "broker refused callbacks %s (nack) for %.0f s; the sweep will pick them up",
+                [log_id for log_id, _ in expired[:10]],
+                self._retry_seconds,
+            )
+        if not again:
+            return
+        first_failed = min(self._give_up_at[log_id] for log_id, _ in again) - self._retry_seconds
+        pause = min(RETRY_MAX_PAUSE_SECONDS, max(RETRY_FIRST_PAUSE_SECONDS, (now - first_failed) / 2))
+        if not self._nacked:
+            log.info("broker refused %s callbacks (nack); publishing them again", len(again))
+        self._nacked.extend(again)  # still counted in _in_flight: a lost connection carries them over
+        self._conn.ioloop.call_later(random.uniform(pause / 2, pause), self._publish_nacked)
+
+    def _publish_nacked(self) -> None:
+        if not self._ready or not self._nacked:
+            return  # the connection was lost meanwhile: _lost carried them over
+        batch, self._nacked = self._nacked, []
+        self._in_flight -= len(batch)  # _publish counts them again
+        self.stats.retried += len(batch)
+        self._publish_all(batch)
+
+    def _split_by_deadline(self, messages: list[Message], now: float) -> tuple[list[Message], list[Message]]:
+        """(those still within their retry time, those past it); a first failure starts the clock."""
+        again: list[Message] = []
+        expired: list[Message] = []
+        for message in messages:
+            deadline = self._give_up_at.setdefault(message[0], now + self._retry_seconds)
+            (again if now < deadline and not self._stopping.is_set() else expired).append(message)
+        return again, expired
+
+    def _fail(self, messages: list[Message], reason: str) -> None:
+        """Give up on ``messages``: count them failed; their rows are the sweep's."""
+        if not messages:
+            return
+        for log_id, _ in messages:
+            self._give_up_at.pop(log_id, None)
+            self._pending.task_done()
+        self._failed(reason, len(messages))
 
     def _on_channel_closed(self, _channel: Any, reason: Exception) -> None:
         self._lost(reason)
@@ -353,21 +470,25 @@ class CallbackPublisher:
             conn.close()
 
     def _lost(self, exc: BaseException) -> None:
-        """Count everything not confirmed on this connection as failed; the sweep will find those rows."""
-        lost = self._in_flight + len(self._carried)
-        for _ in range(lost):
-            self._pending.task_done()
+        """The connection is gone: its unconfirmed messages go to the next node, or (past their time) the sweep."""
+        unconfirmed = [message for batch in self._unconfirmed.values() for message in batch]
+        messages = self._carried + unconfirmed + self._nacked
         self._unconfirmed.clear()
+        self._nacked = []
         self._in_flight = 0
         self._window_full = False
-        self._carried = []
         self._connected = self._ready = False
-        if lost:
-            self._failed("connection_lost", lost)
+        again, expired = self._split_by_deadline(messages, time.monotonic())
+        self._carried = again
+        self._fail(expired, "connection_lost")
         # Our own close (shutdown, or after a failed publish already counted) is not news.
-        if (lost or not self._reported) and not isinstance(exc, _OUR_CLOSE):
+        if (messages or not self._reported) and not isinstance(exc, _OUR_CLOSE):
             self._reported = True
             self.stats.last_error = type(exc).__name__
             log.warning(
-                "broker connection lost (%s); %s unconfirmed callbacks left to the sweep", type(exc).__name__, lost
+                "broker connection to %s lost (%s); %s unconfirmed callbacks go to the next node, %s to the sweep",
+                self.stats.node,
+                type(exc).__name__,
+                len(again),
+                len(expired),
             )

@@ -34,6 +34,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, date, datetime
 
@@ -80,14 +81,107 @@ def _daily_jobs() -> dict[str, tuple[Callable[[Runtime], int], Callable[[Runtime
 ALIASES = {"compensate": "compensate_callbacks"}
 
 
+OUTAGE_ERRORS = frozenset({1047, 1205, 1213, 1927, 2002, 2003, 2006, 2013, 2055, 4031})
+"""MariaDB errors of a database that is away or failing over, not of a bug: WSREP not ready (1047), lock wait
+(1205), deadlock / Galera certification (1213), connection killed (1927), can't connect (2002, 2003), gone
+away / lost (2006, 2013, 2055), idle disconnect (4031)."""
+
+
+def outage_of(exc: BaseException) -> str | None:
+    """'database' when ``exc`` says the database is unreachable or failing over (not a defect); else None."""
+    from sqlalchemy import exc as sa_exc
+
+    if isinstance(exc, sa_exc.DBAPIError):
+        args = getattr(exc.orig, "args", ())
+        code = args[0] if args and isinstance(args[0], int) else None
+        if exc.connection_invalidated or code in OUTAGE_ERRORS or isinstance(exc, sa_exc.InterfaceError):
+            return "database"
+        return None
+    if isinstance(exc, sa_exc.TimeoutError | sa_exc.DisconnectionError):  # pool exhausted waiting, or a dead pool
+        return "database"
+    return None
+
+
+class Outages:
+    """One WARNING when a dependency starts failing jobs, one INFO when a job succeeds again: no traceback per
+    job per failover. Jobs run in the scheduler's threads, so the state is behind a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: dict[str, float] = {}
+        self._failed: dict[str, int] = {}
+
+    def failed(self, what: str, job: str, exc: BaseException) -> None:
+        """A job failed because ``what`` is away: say so once per outage."""
+        with self._lock:
+            first = what not in self._since
+            if first:
+                self._since[what] = time.monotonic()
+                self._failed[what] = 0
+            self._failed[what] += 1
+        if first:
+            log.warning(
+                "%s unavailable (job %s: %s); every job retries on its interval, and nothing more is logged "
+                "about it until it is back",
+                what,
+                job,
+                f"{type(exc).__name__} {getattr(getattr(exc, 'orig', None), 'args', ('',))[0]}".strip(),
+            )
+
+    def succeeded(self, job: str, reachable: Callable[[], bool]) -> None:
+        """A job ran to the end: if ``reachable()`` (a probe of the database) agrees, the outage is over.
+
+        The probe, since a job may succeed without touching the database (catch_up without Stripe).
+        """
+        if not self._since or not reachable():
+            return
+        with self._lock:
+            over, self._since = self._since, {}
+            failed, self._failed = self._failed, {}
+        for what, since in over.items():
+            log.info(
+                "%s back after %.1f s (job %s ran; %s job runs failed meanwhile)",
+                what,
+                time.monotonic() - since,
+                job,
+                failed.get(what, 0),
+            )
+
+
+OUTAGES = Outages()
+"""This process's outage log (one scheduler per process)."""
+
+
 def run_job(runtime: Runtime, name: str) -> int:
-    """Run one job once and return its count; exceptions are logged, not raised (a scheduler must live on)."""
+    """Run one job once and return its count; exceptions are logged, not raised (a scheduler must live on).
+
+    A database outage (a writer failover, a node that is not ready) is one WARNING for the whole outage and
+    one INFO when it is over (``Outages``); anything else is a traceback, since it is a defect to look at.
+    """
     run_once, _ = {**_jobs(), **_daily_jobs()}[name]
     try:
-        return run_once(runtime)
-    except Exception:  # noqa: BLE001
-        log.exception("job %s failed", name)
+        count = run_once(runtime)
+    except Exception as exc:  # noqa: BLE001
+        what = outage_of(exc)
+        if what is None:
+            log.exception("job %s failed", name)
+        else:
+            OUTAGES.failed(what, name, exc)
         return -1
+    OUTAGES.succeeded(name, lambda: _database_answers(runtime))
+    return count
+
+
+def _database_answers(runtime: Runtime) -> bool:
+    from sqlalchemy import text
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        with runtime.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except SQLAlchemyError:
+        return False
+    return True
 
 
 LOOPS = ("relay_outbox",)

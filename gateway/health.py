@@ -1,4 +1,14 @@
-"""``/healthz`` (liveness, no dependencies) and ``/readyz`` (database reachable)."""
+"""``/healthz`` (liveness, no dependencies) and ``/readyz`` (database reachable).
+
+``/readyz`` is what a load balancer health-checks (deploy/haproxy). It checks
+the database only, through DATABASE_URL (on a cluster: the writer behind
+HAProxy), because a gateway that cannot store a callback must not take one.
+The broker is reported, never required: a callback the broker does not take
+is swept from the database, so a broker failover, however long, takes no
+gateway out of the rotation. A database failover takes every gateway out at
+once, and then the load balancer itself answers 503, which providers retry,
+as they would the gateways' own 503.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ def readyz() -> Any:
     publisher = ext("publisher")
     stats = publisher.stats
     body: dict[str, Any] = {
+        "checks": {"database": "required", "broker": "reported"},
         "broker": publisher.state,
         # This worker's fast-path counters: failures and drops only delay processing until the sweep.
         "publisher": {
@@ -35,6 +46,8 @@ def readyz() -> Any:
             "failed": stats.failed,
             "dropped": stats.dropped,
             "reconnects": stats.reconnects,
+            "retried": getattr(stats, "retried", 0),
+            "node": getattr(stats, "node", None),
             "last_error": stats.last_error,
         },
     }

@@ -38,6 +38,7 @@ from payments.infra.migrations import (
     MIGRATIONS_DIR,
     VERSION_TABLE,
     SchemaMismatch,
+    SchemaPrerequisite,
     current_revision,
     head_revision,
     migration_lock_name,
@@ -240,6 +241,75 @@ def test_init_db_builds_an_empty_database_to_head_and_a_second_run_changes_nothi
     assert (again.before, again.after, again.recognised_unversioned) == (head_revision(), head_revision(), False)
     assert describe(engine) == built
     assert schema_differences(engine) == []
+
+
+@pytest.fixture
+def refuse_on_server(monkeypatch):
+    """Make the server itself refuse the first DDL statement that contains a given text, with a given error.
+
+    The statement is replaced by a SIGNAL of that MariaDB error number, so the real driver and the
+    real server report it, exactly as a Galera node refuses CREATE TRIGGER with 1419.
+    """
+    from alembic.ddl.impl import DefaultImpl
+
+    real_exec = DefaultImpl._exec
+    armed = {}
+
+    def arm(contains: str, errno: int) -> None:
+        armed.update(contains=contains, errno=errno, hit=0)
+
+    def _exec(self, construct, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        rendered = str(construct.compile(dialect=self.dialect)) if not isinstance(construct, str) else construct
+        if armed and not armed["hit"] and armed["contains"] in rendered:
+            armed["hit"] = 1
+            signal_ = f"SIGNAL SQLSTATE 'HY000' SET MYSQL_ERRNO = {armed['errno']}, MESSAGE_TEXT = 'refused in a test'"
+            return real_exec(self, text(signal_), *args, **kw)
+        return real_exec(self, construct, *args, **kw)
+
+    monkeypatch.setattr(DefaultImpl, "_exec", _exec)
+    return arm
+
+
+def test_a_first_init_db_refused_at_its_triggers_with_1419_names_the_setting_and_leaves_nothing(
+    scratch_mariadb, refuse_on_server
+):
+    engine = scratch_mariadb()
+    refuse_on_server("CREATE TRIGGER", 1419)
+    with pytest.raises(SchemaPrerequisite, match="log_bin_trust_function_creators=1") as refused:
+        init_db(engine)
+    assert "table payment" in str(refused.value)  # the tables made before the trigger were dropped
+    with engine.connect() as conn:
+        assert inspect(conn).get_table_names() == []
+        triggers = conn.execute(
+            text("SELECT COUNT(*) FROM information_schema.triggers WHERE trigger_schema = DATABASE()")
+        )
+        assert triggers.scalar() == 0
+    refuse_on_server("no statement has this", 1419)  # the setting fixed: the next init-db just works
+    init_db(engine)
+    assert version(engine) == head_revision()
+    assert schema_differences(engine) == []
+
+
+def test_a_later_revision_failing_half_way_is_undone_and_the_next_init_db_finishes_it(
+    scratch_mariadb, refuse_on_server
+):
+    engine = scratch_mariadb()
+    upgrade(engine, "0006")
+    rows = fill_every_table(engine)
+    # 0007 creates tables, then an index on an existing table, then triggers: refuse its first trigger.
+    refuse_on_server("CREATE TRIGGER", 1205)
+    with pytest.raises(SchemaPrerequisite, match="revision 0007 failed") as failed:
+        init_db(engine)
+    assert "table settlement_line" in str(failed.value)
+    assert "index ledger_event.idx_ledger_event_type_time" in str(failed.value)
+    assert version(engine) == "0006"
+    assert kept(engine, rows) == rows
+    with engine.connect() as conn:
+        assert set(inspect(conn).get_table_names()) == set(rows) | {VERSION_TABLE}
+    init_db(engine)
+    assert version(engine) == head_revision()
+    assert schema_differences(engine) == []
+    assert kept(engine, rows) == rows
 
 
 @pytest.mark.parametrize("revision", REVISIONS)

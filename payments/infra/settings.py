@@ -70,6 +70,28 @@ def _url(name: str, raw: str, schemes: tuple[str, ...]) -> str:
     return value
 
 
+def _amqp_url(name: str, raw: str) -> str:
+    """One AMQP URL or several (the nodes of one cluster), comma-separated; each is checked on its own."""
+    import urllib.parse
+
+    parts = [part.strip() for part in raw.split(",") if part.strip()]
+    for number, part in enumerate(parts, 1):
+        which = f"{name} (node {number} of {len(parts)})" if len(parts) > 1 else name
+        _url(which, part, ("amqp://", "amqps://"))
+        try:
+            parsed = urllib.parse.urlsplit(part)
+            port = parsed.port  # raises on a port that is not a number in range
+        except ValueError as exc:
+            raise ConfigError(f"{which} is not a valid URL: {str(exc).split(':')[0]}") from None
+        if not parsed.hostname:
+            raise ConfigError(f"{which} names no host")
+        if port == 0:
+            raise ConfigError(f"{which} has port 0")
+        if parsed.path.count("/") > 1:
+            raise ConfigError(f"{which}: the vhost must be one path segment (a '/' in it is written %2F)")
+    return ",".join(parts)
+
+
 def _database_url(name: str, raw: str) -> str:
     value = _url(name, raw, ("sqlite", "mysql", "mariadb")) or DEFAULT_DATABASE_URL
     if value.startswith(("mysql", "mariadb")):
@@ -95,7 +117,8 @@ class Settings:
     """SQLAlchemy URL (`mysql+pymysql://…` in production; a SQLite file in var/ by default); on MySQL/MariaDB a
     `charset=` other than `utf8mb4` (the default) is refused."""
     amqp_url: str = ""
-    """RabbitMQ URL; empty means no broker (the compensator alone converges)."""
+    """RabbitMQ URL, or the URLs of a cluster's nodes comma-separated (clients use any live one and move to
+    another when one is lost); empty means no broker (the compensator alone converges)."""
     broker_message_secret: tuple[str, ...] = ()
     """HMAC key(s) of the callback messages paysync publishes, comma-separated (the first signs, every one
     verifies); required with AMQP_URL. Known to paysync alone: the broker's users never need it."""
@@ -500,7 +523,7 @@ class Settings:
 
 _PARSERS = {
     "database_url": lambda n, v: _database_url(n, v),
-    "amqp_url": lambda n, v: _url(n, v, ("amqp://", "amqps://")),
+    "amqp_url": _amqp_url,
     "broker_message_secret": lambda n, v: _secrets(n, v),
     "amqp_queue": lambda n, v: v.strip() or "payment_callbacks",
     "amqp_quorum_queue": _bool,

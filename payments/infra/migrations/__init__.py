@@ -13,6 +13,15 @@
   whose tables are gone, is refused.
 
 Revisions only go forward and never drop data; there is no downgrade.
+MariaDB commits each DDL statement on its own, so a revision that fails
+half-way (a trigger refused with error 1419 on a binlogged or Galera server, a
+lost connection) would leave half its tables behind, and the next init-db
+would refuse them. So on MariaDB/MySQL the revisions run one at a time and a
+failed one is undone: the tables, columns, indexes and triggers it added
+(nothing that existed before it, so no row is lost) are dropped, the version
+table still names the last revision that completed, and running init-db again
+starts that revision afresh. Error 1419 is reported as
+:class:`SchemaPrerequisite`, naming ``log_bin_trust_function_creators``.
 Two processes upgrading at once are serialised: on MariaDB/MySQL by
 ``GET_LOCK`` (named after the database), on SQLite by running the whole
 upgrade in one ``BEGIN IMMEDIATE`` transaction. The second one then finds the
@@ -50,6 +59,17 @@ class SchemaMismatch(PaysyncError):
 
     code = "schema_mismatch"
     permanent = True
+
+
+class SchemaPrerequisite(PaysyncError):
+    """The server refused part of a revision for a reason of its own configuration; the revision was undone."""
+
+    code = "schema_prerequisite"
+    permanent = True
+
+
+TRIGGER_NEEDS_TRUST = 1419
+"""ER_BINLOG_CREATE_ROUTINE_NEED_SUPER: CREATE TRIGGER with binary logging on (Galera) and no SUPER."""
 
 
 class MigrationLockTimeout(PaysyncError):
@@ -118,8 +138,96 @@ def upgrade(engine: Engine, target: str = "head") -> Upgrade:
         script = script_directory()
         if unversioned:
             _run_env(conn, lambda rev, _context: script._stamp_revs((FIRST_REVISION,), rev), FIRST_REVISION)
-        _run_env(conn, lambda rev, _context: script._upgrade_revs(target, rev), target)
+        if conn.dialect.name == "sqlite":
+            _run_env(conn, lambda rev, _context: script._upgrade_revs(target, rev), target)
+        else:
+            for revision in _revisions_between(current_revision(conn), head):
+                _upgrade_one_or_undo(conn, revision)
         return Upgrade(before, head, recognised_unversioned=unversioned)
+
+
+def _revisions_between(before: str | None, head: str) -> list[str]:
+    """The revisions after ``before`` up to ``head``, oldest first."""
+    walked = script_directory().iterate_revisions(head, before or "base")
+    return [script.revision for script in reversed(list(walked))]
+
+
+def _upgrade_one_or_undo(conn: Connection, revision: str) -> None:
+    """Run one revision; if it fails, drop what it added (MariaDB DDL cannot be rolled back) and re-raise."""
+    script = script_directory()
+    before = _objects(conn)
+    try:
+        _run_env(conn, lambda rev, _context: script._upgrade_revs(revision, rev), revision)
+    except Exception as exc:
+        conn.rollback()
+        undone = _undo(conn, before)
+        code = _mysql_error_code(exc)
+        if code == TRIGGER_NEEDS_TRUST:
+            raise SchemaPrerequisite(
+                f"revision {revision} creates triggers, and this server refuses them (error 1419: binary logging "
+                "is on, as on every Galera node, and the user lacks SUPER). Set log_bin_trust_function_creators=1 "
+                "in the server's configuration (deploy/galera/paysync.cnf does) or run init-db as a user with "
+                f"SUPER, then run init-db again. The half-done revision was undone ({undone})."
+            ) from exc
+        raise SchemaPrerequisite(
+            f"revision {revision} failed ({type(exc).__name__}: {str(exc)[:200]}); what it had done was undone "
+            f"({undone}), so init-db can run again once the cause is fixed"
+        ) from exc
+
+
+def _mysql_error_code(exc: BaseException) -> int | None:
+    orig = getattr(exc, "orig", exc)
+    args = getattr(orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+@dataclass(frozen=True)
+class _Objects:
+    """What a MariaDB schema holds, by name: enough to drop what a failed revision added."""
+
+    tables: frozenset[str]
+    columns: dict[str, frozenset[str]]
+    indexes: dict[str, frozenset[str]]
+    triggers: frozenset[str]
+
+
+def _objects(conn: Connection) -> _Objects:
+    inspector = inspect(conn)
+    tables = inspector.get_table_names()
+    columns = {t: frozenset(c["name"] for c in inspector.get_columns(t)) for t in tables}
+    indexes = {t: frozenset(i["name"] for i in inspector.get_indexes(t) if i["name"]) for t in tables}
+    rows = conn.execute(text("SELECT trigger_name FROM information_schema.triggers WHERE trigger_schema = DATABASE()"))
+    triggers = frozenset(row[0] for row in rows)
+    conn.rollback()
+    return _Objects(frozenset(tables), columns, indexes, triggers)
+
+
+def _undo(conn: Connection, before: _Objects) -> str:
+    """Drop every trigger, table, column and index that is not in ``before``; say what was dropped."""
+    now = _objects(conn)
+    dropped: list[str] = []
+    for trigger in sorted(now.triggers - before.triggers):
+        conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS `{trigger}`")
+        dropped.append(f"trigger {trigger}")
+    new_tables = sorted(now.tables - before.tables)
+    if new_tables:
+        # The new tables may reference each other; they are all going, in any order.
+        conn.exec_driver_sql("SET SESSION foreign_key_checks = 0")
+        try:
+            for table in new_tables:
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS `{table}`")
+                dropped.append(f"table {table}")
+        finally:
+            conn.exec_driver_sql("SET SESSION foreign_key_checks = 1")
+    for table in sorted(now.tables & before.tables):
+        for index in sorted(now.indexes[table] - before.indexes.get(table, frozenset())):
+            conn.exec_driver_sql(f"ALTER TABLE `{table}` DROP INDEX `{index}`")
+            dropped.append(f"index {table}.{index}")
+        for column in sorted(now.columns[table] - before.columns.get(table, frozenset())):
+            conn.exec_driver_sql(f"ALTER TABLE `{table}` DROP COLUMN `{column}`")
+            dropped.append(f"column {table}.{column}")
+    conn.commit()
+    return ", ".join(dropped) or "nothing had been added"
 
 
 def _run_env(conn: Connection, steps: Callable, destination: str) -> None:
