@@ -24,7 +24,7 @@ from broker.consume import Action, ConsumeLoop
 from broker.events import EventsPublisher
 from broker.publisher import CallbackPublisher
 from payments.errors import ConfigError
-from payments.settings import load_settings
+from payments.infra.settings import load_settings
 from tests import vhosts
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from compensator.__main__ import OUTAGES, outage_of, run_job
 from gateway import create_app
-from payments.db import make_engine
+from payments.infra.db import make_engine
 from payments.runtime import build_runtime
 from tests.stack import db_url, target_of, url_via
 from tests.support import TcpProxy, make_settings
