@@ -226,6 +226,9 @@ def _raw_request_line(port: int, line: str) -> bytes:
 @pytest.mark.slow
 def test_gunicorns_warning_about_a_bad_request_line_leaks_nothing(gateway):  # noqa: F811
     """Unauthenticated request lines gunicorn refuses and echoes in its own warning, with generated payloads."""
+    # Only what the gateway logged from here on: it is the worker's, shared with other modules, whose lines may
+    # hold a two-letter "secret" such as Q1 by chance (an id, a signature).
+    start = len(gateway.web.output())
 
     @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(written_cards(), named_secrets(), st.integers(0, 2**32))
@@ -249,7 +252,7 @@ def test_gunicorns_warning_about_a_bad_request_line_leaks_nothing(gateway):  # n
     secrets: list[str] = []
     one()
     gateway.assert_responsive()
-    assert leaks(gateway.web.output(), cards, secrets) == [], "on a line of its own"
+    assert leaks(gateway.web.output()[start:], cards, secrets) == [], "on a line of its own"
 
 
 def _ops_login(gateway, name: str, token: str) -> requests.Response:  # noqa: F811
