@@ -12,7 +12,7 @@ from payments.infra.db import init_db, make_engine
 from payments.infra.schema import payment_callback_log
 from payments.states import CallbackStatus
 from tests.stack import Stack, median_ms, post
-from tests.support import create_payment, sandbox_event, signed, wait_until
+from tests.support import WAIT_SCALE, create_payment, sandbox_event, signed, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,9 @@ def test_embedded_mode_applies_concurrent_callbacks_within_seconds_without_locki
 
         latencies = [max(0.0, applied[e] - acked[e]) for e in acked]
         assert median_ms(latencies) < 2000, f"median ack->applied {median_ms(latencies):.0f} ms"
-        assert max(latencies) < 5, f"slowest ack->applied {max(latencies):.1f} s"
+        # The median is the claim (applied within seconds); the slowest is a hang detector, scaled as every wait
+        # is (PAYSYNC_TEST_WAIT_SCALE): beside a loaded suite one callback in 60 took 5.4 s, with nothing wrong.
+        assert max(latencies) < 5 * WAIT_SCALE, f"slowest ack->applied {max(latencies):.1f} s"
         assert consumer.popen.poll() is None, "the consumer must stay up without a broker"
         assert compensator.popen.poll() is None
         engine.dispose()
