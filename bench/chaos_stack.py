@@ -118,6 +118,12 @@ class PrivateMariaDB:
                 capture_output=True,
                 timeout=120,
             )
+        # A tmpdir of its own: at every start mariadbd deletes the #sql* files it finds in its tmpdir
+        # (mysql_rm_tmp_tables), and with the default /tmp those were the live temporary tables of the machine's
+        # own MariaDB. The restart after the chaos run's SIGKILL broke a make test worker's connection that way
+        # (error 6, "Error on delete of '/tmp/#sql-temptable-....MAI'", on every test after it).
+        tmpdir = self.base / "tmp"
+        tmpdir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it; closed with the process
         self.popen = subprocess.Popen(
@@ -125,6 +131,7 @@ class PrivateMariaDB:
                 "mariadbd",
                 "--no-defaults",
                 f"--datadir={datadir}",
+                f"--tmpdir={tmpdir}",
                 f"--port={self.port}",
                 "--bind-address=127.0.0.1",
                 f"--socket={self.base / 'mariadbd.sock'}",
