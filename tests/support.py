@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import os
@@ -147,8 +148,6 @@ def _port_block() -> int | None:
     run could take a port the other run had just found free.
     """
     global _block
-    import fcntl
-
     with _port_lock:
         if _block is None:
             _PORT_LOCKS.mkdir(parents=True, exist_ok=True)

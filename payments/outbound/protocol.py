@@ -120,12 +120,6 @@ class Context:
         return self.settings.provider_timeout_seconds + 5.0
 
 
-def query_delay(settings: Settings, attempt: int) -> float:
-    """Seconds before query number ``attempt`` (1-based): ``payments.outbound.query_schedule`` with the settings'
-    figures."""
-    return query_schedule.query_delay(settings, attempt)
-
-
 def admission(ctx: Context, provider: Provider | None, now: datetime | None = None) -> breaker.Gate:
     """The breaker's say on calling ``provider`` now (ALLOW when there is no provider to call).
 
@@ -338,7 +332,7 @@ def assess(
         if report == PaymentStatus.PENDING and not query:
             delay = settings.query_pending_after_seconds
         else:
-            delay = query_delay(settings, attempts + 1)
+            delay = query_schedule.query_delay(settings, attempts + 1)
         values = {"next_query_at": now + timedelta(seconds=delay), "query_attempts": attempts}
         if report == PaymentStatus.UNKNOWN and not provider.capabilities.query_by_merchant_id:
             values["next_query_at"] = None
@@ -415,7 +409,7 @@ def _contradicted(
         update(table)
         .where(table.c.id == current["id"])
         .values(
-            next_query_at=now + timedelta(seconds=query_delay(ctx.settings, attempts + 1)),
+            next_query_at=now + timedelta(seconds=query_schedule.query_delay(ctx.settings, attempts + 1)),
             query_attempts=attempts,
             updated_at=now,
         )
@@ -440,7 +434,7 @@ def hold_for_query(ctx: Context, conn: Connection, current: Mapping[str, Any], c
     """Mark a payment (or refund) whose call's outcome was lost Unknown (if it is not already); schedule its query."""
     kind = kind_of(current)
     table = TARGETS[kind].table
-    delay = query_delay(ctx.settings, current["query_attempts"] + 1)
+    delay = query_schedule.query_delay(ctx.settings, current["query_attempts"] + 1)
     values = {"next_query_at": now + timedelta(seconds=delay)}
     decision = decide(PaymentStatus(current["status"]), PaymentStatus.UNKNOWN)
     if decision.verdict == Verdict.APPLY:
