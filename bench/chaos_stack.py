@@ -103,6 +103,12 @@ class PrivateMariaDB:
     def start(self) -> float:
         """Create the data directory the first time, start mariadbd, create the database; seconds until ready."""
         datadir = self.base / "data"
+        # A tmpdir of its own, for the install's bootstrap server too: at every start mariadbd deletes the #sql*
+        # files it finds in its tmpdir (mysql_rm_tmp_tables), and with the default /tmp those were the live
+        # temporary tables of the machine's own MariaDB. A make test worker lost its connection that way (error 6,
+        # "Error on delete of '/tmp/#sql-temptable-....MAI'", on every test after it).
+        tmpdir = self.base / "tmp"
+        tmpdir.mkdir(parents=True, exist_ok=True)
         if not datadir.exists():
             datadir.mkdir(parents=True)
             subprocess.run(
@@ -110,6 +116,7 @@ class PrivateMariaDB:
                     "mariadb-install-db",
                     "--no-defaults",
                     f"--datadir={datadir}",
+                    f"--tmpdir={tmpdir}",
                     "--user=root",
                     "--auth-root-authentication-method=normal",
                     "--skip-test-db",
@@ -118,12 +125,6 @@ class PrivateMariaDB:
                 capture_output=True,
                 timeout=120,
             )
-        # A tmpdir of its own: at every start mariadbd deletes the #sql* files it finds in its tmpdir
-        # (mysql_rm_tmp_tables), and with the default /tmp those were the live temporary tables of the machine's
-        # own MariaDB. The restart after the chaos run's SIGKILL broke a make test worker's connection that way
-        # (error 6, "Error on delete of '/tmp/#sql-temptable-....MAI'", on every test after it).
-        tmpdir = self.base / "tmp"
-        tmpdir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it; closed with the process
         self.popen = subprocess.Popen(
